@@ -1,0 +1,3 @@
+"""kvroute: KV-cache transfer routing for disaggregated LLM serving."""
+
+__version__ = "0.1.0"
