@@ -1,0 +1,91 @@
+"""Peer compatibility and the full registration check (DESIGN.md "Rejected at the boundary").
+
+Checks run stage by stage across all peers (rank-wide fields, then view matching, then per-view head
+geometry), so a draft-layer mismatch is always reported as such, never as the head-geometry error it
+would otherwise surface as on the draft views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvroute.geometry.errors import GeometryError
+from kvroute.geometry.matching import match_view
+from kvroute.geometry.model import DTYPE_BITS, RankRegistration, View
+from kvroute.geometry.pairs import pair_geometry
+from kvroute.geometry.validate import check_instance, check_self
+
+MatchedPair = tuple[RankRegistration, View, RankRegistration, View]
+
+
+def _rank_fields(reg: RankRegistration) -> list[tuple[str, str, object]]:
+    """(code, field, value) in check order. The layer-count check is kvroute's addition: a peer with
+    another number of target layers is another model, and the layers only one side has would silently
+    stay unwritten."""
+    bits = DTYPE_BITS[reg.attention.dtype]
+    return [
+        ("draft_layers_mismatch", "num_draft_layers", reg.num_draft_layers),
+        ("layer_count_mismatch", "layers_per_stage", reg.num_layers),
+        ("mla_mismatch", "attention.is_mla", reg.attention.is_mla),
+        ("element_size_mismatch", "attention.dtype", f"{reg.attention.dtype} ({bits} bits)"),
+        ("dtype_mismatch", "attention.dtype", reg.attention.dtype),
+        ("head_dim_mismatch", "attention.head_dim", reg.attention.head_dim),
+        ("tokens_per_block_mismatch", "tokens_per_block", reg.tokens_per_block),
+    ]
+
+
+def check_rank_fields(reg: RankRegistration, peer: RankRegistration) -> None:
+    for (code, field, mine), (_, _, theirs) in zip(
+        _rank_fields(reg), _rank_fields(peer), strict=True
+    ):
+        if (
+            code == "element_size_mismatch"
+            and DTYPE_BITS[reg.attention.dtype] == DTYPE_BITS[peer.attention.dtype]
+        ):
+            continue
+        if mine != theirs:
+            raise GeometryError(
+                code,
+                f"{field} differs from {peer.label()}: local={mine}, peer={theirs}",
+                field=field,
+                local=mine,
+                peer=theirs,
+                stage="peer",
+                peer_instance=peer.instance,
+                peer_rank=peer.rank,
+            )
+
+
+def matched_pairs(reg: RankRegistration, peer: RankRegistration) -> list[MatchedPair]:
+    """Every matched view pair, checked in both directions so neither side has a view left unpaired."""
+    pairs: list[MatchedPair] = []
+    for view in reg.views:
+        theirs = match_view(view, reg, peer)
+        if theirs is not None:
+            pairs.append((reg, view, peer, theirs))
+    for theirs in peer.views:
+        match_view(theirs, peer, reg)
+    return pairs
+
+
+def check_peers(reg: RankRegistration, peers: Sequence[RankRegistration]) -> None:
+    ordered = sorted(peers, key=lambda p: (p.instance, p.rank))
+    stages: list[Callable[[RankRegistration], object]] = [
+        lambda peer: check_rank_fields(reg, peer),
+        lambda peer: matched_pairs(reg, peer),
+        lambda peer: [pair_geometry(*pair) for pair in matched_pairs(reg, peer)],
+    ]
+    for stage in stages:
+        for peer in ordered:
+            stage(peer)
+
+
+def check_registration(
+    candidate: RankRegistration,
+    instance_ranks: Sequence[RankRegistration],
+    peer_ranks: Sequence[RankRegistration],
+) -> None:
+    """Everything DESIGN.md checks before a rank is admitted, in its order; raises the first failure."""
+    check_self(candidate)
+    check_instance(candidate, instance_ranks)
+    check_peers(candidate, [peer for peer in peer_ranks if peer.role is not candidate.role])

@@ -1,0 +1,305 @@
+"""Parse and render the API.md registration document.
+
+The HTTP layer validates documents against the OpenAPI schema first; this parser still checks every
+type and range itself, because the geometry library is also used directly (CLI, workers, tests) and a
+malformed document must become a named ``invalid_document`` refusal, never a KeyError or TypeError.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from kvroute.geometry.errors import GeometryError
+from kvroute.geometry.model import (
+    DTYPE_BITS,
+    Attention,
+    Kind,
+    LayerSlot,
+    Owner,
+    Pool,
+    RankRegistration,
+    Role,
+    View,
+)
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+ROLE_NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+MAX_INT = 2**62  # beyond any real byte offset; keeps arithmetic in 64-bit range for databases
+MAX_LAYERS = 4096
+MAX_VIEWS = 256
+MAX_POOLS = 64
+MAX_PARALLEL = 1024
+MAX_ROLES = 16
+
+E = TypeVar("E")
+
+
+def _invalid(field: str, detail: str, value: Any = None) -> GeometryError:
+    return GeometryError(
+        "invalid_document", f"{field}: {detail}", field=field, local=value, stage="schema"
+    )
+
+
+class _Reader:
+    """Reads one JSON object, remembering the path so every error names its field."""
+
+    def __init__(self, obj: Any, path: str) -> None:
+        if not isinstance(obj, Mapping):
+            raise _invalid(path or "document", "must be an object", _short(obj))
+        self.obj = obj
+        self.path = path
+
+    def _field(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def has(self, key: str) -> bool:
+        return self.obj.get(key) is not None
+
+    def int(
+        self, key: str, *, low: int = 0, high: int = MAX_INT, default: int | None = None
+    ) -> int:
+        value = self.obj.get(key)
+        field = self._field(key)
+        if value is None:
+            if default is None:
+                raise _invalid(field, "is required")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _invalid(field, f"must be an integer, got {_short(value)}", _short(value))
+        if not low <= value <= high:
+            raise _invalid(field, f"must be in [{low}, {high}], got {value}", value)
+        return value
+
+    def opt_int(self, key: str, *, low: int = 0, high: int = MAX_INT) -> int | None:
+        return self.int(key, low=low, high=high) if self.has(key) else None
+
+    def bool(self, key: str, *, default: bool | None = None) -> bool:
+        value = self.obj.get(key)
+        if value is None and default is not None:
+            return default
+        if not isinstance(value, bool):
+            raise _invalid(
+                self._field(key), f"must be a boolean, got {_short(value)}", _short(value)
+            )
+        return value
+
+    def str(self, key: str, *, pattern: re.Pattern[str] | None = None, max_len: int = 4096) -> str:
+        value = self.obj.get(key)
+        field = self._field(key)
+        if not isinstance(value, str):
+            raise _invalid(field, f"must be a string, got {_short(value)}", _short(value))
+        if len(value) > max_len or (pattern is not None and not pattern.match(value)):
+            raise _invalid(field, f"is not a valid value: {_short(value)}", _short(value))
+        return value
+
+    def opt_str(self, key: str, **kwargs: Any) -> str | None:
+        return self.str(key, **kwargs) if self.has(key) else None
+
+    def enum(self, key: str, enum: type[E]) -> E:
+        value = self.obj.get(key)
+        try:
+            return enum(value)  # type: ignore[call-arg]
+        except ValueError:
+            allowed = ", ".join(m.value for m in enum)  # type: ignore[attr-defined]
+            raise _invalid(
+                self._field(key), f"must be one of {allowed}; got {_short(value)}", _short(value)
+            ) from None
+
+    def dtype(self, key: str) -> str:
+        value = self.str(key, max_len=32)
+        if value not in DTYPE_BITS:
+            raise _invalid(
+                self._field(key), f"unknown dtype {value!r}; known: {', '.join(DTYPE_BITS)}", value
+            )
+        return value
+
+    def list(self, key: str, *, max_items: int, min_items: int = 0) -> list[Any]:
+        value = self.obj.get(key)
+        field = self._field(key)
+        if not isinstance(value, list):
+            raise _invalid(field, f"must be an array, got {_short(value)}", _short(value))
+        if not min_items <= len(value) <= max_items:
+            raise _invalid(
+                field, f"must have {min_items}..{max_items} items, got {len(value)}", len(value)
+            )
+        return value
+
+    def child(self, key: str) -> _Reader:
+        return _Reader(self.obj.get(key), self._field(key))
+
+    def item(self, key: str, index: int) -> _Reader:
+        return _Reader(self.obj[key][index], f"{self._field(key)}[{index}]")
+
+
+def _short(value: Any) -> Any:
+    text = repr(value)
+    return (
+        value
+        if len(text) <= 80 and isinstance(value, int | float | str | bool | None)
+        else text[:80]
+    )
+
+
+def _parse_pool(r: _Reader) -> Pool:
+    slot_bytes = r.int("slot_bytes", low=1)
+    memory = r.obj.get("memory")
+    if memory is not None and not isinstance(memory, Mapping):
+        raise _invalid(r._field("memory"), "must be an object", _short(memory))
+    return Pool(
+        pool_id=r.int("pool_id", high=MAX_POOLS * 16),
+        slot_bytes=slot_bytes,
+        slot_stride=r.int("slot_stride", low=1, default=slot_bytes),
+        num_slots=r.int("num_slots", low=1, high=2**40),
+        memory=dict(memory) if memory is not None else None,
+    )
+
+
+def _parse_view(r: _Reader) -> View:
+    roles = r.list("roles", min_items=1, max_items=MAX_ROLES)
+    for index, role in enumerate(roles):
+        if not isinstance(role, str) or not ROLE_NAME_PATTERN.match(role):
+            raise _invalid(
+                f"{r._field('roles')}[{index}]", f"is not a role name: {_short(role)}", _short(role)
+            )
+    layers = []
+    for index in range(len(r.list("layers", min_items=1, max_items=MAX_LAYERS))):
+        slot = r.item("layers", index)
+        layers.append(LayerSlot(slot.int("layer", high=MAX_LAYERS * 4), slot.int("offset")))
+    return View(
+        view_id=r.int("view_id", high=MAX_VIEWS * 16),
+        pool_id=r.int("pool_id", high=MAX_POOLS * 16),
+        kind=r.enum("kind", Kind),
+        roles=frozenset(roles),
+        owner=r.enum("owner", Owner),
+        layers=tuple(layers),
+        buffers_per_layer=r.int("buffers_per_layer", low=1, high=64),
+        bytes_per_layer=r.int("bytes_per_layer", low=1),
+        num_kv_heads=r.opt_int("num_kv_heads", low=1, high=4096),
+        total_kv_heads=r.opt_int("total_kv_heads", low=1, high=4096),
+        tokens_per_block=r.opt_int("tokens_per_block", low=1, high=2**20),
+        dtype=r.dtype("dtype") if r.has("dtype") else None,
+    )
+
+
+def _parse_attention(r: _Reader) -> Attention:
+    return Attention(
+        num_kv_heads=r.int("num_kv_heads", high=4096),
+        head_dim=r.int("head_dim", low=1, high=2**16),
+        dtype=r.dtype("dtype"),
+        is_mla=r.bool("is_mla", default=False),
+    )
+
+
+def parse_registration(
+    doc: Mapping[str, Any], *, deployment: str, instance: str, rank: int
+) -> RankRegistration:
+    """Builds a RankRegistration from an API.md document; raises ``invalid_document`` on bad input."""
+    for field, name in (("deployment", deployment), ("instance", instance)):
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise _invalid(field, f"is not a valid name: {_short(name)}", _short(name))
+    r = _Reader(doc, "")
+    pp_size = r.int("pp_size", low=1, high=MAX_PARALLEL)
+    stages = r.list("layers_per_stage", min_items=1, max_items=MAX_PARALLEL)
+    for index, count in enumerate(stages):
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_LAYERS:
+            raise _invalid(
+                f"layers_per_stage[{index}]",
+                f"must be an integer in [0, {MAX_LAYERS}]",
+                _short(count),
+            )
+    return RankRegistration(
+        deployment=deployment,
+        instance=instance,
+        rank=rank,
+        role=r.enum("role", Role),
+        tp_size=r.int("tp_size", low=1, high=MAX_PARALLEL),
+        tp_rank=r.int("tp_rank", high=MAX_PARALLEL),
+        pp_size=pp_size,
+        pp_rank=r.int("pp_rank", high=MAX_PARALLEL),
+        attention_dp=r.bool("attention_dp", default=False),
+        dp_size=r.int("dp_size", low=1, high=MAX_PARALLEL, default=1),
+        dp_rank=r.int("dp_rank", high=MAX_PARALLEL, default=0),
+        cp_size=r.int("cp_size", low=1, high=MAX_PARALLEL, default=1),
+        layers_per_stage=tuple(stages),
+        num_draft_layers=r.int("num_draft_layers", high=MAX_LAYERS, default=0),
+        tokens_per_block=r.int("tokens_per_block", low=1, high=2**20),
+        attention=_parse_attention(r.child("attention")),
+        pools=tuple(
+            _parse_pool(r.item("pools", i))
+            for i in range(len(r.list("pools", min_items=1, max_items=MAX_POOLS)))
+        ),
+        views=tuple(
+            _parse_view(r.item("views", i))
+            for i in range(len(r.list("views", min_items=1, max_items=MAX_VIEWS)))
+        ),
+        lease_seconds=r.int("lease_seconds", low=1, high=86_400, default=30),
+        endpoint=r.opt_str("endpoint", max_len=512),
+        nixl_agent_metadata=r.opt_str("nixl_agent_metadata", max_len=1 << 20),
+    )
+
+
+def render_view(view: View) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "view_id": view.view_id,
+        "pool_id": view.pool_id,
+        "kind": view.kind.value,
+        "roles": sorted(view.roles),
+        "owner": view.owner.value,
+        "buffers_per_layer": view.buffers_per_layer,
+        "bytes_per_layer": view.bytes_per_layer,
+        "layers": [{"layer": s.layer, "offset": s.offset} for s in view.layers],
+    }
+    for key in ("num_kv_heads", "total_kv_heads", "tokens_per_block", "dtype"):
+        if getattr(view, key) is not None:
+            doc[key] = getattr(view, key)
+    return doc
+
+
+def render_pool(pool: Pool) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "pool_id": pool.pool_id,
+        "slot_bytes": pool.slot_bytes,
+        "slot_stride": pool.slot_stride,
+        "num_slots": pool.num_slots,
+    }
+    if pool.memory is not None:
+        doc["memory"] = dict(pool.memory)
+    return doc
+
+
+def render_registration(reg: RankRegistration, *, geometry_only: bool = False) -> dict[str, Any]:
+    """The API.md document; ``geometry_only`` drops what cannot change a plan (lease, memory, endpoints)."""
+    doc: dict[str, Any] = {
+        "role": reg.role.value,
+        "tp_size": reg.tp_size,
+        "tp_rank": reg.tp_rank,
+        "pp_size": reg.pp_size,
+        "pp_rank": reg.pp_rank,
+        "attention_dp": reg.attention_dp,
+        "dp_size": reg.dp_size,
+        "dp_rank": reg.dp_rank,
+        "cp_size": reg.cp_size,
+        "layers_per_stage": list(reg.layers_per_stage),
+        "num_draft_layers": reg.num_draft_layers,
+        "tokens_per_block": reg.tokens_per_block,
+        "attention": {
+            "num_kv_heads": reg.attention.num_kv_heads,
+            "head_dim": reg.attention.head_dim,
+            "dtype": reg.attention.dtype,
+            "is_mla": reg.attention.is_mla,
+        },
+        "pools": [render_pool(pool) for pool in reg.pools],
+        "views": [render_view(view) for view in reg.views],
+    }
+    if geometry_only:
+        for pool in doc["pools"]:
+            pool.pop("memory", None)
+        return doc
+    doc["lease_seconds"] = reg.lease_seconds
+    if reg.endpoint is not None:
+        doc["endpoint"] = reg.endpoint
+    if reg.nixl_agent_metadata is not None:
+        doc["nixl_agent_metadata"] = reg.nixl_agent_metadata
+    return doc

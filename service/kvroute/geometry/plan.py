@@ -1,0 +1,146 @@
+"""Plans are data: who sends which bytes of which view to one receiver rank.
+
+A plan is immutable and JSON-serialisable in the API.md shape, so it can be cached, compared by
+fingerprint, shipped to a worker, rendered as a table or a picture, and executed by any data plane.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvroute.geometry.mappers import Fragment
+
+
+@dataclass(frozen=True, slots=True)
+class ViewTransfer:
+    """One matched view pair as sent by one sender rank."""
+
+    src_view: int
+    dst_view: int
+    src_pool: int
+    dst_pool: int
+    mapper: str
+    duplicate_head_factor: int
+    peer_duplicate_head_factor: int
+    fragments: tuple[Fragment, ...]
+    layers: tuple[int, ...]
+    owner: str
+    roles: tuple[str, ...]
+    total_heads: int
+    src_heads: tuple[int, int]  # global head range the sender holds (under total_heads)
+    dst_heads: tuple[int, int]  # global head range this pair writes on the receiver
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(length for _, _, length in self.fragments)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "src_view": self.src_view,
+            "dst_view": self.dst_view,
+            "src_pool": self.src_pool,
+            "dst_pool": self.dst_pool,
+            "mapper": self.mapper,
+            "duplicate_head_factor": self.duplicate_head_factor,
+            "peer_duplicate_head_factor": self.peer_duplicate_head_factor,
+            "owner": self.owner,
+            "roles": list(self.roles),
+            "layers": list(self.layers),
+            "heads": {
+                "total": self.total_heads,
+                "src": list(self.src_heads),
+                "dst": list(self.dst_heads),
+            },
+            "bytes_per_block": self.bytes_per_block,
+            "descriptors_per_block": len(self.fragments),
+            "fragments": [list(fragment) for fragment in self.fragments],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPlan:
+    """A sender rank the receiver hears from; ``sends`` is false for unelected replicas."""
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    views: tuple[ViewTransfer, ...]
+
+    @property
+    def sends(self) -> bool:
+        return any(view.fragments for view in self.views)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(view.bytes_per_block for view in self.views)
+
+    @property
+    def descriptors_per_block(self) -> int:
+        return sum(len(view.fragments) for view in self.views)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "pp_rank": self.pp_rank,
+            "tp_rank": self.tp_rank,
+            "sends": self.sends,
+            "bytes_per_block": self.bytes_per_block,
+            "descriptors_per_block": self.descriptors_per_block,
+            "views": [view.to_json() for view in self.views],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    deployment: str
+    sender_instance: str
+    sender_ranks: tuple[int, ...]  # every registered sender rank the plan was built from
+    sender_dp_rank: int
+    receiver_instance: str
+    receiver_rank: int
+    peers: tuple[PeerPlan, ...]
+    fingerprint: str
+    fanin_bounce_safe: bool
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def expected_writers(self) -> int:
+        return sum(1 for peer in self.peers if peer.sends)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(peer.bytes_per_block for peer in self.peers)
+
+    @property
+    def fragments_per_block(self) -> int:
+        return sum(peer.descriptors_per_block for peer in self.peers)
+
+    def to_json(
+        self,
+        *,
+        sender_generations: Mapping[int, int] | None = None,
+        receiver_generation: int | None = None,
+    ) -> dict[str, Any]:
+        generations = sender_generations or {}
+        return {
+            "deployment": self.deployment,
+            "sender": {
+                "instance": self.sender_instance,
+                "dp_rank": self.sender_dp_rank,
+                "generations": {str(rank): generations.get(rank) for rank in self.sender_ranks},
+            },
+            "receiver": {
+                "instance": self.receiver_instance,
+                "rank": self.receiver_rank,
+                "generation": receiver_generation,
+            },
+            "fingerprint": self.fingerprint,
+            "expected_writers": self.expected_writers,
+            "fanin_bounce_safe": self.fanin_bounce_safe,
+            "bytes_per_block": self.bytes_per_block,
+            "fragments_per_block": self.fragments_per_block,
+            "warnings": list(self.warnings),
+            "peers": [peer.to_json() for peer in self.peers],
+        }

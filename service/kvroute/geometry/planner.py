@@ -1,0 +1,205 @@
+"""The plan builder: for one sender instance and one receiver rank, who writes which bytes where.
+
+For every receiver view and every layer of it, the sender ranks that overlap the receiver in TP
+position and hold that layer in the matching view are grouped by the heads they hold; each group
+holds identical bytes, and exactly one of its ranks (elected) writes them (DESIGN.md rule 3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvroute.geometry.bounce import fanin_bounce_safe
+from kvroute.geometry.compat import check_peers
+from kvroute.geometry.document import render_registration
+from kvroute.geometry.errors import GeometryError
+from kvroute.geometry.mappers import coalesce, held_heads, pair_fragments
+from kvroute.geometry.matching import match_view
+from kvroute.geometry.model import RankRegistration, Role, View
+from kvroute.geometry.pairs import PairGeometry, duplication, pair_geometry
+from kvroute.geometry.plan import PeerPlan, Plan, ViewTransfer
+from kvroute.geometry.topology import candidate_senders, elect
+
+
+@dataclass
+class _Source:
+    """One candidate sender rank's side of one receiver view."""
+
+    sender: RankRegistration
+    view: View
+    geometry: PairGeometry
+    assigned: list[int] = field(default_factory=list)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        if self.geometry.mapper == "replicated":
+            return (0, 1)
+        return held_heads(self.sender, self.geometry.total_heads)
+
+
+def build_plan(
+    senders: Sequence[RankRegistration], receiver: RankRegistration, *, sender_dp_rank: int = 0
+) -> Plan:
+    """Plans the transfer from the ``senders`` (all ranks of one context instance) to ``receiver``."""
+    _check_roles(senders, receiver)
+    check_peers(receiver, senders)
+    candidates = candidate_senders(senders, receiver, sender_dp_rank)
+    transfers: dict[int, list[ViewTransfer]] = defaultdict(list)
+    heard: set[int] = set()
+    warnings: list[str] = []
+    for view in sorted(receiver.views, key=lambda v: v.view_id):
+        sources = _sources(view, candidates, receiver)
+        _assign_layers(view, sources, receiver)
+        for source in sources:
+            heard.add(source.sender.rank)
+            if source.assigned:
+                transfer = _transfer(source, view, receiver)
+                transfers[source.sender.rank].append(transfer)
+                warnings.extend(_warnings(source, transfer))
+    by_rank = {s.rank: s for s in senders}
+    peers = tuple(
+        PeerPlan(rank, by_rank[rank].pp_rank, by_rank[rank].tp_rank, tuple(transfers.get(rank, ())))
+        for rank in sorted(heard)
+    )
+    writers = [peer.bytes_per_block for peer in peers if peer.sends]
+    return Plan(
+        deployment=receiver.deployment,
+        sender_instance=senders[0].instance,
+        sender_ranks=tuple(sorted(by_rank)),
+        sender_dp_rank=sender_dp_rank,
+        receiver_instance=receiver.instance,
+        receiver_rank=receiver.rank,
+        peers=peers,
+        fingerprint=plan_fingerprint(senders, receiver, sender_dp_rank),
+        fanin_bounce_safe=fanin_bounce_safe(
+            pp_stages=len({peer.pp_rank for peer in peers}),
+            view_pairs=[
+                (v.mapper, v.duplicate_head_factor, v.peer_duplicate_head_factor)
+                for peer in peers
+                for v in peer.views
+            ],
+            writer_bytes=writers,
+        ),
+        warnings=tuple(dict.fromkeys(warnings)),
+    )
+
+
+def _check_roles(senders: Sequence[RankRegistration], receiver: RankRegistration) -> None:
+    if not senders:
+        raise GeometryError(
+            "no_sender_ranks", "the sender instance has no live ranks", field="sender", stage="plan"
+        )
+    problems = [
+        ("sender.role", senders[0].role.value, Role.CONTEXT.value),
+        ("receiver.role", receiver.role.value, Role.GENERATION.value),
+        ("sender.deployment", senders[0].deployment, receiver.deployment),
+    ]
+    if len({(s.instance, s.deployment) for s in senders}) != 1:
+        problems.append(
+            ("sender.instance", sorted({s.instance for s in senders}), senders[0].instance)
+        )
+    for field_name, got, wanted in problems:
+        if got != wanted:
+            raise GeometryError(
+                "plan_roles_invalid",
+                f"{field_name} is {got}; a plan moves one context instance's cache to a generation rank "
+                f"({field_name} must be {wanted})",
+                field=field_name,
+                local=got,
+                peer=wanted,
+                stage="plan",
+            )
+
+
+def _sources(
+    view: View, candidates: Sequence[RankRegistration], receiver: RankRegistration
+) -> list[_Source]:
+    sources = []
+    for sender in candidates:
+        theirs = match_view(view, receiver, sender)
+        if theirs is not None:
+            sources.append(_Source(sender, theirs, pair_geometry(sender, theirs, receiver, view)))
+    return sources
+
+
+def _assign_layers(view: View, sources: Sequence[_Source], receiver: RankRegistration) -> None:
+    """Elects exactly one writer per (layer, head group) among the ranks holding identical bytes."""
+    r_heads = (0, 1)
+    for layer in sorted(view.layer_ids):
+        groups: dict[tuple[int, int], list[_Source]] = defaultdict(list)
+        for source in sources:
+            if layer in source.view.layer_ids:
+                groups[source.heads].append(source)
+        for heads, group in groups.items():
+            if group[0].geometry.slices_heads or group[0].geometry.mapper == "intact":
+                r_heads = held_heads(receiver, group[0].geometry.total_heads)
+                if heads[1] <= r_heads[0] or heads[0] >= r_heads[1]:
+                    continue
+            winner = elect([source.sender for source in group], receiver)
+            next(s for s in group if s.sender is winner).assigned.append(layer)
+
+
+def _transfer(source: _Source, view: View, receiver: RankRegistration) -> ViewTransfer:
+    sender, theirs, geometry = source.sender, source.view, source.geometry
+    fragments = coalesce(pair_fragments(sender, theirs, receiver, view, geometry, source.assigned))
+    dup, peer_dup = duplication(
+        geometry.local_heads, sender.tp_per_dp, geometry.peer_heads, receiver.tp_per_dp
+    )
+    if geometry.mapper == "replicated":
+        src_heads = dst_heads = (0, 1)
+    else:
+        src_heads = held_heads(sender, geometry.total_heads)
+        r_heads = held_heads(receiver, geometry.total_heads)
+        dst_heads = (max(src_heads[0], r_heads[0]), min(src_heads[1], r_heads[1]))
+    return ViewTransfer(
+        src_view=theirs.view_id,
+        dst_view=view.view_id,
+        src_pool=theirs.pool_id,
+        dst_pool=view.pool_id,
+        mapper=geometry.mapper,
+        duplicate_head_factor=dup,
+        peer_duplicate_head_factor=peer_dup,
+        fragments=tuple(fragments),
+        layers=tuple(source.assigned),
+        owner=view.owner.value,
+        roles=tuple(sorted(view.roles)),
+        total_heads=geometry.total_heads,
+        src_heads=src_heads,
+        dst_heads=dst_heads,
+    )
+
+
+def _warnings(source: _Source, transfer: ViewTransfer) -> list[str]:
+    if transfer.mapper != "nhd":
+        return []
+    per_token = len(transfer.fragments) // max(1, source.geometry.tokens)
+    return [
+        f"NHD head mismatch on view {transfer.dst_view} (local_kv_heads={source.geometry.peer_heads}, "
+        f"peer_kv_heads={source.geometry.local_heads}): one descriptor per token, "
+        f"{len(transfer.fragments)} per block from rank {source.sender.rank} "
+        f"(~{per_token} per transferred token); prefer HND layouts for heterogeneous TP"
+    ]
+
+
+def plan_fingerprint(
+    senders: Sequence[RankRegistration], receiver: RankRegistration, sender_dp_rank: int
+) -> str:
+    """sha256 over the geometry of every input rank: equal fingerprints mean equal plans."""
+    inputs = {
+        "senders": [
+            {"instance": s.instance, "rank": s.rank, **render_registration(s, geometry_only=True)}
+            for s in sorted(senders, key=lambda s: s.rank)
+        ],
+        "receiver": {
+            "instance": receiver.instance,
+            "rank": receiver.rank,
+            **render_registration(receiver, geometry_only=True),
+        },
+        "sender_dp_rank": sender_dp_rank,
+    }
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode())
+    return "sha256:" + digest.hexdigest()

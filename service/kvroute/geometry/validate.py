@@ -1,0 +1,353 @@
+"""Self-consistency and instance-consistency checks (DESIGN.md "Rejected at the boundary", 2 and 3).
+
+Each function raises the first GeometryError it finds, in the documented order, so the same bad
+document always gets the same answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+
+from kvroute.geometry.errors import GeometryError
+from kvroute.geometry.heads import declared_total_problem
+from kvroute.geometry.model import Kind, Owner, RankRegistration, View
+
+
+def _self_error(
+    code: str, detail: str, field: str, local: object, peer: object = None
+) -> GeometryError:
+    return GeometryError(code, detail, field=field, local=local, peer=peer, stage="self")
+
+
+def check_self(reg: RankRegistration) -> None:
+    """Everything a single document must satisfy on its own."""
+    _check_layout(reg)
+    _check_pools(reg)
+    for index, view in enumerate(reg.views):
+        _check_view(reg, index, view)
+    _check_no_overlap(reg)
+
+
+def _check_layout(reg: RankRegistration) -> None:
+    if reg.cp_size != 1:
+        raise _self_error(
+            "context_parallel_unsupported",
+            f"context parallelism is not supported: cp_size={reg.cp_size}, kvroute needs 1",
+            "cp_size",
+            reg.cp_size,
+            1,
+        )
+    for field, index, size in (
+        ("tp_rank", reg.tp_rank, reg.tp_size),
+        ("pp_rank", reg.pp_rank, reg.pp_size),
+    ):
+        if index >= size:
+            raise _self_error(
+                "rank_out_of_range",
+                f"{field}={index} is not below its size {size}",
+                field,
+                index,
+                size,
+            )
+    if len(reg.layers_per_stage) != reg.pp_size:
+        raise _self_error(
+            "layers_per_stage_length",
+            f"layers_per_stage has {len(reg.layers_per_stage)} entries but pp_size is {reg.pp_size}",
+            "layers_per_stage",
+            len(reg.layers_per_stage),
+            reg.pp_size,
+        )
+    if reg.num_layers == 0:
+        raise _self_error("no_layers", "layers_per_stage sums to 0 layers", "layers_per_stage", 0)
+    _check_attention_dp(reg)
+    if reg.attention.is_mla and reg.attention.num_kv_heads != 1:
+        raise _self_error(
+            "mla_heads",
+            f"an MLA cache holds one latent head per rank, not {reg.attention.num_kv_heads}",
+            "attention.num_kv_heads",
+            reg.attention.num_kv_heads,
+            1,
+        )
+
+
+def _check_attention_dp(reg: RankRegistration) -> None:
+    if not reg.attention_dp:
+        if (reg.dp_size, reg.dp_rank) != (1, 0):
+            raise _self_error(
+                "dp_layout_invalid",
+                f"dp_size={reg.dp_size}, dp_rank={reg.dp_rank} without attention_dp; expected 1 and 0",
+                "dp_size",
+                [reg.dp_size, reg.dp_rank],
+                [1, 0],
+            )
+        return
+    if reg.tp_size % reg.dp_size:
+        raise _self_error(
+            "dp_layout_invalid",
+            f"dp_size={reg.dp_size} does not divide tp_size={reg.tp_size}",
+            "dp_size",
+            reg.dp_size,
+            reg.tp_size,
+        )
+    expected = reg.tp_rank // (reg.tp_size // reg.dp_size)
+    if reg.dp_rank != expected:
+        raise _self_error(
+            "dp_layout_invalid",
+            f"tp_rank {reg.tp_rank} belongs to attention-DP group {expected}, not dp_rank={reg.dp_rank}",
+            "dp_rank",
+            reg.dp_rank,
+            expected,
+        )
+
+
+def _check_pools(reg: RankRegistration) -> None:
+    seen: set[int] = set()
+    for index, pool in enumerate(reg.pools):
+        if pool.pool_id in seen:
+            raise _self_error(
+                "duplicate_pool_id",
+                f"pool_id {pool.pool_id} appears twice",
+                f"pools[{index}].pool_id",
+                pool.pool_id,
+            )
+        seen.add(pool.pool_id)
+        if pool.slot_stride < pool.slot_bytes:
+            raise _self_error(
+                "slot_stride_too_small",
+                f"pool {pool.pool_id}: slot_stride {pool.slot_stride} is below slot_bytes {pool.slot_bytes}",
+                f"pools[{index}].slot_stride",
+                pool.slot_stride,
+                pool.slot_bytes,
+            )
+    view_ids = [view.view_id for view in reg.views]
+    if len(set(view_ids)) != len(view_ids):
+        dup = next(v for v in view_ids if view_ids.count(v) > 1)
+        raise _self_error("duplicate_view_id", f"view_id {dup} appears twice", "views", dup)
+
+
+def _check_view(reg: RankRegistration, index: int, view: View) -> None:
+    field = f"views[{index}]"
+    pool = reg.pools_by_id.get(view.pool_id)
+    if pool is None:
+        raise _self_error(
+            "unknown_pool",
+            f"{view.label()} names pool {view.pool_id}, which is not registered",
+            f"{field}.pool_id",
+            view.pool_id,
+        )
+    _check_view_layers(reg, field, view)
+    for slot in view.layers:
+        if slot.offset + view.bytes_per_layer > pool.slot_bytes:
+            raise _self_error(
+                "view_outside_slot",
+                f"{view.label()} layer {slot.layer} ends at byte {slot.offset + view.bytes_per_layer}, "
+                f"past the {pool.slot_bytes}-byte slot of pool {pool.pool_id}",
+                f"{field}.layers",
+                slot.offset + view.bytes_per_layer,
+                pool.slot_bytes,
+            )
+    if view.kind.sharded:
+        _check_view_heads(reg, field, view)
+    elif view.bytes_per_layer % view.buffers_per_layer:
+        raise _self_error(
+            "bytes_per_layer_not_divisible",
+            f"{view.label()}: bytes_per_layer {view.bytes_per_layer} is not divisible by "
+            f"buffers_per_layer {view.buffers_per_layer}",
+            f"{field}.bytes_per_layer",
+            view.bytes_per_layer,
+            view.buffers_per_layer,
+        )
+
+
+def _check_view_layers(reg: RankRegistration, field: str, view: View) -> None:
+    if len(view.layer_ids) != len(view.layers):
+        dup = next(
+            s.layer for s in view.layers if [t.layer for t in view.layers].count(s.layer) > 1
+        )
+        raise _self_error(
+            "duplicate_layer", f"{view.label()} lists layer {dup} twice", f"{field}.layers", dup
+        )
+    if view.owner is Owner.DRAFT:
+        bad = sorted(layer for layer in view.layer_ids if layer >= reg.num_draft_layers)
+        if bad:
+            raise _self_error(
+                "draft_layer_out_of_range",
+                f"{view.label()} holds draft layers {bad}, but num_draft_layers is {reg.num_draft_layers}",
+                f"{field}.layers",
+                bad,
+                reg.num_draft_layers,
+            )
+        return
+    stage = reg.stage_range
+    bad = sorted(layer for layer in view.layer_ids if layer not in stage)
+    if bad:
+        raise _self_error(
+            "layer_outside_stage",
+            f"{view.label()} holds layers {bad}, outside PP stage {reg.pp_rank}'s layers "
+            f"[{stage.start}, {stage.stop})",
+            f"{field}.layers",
+            bad,
+            [stage.start, stage.stop],
+        )
+
+
+def _check_view_heads(reg: RankRegistration, field: str, view: View) -> None:
+    heads = reg.heads(view)
+    heads_field = (
+        f"{field}.num_kv_heads" if view.num_kv_heads is not None else "attention.num_kv_heads"
+    )
+    if heads < 1:
+        raise _self_error(
+            "view_heads_missing",
+            f"{view.label()} is sharded by heads but its rank holds {heads} KV heads",
+            heads_field,
+            heads,
+        )
+    if reg.attention.is_mla and heads != 1:
+        raise _self_error(
+            "mla_heads",
+            f"MLA {view.label()} holds {heads} heads per rank, not 1",
+            heads_field,
+            heads,
+            1,
+        )
+    if view.total_kv_heads is not None:
+        problem = declared_total_problem(heads, view.total_kv_heads, reg.tp_per_dp)
+        if problem:
+            code = "tp_heads_not_divisible" if "divide" in problem else "head_count_inconsistent"
+            raise _self_error(
+                code,
+                f"{view.label()}: {problem}",
+                f"{field}.total_kv_heads",
+                view.total_kv_heads,
+                reg.tp_per_dp,
+            )
+    tokens = reg.tokens(view) if view.kind is Kind.NHD else 1
+    unit = view.buffers_per_layer * tokens * heads
+    if view.bytes_per_layer % unit:
+        what = "buffers x tokens x heads" if view.kind is Kind.NHD else "buffers x heads"
+        raise _self_error(
+            "bytes_per_layer_not_divisible",
+            f"{view.label()}: bytes_per_layer {view.bytes_per_layer} is not divisible by {what} = {unit}",
+            f"{field}.bytes_per_layer",
+            view.bytes_per_layer,
+            unit,
+        )
+
+
+def _check_no_overlap(reg: RankRegistration) -> None:
+    regions = sorted(
+        (view.pool_id, slot.offset, slot.offset + view.bytes_per_layer, view.view_id, slot.layer)
+        for view in reg.views
+        for slot in view.layers
+    )
+    for before, after in itertools.pairwise(regions):
+        if before[0] == after[0] and after[1] < before[2]:
+            raise _self_error(
+                "views_overlap",
+                f"pool {before[0]}: view {before[3]} layer {before[4]} [{before[1]}, {before[2]}) overlaps "
+                f"view {after[3]} layer {after[4]} starting at {after[1]}",
+                "views",
+                [before[3], before[4]],
+                [after[3], after[4]],
+            )
+
+
+# Fields every rank of an instance must agree on, in the order they are compared.
+_INSTANCE_FIELDS: tuple[str, ...] = (
+    "role",
+    "tp_size",
+    "pp_size",
+    "cp_size",
+    "attention_dp",
+    "dp_size",
+    "layers_per_stage",
+    "tokens_per_block",
+    "num_draft_layers",
+)
+_ATTENTION_FIELDS: tuple[str, ...] = ("num_kv_heads", "head_dim", "dtype", "is_mla")
+
+
+def check_instance(reg: RankRegistration, others: Iterable[RankRegistration]) -> None:
+    """The rank agrees with its instance's layout (fixed by its first rank) and its rank number."""
+    expected_rank = reg.pp_rank * reg.tp_size + reg.tp_rank
+    if reg.rank != expected_rank:
+        raise GeometryError(
+            "rank_mismatch",
+            f"rank {reg.rank} must be pp_rank * tp_size + tp_rank = {expected_rank}",
+            field="rank",
+            local=reg.rank,
+            peer=expected_rank,
+            stage="instance",
+        )
+    for other in sorted(others, key=lambda o: o.rank):
+        if other.rank != reg.rank:
+            _compare_instance_ranks(reg, other)
+
+
+def _compare_instance_ranks(reg: RankRegistration, other: RankRegistration) -> None:
+    pairs = [(f, getattr(reg, f), getattr(other, f)) for f in _INSTANCE_FIELDS]
+    pairs += [
+        (f"attention.{f}", getattr(reg.attention, f), getattr(other.attention, f))
+        for f in _ATTENTION_FIELDS
+    ]
+    for field, mine, theirs in pairs:
+        if mine != theirs:
+            mine, theirs = _jsonable(mine), _jsonable(theirs)
+            raise GeometryError(
+                "instance_layout_mismatch",
+                f"{field}={mine} disagrees with {other.label()} of the same instance ({field}={theirs})",
+                field=field,
+                local=mine,
+                peer=theirs,
+                stage="instance",
+                peer_instance=other.instance,
+                peer_rank=other.rank,
+            )
+    _compare_instance_views(reg, other)
+
+
+def _compare_instance_views(reg: RankRegistration, other: RankRegistration) -> None:
+    """Views of one role class that share layers must have one geometry on every rank of the instance."""
+    for index, view in enumerate(reg.views):
+        for theirs in other.views:
+            if (
+                theirs.owner is not view.owner
+                or theirs.roles != view.roles
+                or not view.layer_ids & theirs.layer_ids
+            ):
+                continue
+            for field, a, b in _view_signature(reg, view, other, theirs):
+                if a != b:
+                    raise GeometryError(
+                        "instance_view_mismatch",
+                        f"{view.label()} has {field}={a}, but {other.label()} registers {field}={b} "
+                        f"for the same layers",
+                        field=f"views[{index}].{field}",
+                        local=_jsonable(a),
+                        peer=_jsonable(b),
+                        stage="instance",
+                        peer_instance=other.instance,
+                        peer_rank=other.rank,
+                    )
+
+
+def _view_signature(
+    reg: RankRegistration, view: View, other: RankRegistration, theirs: View
+) -> Sequence[tuple[str, object, object]]:
+    return (
+        ("kind", view.kind.value, theirs.kind.value),
+        ("num_kv_heads", reg.heads(view), other.heads(theirs)),
+        ("buffers_per_layer", view.buffers_per_layer, theirs.buffers_per_layer),
+        ("bytes_per_layer", view.bytes_per_layer, theirs.bytes_per_layer),
+        (
+            "total_kv_heads",
+            view.total_kv_heads or theirs.total_kv_heads,
+            theirs.total_kv_heads or view.total_kv_heads,
+        ),
+    )
+
+
+def _jsonable(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
