@@ -1,0 +1,61 @@
+"""The application factory: ``create_app(settings)`` wires middlewares, routes and resources.
+
+Middleware order (outermost first) and why:
+
+1. access: request id and the one log line / latency sample per request, so it must see the
+   final status of everything below it;
+2. error boundary: every exception below becomes problem+json;
+3. drain: refuses mutating requests once shutdown started;
+4. auth: no token, no validation detail;
+5. OpenAPI validation: handlers only ever see requests that match the spec.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from kvroute.api.access import access_middleware
+from kvroute.api.auth import auth_middleware
+from kvroute.api.errors import error_boundary
+from kvroute.api.keys import (
+    Lifecycle,
+    lifecycle_key,
+    metrics_key,
+    settings_key,
+    spec_key,
+    spec_text_key,
+    spec_validator_key,
+)
+from kvroute.api.lifecycle import database_context, drain_middleware, reaper_context, start_draining
+from kvroute.api.metrics import Metrics
+from kvroute.api.routes import add_endpoints
+from kvroute.api.spec import SpecValidator, load_spec, spec_bytes
+from kvroute.api.validation import validation_middleware
+from kvroute.settings import Settings
+
+
+def create_app(settings: Settings) -> web.Application:
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[
+            access_middleware,
+            error_boundary,
+            drain_middleware,
+            auth_middleware,
+            validation_middleware,
+        ],
+    )
+    app[settings_key] = settings
+    app[lifecycle_key] = Lifecycle()
+    backend = "sqlite" if settings.is_sqlite else "postgresql"
+    app[metrics_key] = Metrics.create(database_backend=backend)
+    text = spec_bytes()
+    spec = load_spec(text)
+    app[spec_text_key] = text
+    app[spec_key] = spec
+    app[spec_validator_key] = SpecValidator(spec)
+    add_endpoints(app)
+    app.cleanup_ctx.append(database_context)
+    app.cleanup_ctx.append(reaper_context)
+    app.on_shutdown.append(start_draining)
+    return app

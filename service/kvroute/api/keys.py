@@ -1,0 +1,41 @@
+"""Every typed key of the application and request state, in one place.
+
+aiohttp's ``AppKey``/``RequestKey`` give handlers typed access to shared state; string keys are
+turned into errors in pytest (``NotAppKeyWarning``), so nothing may bypass this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from aiohttp import web
+from openapi_core import OpenAPI
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from kvroute.api.metrics import Metrics
+from kvroute.api.scopes import Scope
+from kvroute.api.spec import SpecValidator, ValidatedRequest
+from kvroute.settings import Settings
+
+
+@dataclass
+class Lifecycle:
+    """Mutable process state that outlives a request: set once shutdown starts."""
+
+    draining: bool = False
+
+
+settings_key = web.AppKey("settings", Settings)
+spec_key = web.AppKey("spec", OpenAPI)
+spec_validator_key = web.AppKey("spec_validator", SpecValidator)
+spec_text_key = web.AppKey("spec_text", bytes)
+metrics_key = web.AppKey("metrics", Metrics)
+lifecycle_key = web.AppKey("lifecycle", Lifecycle)
+route_scopes_key = web.AppKey("route_scopes", dict[tuple[str, str], Scope])
+engine_key = web.AppKey("engine", AsyncEngine)
+sessionmaker_key = web.AppKey("sessionmaker", async_sessionmaker[AsyncSession])
+reaper_key = web.AppKey("reaper", asyncio.Task[None])
+
+request_id_key = web.RequestKey("request_id", str)
+validated_key = web.RequestKey("validated", ValidatedRequest)

@@ -1,0 +1,72 @@
+"""Operational endpoints: liveness, readiness, Prometheus metrics and the spec itself."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+
+from kvroute.api.keys import (
+    lifecycle_key,
+    metrics_key,
+    sessionmaker_key,
+    settings_key,
+    spec_text_key,
+)
+from kvroute.api.registration import utcnow
+from kvroute.store import registry
+
+log = logging.getLogger(__name__)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    # Liveness touches nothing: if the loop answers, restarting the process would not help.
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    app = request.app
+    checks = {
+        "database": await _database_check(request),
+        "draining": "draining for shutdown" if app[lifecycle_key].draining else "ok",
+    }
+    ready = all(result == "ok" for result in checks.values())
+    return web.json_response(
+        {"status": "ready" if ready else "unready", "checks": checks},
+        status=200 if ready else 503,
+    )
+
+
+async def _database_check(request: web.Request) -> str:
+    timeout = request.app[settings_key].readiness_timeout_seconds
+    try:
+        async with asyncio.timeout(timeout), request.app[sessionmaker_key]() as session:
+            await session.execute(text("SELECT 1"))
+    except TimeoutError:
+        return f"no answer within {timeout:g}s"
+    except Exception as exc:  # any failure means "not ready"; the reason is the answer
+        return f"{exc.__class__.__name__}: {exc}".splitlines()[0][:200]
+    return "ok"
+
+
+async def metrics(request: web.Request) -> web.Response:
+    app = request.app
+    gauges = app[metrics_key]
+    try:
+        async with asyncio.timeout(app[settings_key].readiness_timeout_seconds):
+            gauges.live_ranks.set(
+                await registry.count_live_ranks(app[sessionmaker_key], now=utcnow())
+            )
+    except Exception:
+        # A scrape must not fail with the database; the gauge keeps its last value.
+        log.warning("could not refresh kvroute_live_ranks", exc_info=True)
+    return web.Response(
+        body=generate_latest(gauges.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+
+async def openapi_spec(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[spec_text_key], content_type="application/yaml")

@@ -1,0 +1,112 @@
+"""Rank registration handlers: register, read, renew and remove one rank.
+
+Handlers only translate: the validated request becomes a ``RankRegistration`` and a call into
+``kvroute.store.registry``, whose records become JSON. Refusals propagate as
+``GeometryError`` to the error boundary, after being counted here.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+from kvroute.api.keys import metrics_key, sessionmaker_key, settings_key, validated_key
+from kvroute.geometry import GeometryError, RankRegistration
+from kvroute.store import registry
+from kvroute.store.records import RankRecord
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def rank_address(request: web.Request) -> tuple[str, str, int]:
+    path = request[validated_key].path
+    return path["deployment"], path["instance"], path["rank"]
+
+
+async def put_rank(request: web.Request) -> web.Response:
+    deployment, instance, rank = rank_address(request)
+    app = request.app
+    metrics = app[metrics_key]
+    now = utcnow()
+    try:
+        registration = await _parse(request, deployment, instance, rank, now)
+        outcome = await registry.register_rank(
+            app[sessionmaker_key],
+            registration,
+            now=now,
+            rejection_log_size=app[settings_key].rejection_log_size,
+        )
+    except GeometryError as error:
+        metrics.registrations.labels(result="rejected").inc()
+        metrics.rejections.labels(code=error.code).inc()
+        raise
+    metrics.registrations.labels(result="created" if outcome.created else "accepted").inc()
+    return web.json_response(
+        {
+            "generation": outcome.generation,
+            "lease_expires_at": outcome.lease_expires_at.isoformat(),
+        },
+        status=201 if outcome.created else 200,
+    )
+
+
+async def _parse(
+    request: web.Request, deployment: str, instance: str, rank: int, now: datetime
+) -> RankRegistration:
+    """The typed registration; a malformed document is logged as a refusal like any other."""
+    try:
+        return RankRegistration.from_json(
+            request[validated_key].body, deployment=deployment, instance=instance, rank=rank
+        )
+    except GeometryError as error:
+        await registry.record_rejection(
+            request.app[sessionmaker_key],
+            error,
+            deployment=deployment,
+            instance=instance,
+            rank=rank,
+            now=now,
+            keep=request.app[settings_key].rejection_log_size,
+        )
+        raise
+
+
+async def get_rank(request: web.Request) -> web.Response:
+    deployment, instance, rank = rank_address(request)
+    record = await registry.get_rank(
+        request.app[sessionmaker_key], deployment, instance, rank, now=utcnow()
+    )
+    return web.json_response(rank_json(record))
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    deployment, instance, rank = rank_address(request)
+    expires = await registry.heartbeat(
+        request.app[sessionmaker_key], deployment, instance, rank, now=utcnow()
+    )
+    return web.json_response({"lease_expires_at": expires.isoformat()})
+
+
+async def delete_rank(request: web.Request) -> web.Response:
+    deployment, instance, rank = rank_address(request)
+    await registry.delete_rank(request.app[sessionmaker_key], deployment, instance, rank)
+    return web.Response(status=204)
+
+
+def rank_json(record: RankRecord) -> dict[str, Any]:
+    return {
+        "deployment": record.deployment,
+        "instance": record.instance,
+        "rank": record.rank,
+        "role": record.role,
+        "generation": record.generation,
+        "state": record.lease,
+        "lease_seconds": record.lease_seconds,
+        "lease_expires_at": record.lease_expires_at.isoformat(),
+        "registered_at": record.registered_at.isoformat(),
+        "document": record.document,
+    }
