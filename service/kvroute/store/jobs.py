@@ -1,0 +1,152 @@
+"""Persistence of transfer jobs: the durable side of the transfer worker pool.
+
+A job's state only moves forward (queued -> running -> succeeded|failed|cancelled, or straight from
+queued to cancelled/failed). Each transition is one conditional UPDATE, so two actors racing on a
+job (a cancel and a worker picking it up) cannot both win. Jobs in flight when kvroute stopped are
+failed on the next start by :func:`mark_interrupted`, since their worker threads died with it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+
+from sqlalchemy import select, update
+
+from kvroute.store.engine import SessionMaker, reading
+from kvroute.store.errors import InvalidTransition, NotFound
+from kvroute.store.models import JobState, TransferJob
+from kvroute.store.records import TransferJobRecord
+
+INTERRUPTED = "interrupted by kvroute restart"
+
+# The states a job may be in for it to move to the key state.
+_PREDECESSORS: dict[JobState, tuple[JobState, ...]] = {
+    JobState.QUEUED: (),
+    JobState.RUNNING: (JobState.QUEUED,),
+    JobState.SUCCEEDED: (JobState.RUNNING,),
+    JobState.FAILED: (JobState.QUEUED, JobState.RUNNING),
+    JobState.CANCELLED: (JobState.QUEUED, JobState.RUNNING),
+}
+
+
+async def create_job(
+    sessionmaker: SessionMaker,
+    *,
+    deployment: str,
+    sender: str,
+    receiver: str,
+    receiver_ranks: Sequence[int],
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    plan_fingerprint: str,
+    bytes_total: int,
+    fragments: int,
+    now: datetime,
+) -> TransferJobRecord:
+    """Stores a new queued job under a fresh UUID and returns it."""
+    job = TransferJob(
+        id=str(uuid.uuid4()),
+        deployment=deployment,
+        sender=sender,
+        receiver=receiver,
+        receiver_ranks=list(receiver_ranks),
+        src_blocks=list(src_blocks),
+        dst_blocks=list(dst_blocks),
+        state=JobState.QUEUED.value,
+        bytes=bytes_total,
+        fragments=fragments,
+        plan_fingerprint=plan_fingerprint,
+        created_at=now,
+    )
+    async with sessionmaker.begin() as session:
+        session.add(job)
+    return _record(job)
+
+
+async def get_job(sessionmaker: SessionMaker, job_id: str) -> TransferJobRecord:
+    async with reading(sessionmaker) as session:
+        job = await session.get(TransferJob, job_id)
+    if job is None:
+        raise NotFound(f"transfer job {job_id!r} does not exist")
+    return _record(job)
+
+
+async def set_state(
+    sessionmaker: SessionMaker,
+    job_id: str,
+    state: JobState,
+    *,
+    now: datetime,
+    error: str | None = None,
+) -> TransferJobRecord:
+    """Moves a job to ``state``, stamping started_at (running) or finished_at (terminal states).
+
+    Raises ``NotFound`` for an unknown job and ``InvalidTransition`` when the job's current state
+    does not lead to ``state`` (e.g. cancelling a job that already succeeded).
+    """
+    values: dict[str, object] = {"state": state.value, "error": error}
+    if state is JobState.RUNNING:
+        values["started_at"] = now
+    if state.terminal:
+        values["finished_at"] = now
+    allowed = [predecessor.value for predecessor in _PREDECESSORS[state]]
+    async with sessionmaker.begin() as session:
+        result = await session.execute(
+            update(TransferJob)
+            .where(TransferJob.id == job_id, TransferJob.state.in_(allowed))
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
+        job = await session.get(TransferJob, job_id, populate_existing=True)
+    if job is None:
+        raise NotFound(f"transfer job {job_id!r} does not exist")
+    if result.rowcount == 0:
+        raise InvalidTransition(f"transfer job {job_id!r} is {job.state}; it cannot become {state}")
+    return _record(job)
+
+
+async def mark_interrupted(sessionmaker: SessionMaker, *, now: datetime) -> int:
+    """Fails every queued or running job (their workers are gone); returns how many."""
+    async with sessionmaker.begin() as session:
+        result = await session.execute(
+            update(TransferJob)
+            .where(TransferJob.state.in_([JobState.QUEUED.value, JobState.RUNNING.value]))
+            .values(state=JobState.FAILED.value, error=INTERRUPTED, finished_at=now)
+        )
+    return result.rowcount
+
+
+async def list_jobs(
+    sessionmaker: SessionMaker, deployment: str, *, limit: int = 100
+) -> list[TransferJobRecord]:
+    """A deployment's newest jobs, newest first."""
+    async with reading(sessionmaker) as session:
+        jobs = await session.scalars(
+            select(TransferJob)
+            .where(TransferJob.deployment == deployment)
+            .order_by(TransferJob.created_at.desc(), TransferJob.id)
+            .limit(limit)
+        )
+        return [_record(job) for job in jobs]
+
+
+def _record(job: TransferJob) -> TransferJobRecord:
+    return TransferJobRecord(
+        id=job.id,
+        deployment=job.deployment,
+        sender=job.sender,
+        receiver=job.receiver,
+        receiver_ranks=tuple(job.receiver_ranks),
+        src_blocks=tuple(job.src_blocks),
+        dst_blocks=tuple(job.dst_blocks),
+        state=job.state,
+        bytes=job.bytes,
+        fragments=job.fragments,
+        plan_fingerprint=job.plan_fingerprint,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        error=job.error,
+    )

@@ -1,0 +1,258 @@
+"""The relational schema of kvroute's registry, shared by the service code and Alembic.
+
+Ranks keep the registration document as given (the source of truth for geometry checks and plans);
+pools and views are also exploded into their own rows so an admin can ask geometry questions in plain
+SQL ("which ranks hold draft layers with 1 KV head?") without parsing JSON. Keys are the natural
+names (deployment, instance, rank) rather than surrogate ids for the same reason.
+
+Every constraint is named through the MetaData naming convention, so later migrations can drop or
+alter them identically on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_N_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+NAME_LENGTH = 63  # the API's name pattern allows at most 63 characters
+ROLES = ("context", "generation")
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp that is always timezone-aware UTC in Python, on every backend.
+
+    SQLite has no timezone type and hands back naive values; storing naive UTC there and tagging
+    results as UTC keeps lease comparisons in SQL (ISO strings) and in Python consistent.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: kvroute stores timezone-aware UTC only")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None or value.tzinfo is not None:
+            return value
+        return value.replace(tzinfo=UTC)
+
+
+# SQLite only auto-increments a column declared exactly INTEGER PRIMARY KEY.
+AutoId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    quoted = ", ".join(f"'{value}'" for value in values)
+    return f"{column} IN ({quoted})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {  # noqa: RUF012 - SQLAlchemy reads this class attribute as is
+        datetime: UTCDateTime(),
+        dict[str, Any]: JSON(),
+        list[Any]: JSON(),
+        str: String(NAME_LENGTH),
+        int: Integer(),
+    }
+
+
+class Deployment(Base):
+    __tablename__ = "deployments"
+
+    name: Mapped[str] = mapped_column(primary_key=True)
+    created_at: Mapped[datetime]
+    # The latest instant a registration was admitted at. Leases are judged no earlier than this, so
+    # a heartbeat that arrives late cannot revive a rank that was already not a peer for that admission.
+    checked_at: Mapped[datetime]
+
+
+class Instance(Base):
+    __tablename__ = "instances"
+    __table_args__ = (CheckConstraint(_in("role", ROLES), name="role"),)
+
+    deployment: Mapped[str] = mapped_column(
+        ForeignKey("deployments.name", ondelete="CASCADE"), primary_key=True
+    )
+    name: Mapped[str] = mapped_column(primary_key=True)
+    role: Mapped[str] = mapped_column(String(16))
+    tp_size: Mapped[int]
+    pp_size: Mapped[int]
+    attention_dp: Mapped[bool] = mapped_column(Boolean)
+    dp_size: Mapped[int]
+    created_at: Mapped[datetime]
+
+    ranks: Mapped[list[Rank]] = relationship(
+        lazy="raise", passive_deletes=True, back_populates="instance_row"
+    )
+
+
+class Rank(Base):
+    __tablename__ = "ranks"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["deployment", "instance"],
+            ["instances.deployment", "instances.name"],
+            ondelete="CASCADE",
+        ),
+        CheckConstraint(_in("role", ROLES), name="role"),
+        Index(None, "deployment", "role", "lease_expires_at"),
+        Index(None, "lease_expires_at"),
+    )
+
+    deployment: Mapped[str] = mapped_column(primary_key=True)
+    instance: Mapped[str] = mapped_column(primary_key=True)
+    rank: Mapped[int] = mapped_column(primary_key=True)
+    role: Mapped[str] = mapped_column(String(16))
+    generation: Mapped[int] = mapped_column(BigInteger)
+    lease_seconds: Mapped[int]
+    lease_expires_at: Mapped[datetime]
+    registered_at: Mapped[datetime]
+    document: Mapped[dict[str, Any]]
+    canonical_sha256: Mapped[str] = mapped_column(String(64))
+
+    instance_row: Mapped[Instance] = relationship(lazy="raise", back_populates="ranks")
+    pools: Mapped[list[PoolRow]] = relationship(lazy="raise", passive_deletes=True)
+    views: Mapped[list[ViewRow]] = relationship(lazy="raise", passive_deletes=True)
+
+
+_RANK_KEY = ["deployment", "instance", "rank"]
+_RANK_REF = ["ranks.deployment", "ranks.instance", "ranks.rank"]
+
+
+class PoolRow(Base):
+    __tablename__ = "pools"
+    __table_args__ = (ForeignKeyConstraint(_RANK_KEY, _RANK_REF, ondelete="CASCADE"),)
+
+    deployment: Mapped[str] = mapped_column(primary_key=True)
+    instance: Mapped[str] = mapped_column(primary_key=True)
+    rank: Mapped[int] = mapped_column(primary_key=True)
+    pool_id: Mapped[int] = mapped_column(primary_key=True)
+    slot_bytes: Mapped[int] = mapped_column(BigInteger)
+    slot_stride: Mapped[int] = mapped_column(BigInteger)
+    num_slots: Mapped[int] = mapped_column(BigInteger)
+    # none_as_null: a pool without memory is SQL NULL, not the JSON literal null.
+    memory: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+
+
+class ViewRow(Base):
+    __tablename__ = "views"
+    __table_args__ = (ForeignKeyConstraint(_RANK_KEY, _RANK_REF, ondelete="CASCADE"),)
+
+    deployment: Mapped[str] = mapped_column(primary_key=True)
+    instance: Mapped[str] = mapped_column(primary_key=True)
+    rank: Mapped[int] = mapped_column(primary_key=True)
+    view_id: Mapped[int] = mapped_column(primary_key=True)
+    pool_id: Mapped[int]
+    kind: Mapped[str] = mapped_column(String(16))
+    roles: Mapped[list[Any]]
+    owner: Mapped[str] = mapped_column(String(16))
+    num_kv_heads: Mapped[int | None]
+    total_kv_heads: Mapped[int | None]
+    buffers_per_layer: Mapped[int]
+    bytes_per_layer: Mapped[int] = mapped_column(BigInteger)
+    num_layers: Mapped[int]
+    first_layer: Mapped[int | None]
+    last_layer: Mapped[int | None]
+    layers: Mapped[list[Any]]
+
+
+class Generation(Base):
+    """The last generation handed to each rank identity; outlives the rank row on purpose.
+
+    A rank that is deleted (or reaped) and registers again continues from here, so a plan naming
+    an older generation can never be mistaken for a plan of the new registration.
+    """
+
+    __tablename__ = "rank_generations"
+
+    deployment: Mapped[str] = mapped_column(primary_key=True)
+    instance: Mapped[str] = mapped_column(primary_key=True)
+    rank: Mapped[int] = mapped_column(primary_key=True)
+    generation: Mapped[int] = mapped_column(BigInteger)
+
+
+class Rejection(Base):
+    __tablename__ = "rejections"
+    __table_args__ = (Index(None, "at"),)
+
+    id: Mapped[int] = mapped_column(AutoId, primary_key=True, autoincrement=True)
+    at: Mapped[datetime]
+    # Text: a refused document may carry names the schema would never admit into the registry.
+    deployment: Mapped[str] = mapped_column(Text)
+    instance: Mapped[str] = mapped_column(Text)
+    rank: Mapped[int]
+    stage: Mapped[str] = mapped_column(String(16))
+    code: Mapped[str] = mapped_column(String(128))
+    field: Mapped[str] = mapped_column(Text)
+    detail: Mapped[str] = mapped_column(Text)
+    problem: Mapped[dict[str, Any]]
+
+
+class TransferJob(Base):
+    __tablename__ = "transfer_jobs"
+    __table_args__ = (
+        CheckConstraint(_in("state", tuple(JobState)), name="state"),
+        Index(None, "state"),
+        Index(None, "deployment", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    deployment: Mapped[str]
+    sender: Mapped[str]
+    receiver: Mapped[str]
+    receiver_ranks: Mapped[list[Any]]
+    src_blocks: Mapped[list[Any]]
+    dst_blocks: Mapped[list[Any]]
+    state: Mapped[str] = mapped_column(String(16))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    fragments: Mapped[int] = mapped_column(BigInteger)
+    plan_fingerprint: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    error: Mapped[str | None] = mapped_column(Text)

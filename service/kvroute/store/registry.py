@@ -1,0 +1,356 @@
+"""The registration service: every unit of work on the rank registry, one transaction each.
+
+Handlers call these functions with the app's sessionmaker; the functions own their transactions
+and return plain records (``kvroute.store.records``). Two rules make the registry safe to run as
+several kvroute processes over one database:
+
+* Writers of a deployment serialize on a database lock (``ranks.lock_deployment``) before reading
+  the peers they check against, so two incompatible ranks registering at once cannot both pass.
+* Only live ranks are peers, and an expired rank never comes back through a heartbeat: while it was
+  expired an incompatible rank may have been admitted, so it must register again and be checked.
+  Leases are judged no earlier than the deployment's latest admission (``Deployment.checked_at``),
+  so a late heartbeat carrying an older clock reading cannot slip under that rule either.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import ColumnElement, case, delete, func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import InstrumentedAttribute
+
+from kvroute.geometry import GeometryError, RankRegistration, check_registration
+from kvroute.store import ranks as repo
+from kvroute.store.engine import SessionMaker, reading
+from kvroute.store.errors import LeaseExpired, NotFound
+from kvroute.store.models import Deployment, Instance, Rank
+from kvroute.store.records import (
+    DeploymentRecord,
+    DeploymentSummary,
+    InstanceRecord,
+    InstanceSummary,
+    RankRecord,
+    RankSummary,
+    RegisterOutcome,
+    RejectionRecord,
+    lease_state,
+)
+from kvroute.store.rejections import (
+    DEFAULT_LOG_SIZE,
+    insert_rejection,
+    select_rejections,
+    trim_rejections,
+)
+
+
+async def register_rank(
+    sessionmaker: SessionMaker,
+    reg: RankRegistration,
+    *,
+    now: datetime,
+    rejection_log_size: int = DEFAULT_LOG_SIZE,
+) -> RegisterOutcome:
+    """Admits, renews or re-registers a rank, or refuses it without changing any registry row.
+
+    An identical document keeps its generation and only renews the lease; a changed document gets
+    the next generation; a rank without a row is created (a first registration gets generation 1,
+    one registering again after a delete continues its old sequence). A refusal raises the
+    ``GeometryError`` after recording it in the bounded rejection log.
+    """
+    try:
+        async with sessionmaker.begin() as session:
+            return await _admit(session, reg, now)
+    except GeometryError as error:
+        await record_rejection(
+            sessionmaker,
+            error,
+            deployment=reg.deployment,
+            instance=reg.instance,
+            rank=reg.rank,
+            now=now,
+            keep=rejection_log_size,
+        )
+        raise
+
+
+async def _admit(session: AsyncSession, reg: RankRegistration, now: datetime) -> RegisterOutcome:
+    await repo.lock_deployment(session, reg.deployment)
+    deployment = await repo.ensure_deployment(session, reg.deployment, now)
+    at = repo.judged_at(deployment, now)
+    members = await repo.live_registrations(session, reg.deployment, at, instance=reg.instance)
+    peers = await repo.live_registrations(session, reg.deployment, at, role=reg.role.opposite)
+    check_registration(
+        reg, [member for member, _ in members if member.rank != reg.rank], [p for p, _ in peers]
+    )
+    deployment.checked_at = at
+    await repo.upsert_instance(session, reg, now)
+    existing = await session.get(Rank, (reg.deployment, reg.instance, reg.rank))
+    if existing is not None and existing.canonical_sha256 == repo.canonical_digest(reg):
+        existing.lease_expires_at = at + timedelta(seconds=reg.lease_seconds)
+        return RegisterOutcome(existing.generation, existing.lease_expires_at, created=False)
+    generation = await repo.next_generation(session, reg)
+    row = await repo.write_rank(session, reg, generation=generation, at=at, existing=existing)
+    return RegisterOutcome(generation, row.lease_expires_at, created=existing is None)
+
+
+async def record_rejection(
+    sessionmaker: SessionMaker,
+    error: GeometryError,
+    *,
+    deployment: str,
+    instance: str,
+    rank: int,
+    now: datetime,
+    keep: int = DEFAULT_LOG_SIZE,
+) -> None:
+    """Logs a refusal in its own transaction (also for refusals found before ``register_rank``)."""
+    async with sessionmaker.begin() as session:
+        await insert_rejection(
+            session, error, deployment=deployment, instance=instance, rank=rank, at=now
+        )
+        await trim_rejections(session, keep)
+
+
+async def list_rejections(
+    sessionmaker: SessionMaker, limit: int = DEFAULT_LOG_SIZE
+) -> list[RejectionRecord]:
+    """The newest ``limit`` refusals, newest first."""
+    async with reading(sessionmaker) as session:
+        return await select_rejections(session, limit)
+
+
+async def heartbeat(
+    sessionmaker: SessionMaker, deployment: str, instance: str, rank: int, *, now: datetime
+) -> datetime:
+    """Renews a live rank's lease by its ``lease_seconds`` and returns the new expiry.
+
+    Raises ``NotFound`` for an unknown rank and ``LeaseExpired`` (a ``NotFound``) for an expired
+    one, whatever the grace period: the worker must register again (see the module docstring).
+    """
+    async with sessionmaker.begin() as session:
+        await repo.lock_deployment(session, deployment)
+        row = await session.get(Rank, (deployment, instance, rank))
+        owner = await session.get(Deployment, deployment)
+        if row is None or owner is None:
+            raise NotFound(
+                f"rank {rank} of instance {instance!r} in {deployment!r} is not registered"
+            )
+        at = repo.judged_at(owner, now)
+        if row.lease_expires_at <= at:
+            raise LeaseExpired(
+                f"the lease of rank {rank} of instance {instance!r} in {deployment!r} expired at "
+                f"{row.lease_expires_at.isoformat()}; register the rank again"
+            )
+        row.lease_expires_at = at + timedelta(seconds=row.lease_seconds)
+        return row.lease_expires_at
+
+
+async def get_rank(
+    sessionmaker: SessionMaker, deployment: str, instance: str, rank: int, *, now: datetime
+) -> RankRecord:
+    async with reading(sessionmaker) as session:
+        row = await session.get(Rank, (deployment, instance, rank))
+    if row is None:
+        raise NotFound(f"rank {rank} of instance {instance!r} in {deployment!r} is not registered")
+    return RankRecord(
+        deployment=row.deployment,
+        instance=row.instance,
+        rank=row.rank,
+        role=row.role,
+        generation=row.generation,
+        lease_seconds=row.lease_seconds,
+        registered_at=row.registered_at,
+        lease_expires_at=row.lease_expires_at,
+        lease=lease_state(row.lease_expires_at, now),
+        document=row.document,
+    )
+
+
+async def delete_rank(
+    sessionmaker: SessionMaker, deployment: str, instance: str, rank: int
+) -> None:
+    """Removes a rank (its pools and views cascade); an instance left without ranks goes too."""
+    async with sessionmaker.begin() as session:
+        await repo.lock_deployment(session, deployment)
+        result = await session.execute(
+            delete(Rank).where(
+                Rank.deployment == deployment, Rank.instance == instance, Rank.rank == rank
+            )
+        )
+        if result.rowcount == 0:
+            raise NotFound(
+                f"rank {rank} of instance {instance!r} in {deployment!r} is not registered"
+            )
+        await repo.delete_empty_instances(session, deployment)
+
+
+async def delete_instance(sessionmaker: SessionMaker, deployment: str, instance: str) -> None:
+    """Removes an instance with all its ranks, pools and views."""
+    async with sessionmaker.begin() as session:
+        await repo.lock_deployment(session, deployment)
+        result = await session.execute(
+            delete(Instance).where(Instance.deployment == deployment, Instance.name == instance)
+        )
+        if result.rowcount == 0:
+            raise NotFound(f"instance {instance!r} of deployment {deployment!r} does not exist")
+
+
+async def live_ranks(
+    sessionmaker: SessionMaker, deployment: str, instance: str, *, now: datetime
+) -> list[tuple[RankRegistration, int]]:
+    """The instance's live ranks with their generations, ordered by rank (input to plans).
+
+    Raises ``NotFound`` when the instance does not exist; an instance whose ranks all expired
+    answers an empty list.
+    """
+    async with reading(sessionmaker) as session:
+        owner = await session.get(Deployment, deployment)
+        if owner is None or await session.get(Instance, (deployment, instance)) is None:
+            raise NotFound(f"instance {instance!r} of deployment {deployment!r} does not exist")
+        at = repo.judged_at(owner, now)
+        return await repo.live_registrations(session, deployment, at, instance=instance)
+
+
+async def count_live_ranks(sessionmaker: SessionMaker, *, now: datetime) -> int:
+    async with reading(sessionmaker) as session:
+        count = await session.scalar(
+            select(func.count()).select_from(Rank).where(Rank.lease_expires_at > now)
+        )
+    return count or 0
+
+
+async def reap_expired(sessionmaker: SessionMaker, *, now: datetime, grace: timedelta) -> int:
+    """Deletes ranks whose lease ended more than ``grace`` ago; returns how many were deleted.
+
+    One transaction per deployment, under its lock, so reaping never races a registration that
+    is re-creating the same instance.
+    """
+    cutoff = now - grace
+    async with reading(sessionmaker) as session:
+        deployments = list(
+            await session.scalars(
+                select(Rank.deployment).where(Rank.lease_expires_at < cutoff).distinct()
+            )
+        )
+    reaped = 0
+    for deployment in sorted(deployments):
+        async with sessionmaker.begin() as session:
+            await repo.lock_deployment(session, deployment)
+            result = await session.execute(
+                delete(Rank).where(Rank.deployment == deployment, Rank.lease_expires_at < cutoff)
+            )
+            await repo.delete_empty_instances(session, deployment)
+            reaped += result.rowcount
+    return reaped
+
+
+async def list_deployments(sessionmaker: SessionMaker, *, now: datetime) -> list[DeploymentSummary]:
+    """Every deployment with its instance count and live/expired rank counts, by name."""
+    async with reading(sessionmaker) as session:
+        deployments = list(await session.scalars(select(Deployment).order_by(Deployment.name)))
+        instances = await session.execute(
+            select(Instance.deployment, func.count()).group_by(Instance.deployment)
+        )
+        per_deployment = dict(instances.tuples().all())
+        counts = await _rank_counts(session, now, Rank.deployment)
+    return [
+        DeploymentSummary(
+            name=row.name,
+            created_at=row.created_at,
+            instances=per_deployment.get(row.name, 0),
+            live_ranks=counts.get(row.name, (0, 0))[0],
+            expired_ranks=counts.get(row.name, (0, 0))[1],
+        )
+        for row in deployments
+    ]
+
+
+async def get_deployment(
+    sessionmaker: SessionMaker, name: str, *, now: datetime
+) -> DeploymentRecord:
+    """A deployment with a summary (role, layout, rank counts) of each of its instances."""
+    async with reading(sessionmaker) as session:
+        row = await session.get(Deployment, name)
+        if row is None:
+            raise NotFound(f"deployment {name!r} does not exist")
+        instances = await _instance_summaries(session, name, now)
+    return DeploymentRecord(name=row.name, created_at=row.created_at, instances=tuple(instances))
+
+
+async def list_instances(
+    sessionmaker: SessionMaker, deployment: str, *, now: datetime
+) -> list[InstanceSummary]:
+    async with reading(sessionmaker) as session:
+        if await session.get(Deployment, deployment) is None:
+            raise NotFound(f"deployment {deployment!r} does not exist")
+        return await _instance_summaries(session, deployment, now)
+
+
+async def get_instance(
+    sessionmaker: SessionMaker, deployment: str, instance: str, *, now: datetime
+) -> InstanceRecord:
+    """An instance's layout and each of its ranks with generation and lease state."""
+    async with reading(sessionmaker) as session:
+        row = await session.get(Instance, (deployment, instance))
+        if row is None:
+            raise NotFound(f"instance {instance!r} of deployment {deployment!r} does not exist")
+        ranks = list(
+            await session.scalars(
+                select(Rank)
+                .where(Rank.deployment == deployment, Rank.instance == instance)
+                .order_by(Rank.rank)
+            )
+        )
+    summaries = tuple(
+        RankSummary(
+            rank=rank.rank,
+            role=rank.role,
+            generation=rank.generation,
+            registered_at=rank.registered_at,
+            lease_expires_at=rank.lease_expires_at,
+            lease=lease_state(rank.lease_expires_at, now),
+        )
+        for rank in ranks
+    )
+    live = sum(summary.lease == "live" for summary in summaries)
+    return InstanceRecord(
+        summary=_instance_summary(row, live, len(summaries) - live), ranks=summaries
+    )
+
+
+async def _instance_summaries(
+    session: AsyncSession, deployment: str, now: datetime
+) -> list[InstanceSummary]:
+    rows = await session.scalars(
+        select(Instance).where(Instance.deployment == deployment).order_by(Instance.name)
+    )
+    counts = await _rank_counts(session, now, Rank.instance, Rank.deployment == deployment)
+    return [_instance_summary(row, *counts.get(row.name, (0, 0))) for row in rows]
+
+
+def _instance_summary(row: Instance, live: int, expired: int) -> InstanceSummary:
+    return InstanceSummary(
+        deployment=row.deployment,
+        name=row.name,
+        role=row.role,
+        tp_size=row.tp_size,
+        pp_size=row.pp_size,
+        attention_dp=row.attention_dp,
+        dp_size=row.dp_size,
+        created_at=row.created_at,
+        live_ranks=live,
+        expired_ranks=expired,
+    )
+
+
+async def _rank_counts(
+    session: AsyncSession,
+    now: datetime,
+    key: InstrumentedAttribute[str],
+    *where: ColumnElement[bool],
+) -> dict[str, tuple[int, int]]:
+    """(live, expired) rank counts grouped by ``key``."""
+    live = func.sum(case((Rank.lease_expires_at > now, 1), else_=0))
+    rows = await session.execute(select(key, live, func.count()).where(*where).group_by(key))
+    return {name: (int(alive), total - int(alive)) for name, alive, total in rows}

@@ -1,0 +1,71 @@
+"""The bounded log of refused registrations, so admins can see what was turned away and why.
+
+A refusal leaves no trace in the peer tables; this log is the only place it is remembered, and it
+keeps only the newest entries so a misconfigured worker retrying in a loop cannot grow the database.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import delete, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from kvroute.geometry import GeometryError
+from kvroute.store.models import Rejection
+from kvroute.store.records import RejectionRecord
+
+DEFAULT_LOG_SIZE = 1000
+
+
+async def insert_rejection(
+    session: AsyncSession,
+    error: GeometryError,
+    *,
+    deployment: str,
+    instance: str,
+    rank: int,
+    at: datetime,
+) -> None:
+    session.add(
+        Rejection(
+            at=at,
+            deployment=deployment,
+            instance=instance,
+            rank=rank,
+            stage=error.stage,
+            code=error.code,
+            field=error.field,
+            detail=error.detail,
+            problem=error.to_problem(),
+        )
+    )
+    await session.flush()
+
+
+async def trim_rejections(session: AsyncSession, keep: int) -> None:
+    """Deletes all but the ``keep`` newest entries (ids grow with insertion order)."""
+    oldest_kept = (
+        select(Rejection.id).order_by(Rejection.id.desc()).offset(keep - 1).limit(1)
+    ).scalar_subquery()
+    await session.execute(delete(Rejection).where(Rejection.id < oldest_kept))
+
+
+async def select_rejections(session: AsyncSession, limit: int) -> list[RejectionRecord]:
+    """The newest ``limit`` entries, newest first."""
+    rows = await session.scalars(select(Rejection).order_by(Rejection.id.desc()).limit(limit))
+    return [
+        RejectionRecord(
+            id=row.id,
+            at=row.at,
+            deployment=row.deployment,
+            instance=row.instance,
+            rank=row.rank,
+            stage=row.stage,
+            code=row.code,
+            field=row.field,
+            detail=row.detail,
+            problem=row.problem,
+        )
+        for row in rows
+    ]
