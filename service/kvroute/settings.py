@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     log_format: Literal["json", "console"] = "json"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     readiness_timeout_seconds: float = Field(default=2.0, gt=0, le=60)
+    # How long shutdown waits for in-flight requests after readiness flipped to 503.
+    shutdown_timeout_seconds: float = Field(default=30.0, gt=0, le=600)
     transfer_workers: int = Field(default=2, ge=1, le=64)
     transfer_queue_size: int = Field(default=256, ge=1, le=100_000)
 

@@ -76,6 +76,8 @@ def configure_logging(*, log_format: str, level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # Alembic announces each of its plugins at INFO on every migration run.
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
 
 
 def route_label(request: web.Request) -> str:
