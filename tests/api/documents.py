@@ -50,7 +50,8 @@ def rank_document(
             "buffers_per_layer": 2,
             "bytes_per_layer": target_bytes,
             "layers": [
-                {"layer": first + index, "offset": index * target_bytes} for index in range(per_stage)
+                {"layer": first + index, "offset": index * target_bytes}
+                for index in range(per_stage)
             ],
         }
     ]

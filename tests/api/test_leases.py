@@ -1,0 +1,58 @@
+"""Leases: an expired rank is shown as expired, stops being a peer and cannot heartbeat."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.api.conftest import ADMIN, WORKER, rank_path, register
+from tests.api.documents import rank_document
+
+LEASE_WAIT_SECONDS = 5.0
+
+
+async def _wait_until_expired(client, instance: str, rank: int) -> None:
+    async with asyncio.timeout(LEASE_WAIT_SECONDS):
+        while True:
+            state = (await (await client.get(rank_path(instance, rank), headers=ADMIN)).json())[
+                "state"
+            ]
+            if state == "expired":
+                return
+            await asyncio.sleep(0.1)
+
+
+async def test_expired_rank_stops_being_a_peer(client):
+    await register(client, "ctx0", 0, rank_document(head_dim=16, lease_seconds=1))
+    incompatible = rank_document(role="generation", head_dim=32)
+    assert (await register(client, "gen0", 0, incompatible))[0] == 409
+
+    await _wait_until_expired(client, "ctx0", 0)
+    instance = await (
+        await client.get("/v1/deployments/llama/instances/ctx0", headers=ADMIN)
+    ).json()
+    assert (instance["live_ranks"], instance["expired_ranks"]) == (0, 1)
+
+    status, _ = await register(client, "gen0", 0, incompatible)
+    assert status == 201
+
+
+async def test_expired_rank_cannot_heartbeat_and_must_reregister(client):
+    await register(client, "ctx0", 0, rank_document(lease_seconds=1))
+    await _wait_until_expired(client, "ctx0", 0)
+    response = await client.post(rank_path("ctx0", 0) + "/heartbeat", headers=WORKER)
+    assert response.status == 404
+    status, body = await register(client, "ctx0", 0, rank_document(lease_seconds=1))
+    assert status == 200
+    assert body["generation"] == 1
+
+
+async def test_reaper_removes_expired_ranks_after_grace(make_client):
+    client = await make_client(lease_grace_seconds=0, reaper_interval_seconds=0.2)
+    await register(client, "ctx0", 0, rank_document(lease_seconds=1))
+    async with asyncio.timeout(LEASE_WAIT_SECONDS):
+        while True:
+            if (await client.get(rank_path("ctx0", 0), headers=ADMIN)).status == 404:
+                break
+            await asyncio.sleep(0.1)
+    text = await (await client.get("/metrics")).text()
+    assert "kvroute_live_ranks 0.0" in text
