@@ -1,0 +1,255 @@
+"""A synthetic deployment and an independent ground truth for planner tests.
+
+A *world* is one model (view classes with their own head totals, layouts and byte sizes) served by a
+context and a generation instance with their own TP/PP/attention-DP layouts. Every rank's registration
+document is laid out here from first principles, every pool is filled from one logical KV tensor, and
+the expected receiver bytes are computed by the same first principles — never by the planner's code.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvroute.geometry import RankRegistration
+
+
+@dataclass(frozen=True)
+class ViewClass:
+    """One role class of the model: the same on both sides unless a test mutates it."""
+
+    roles: tuple[str, ...]
+    owner: str  # "target" | "draft"
+    kind: str  # "hnd" | "nhd" | "replicated"
+    total_heads: int  # 1 for replicated
+    buffers: int
+    unit: int  # bytes per token-head (sharded) or per token (replicated)
+    dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class Side:
+    role: str
+    tp_size: int
+    layers_per_stage: tuple[int, ...]
+    dp_size: int = 1  # attention DP when > 1
+    attention_dp: bool = False
+    legacy: frozenset[int] = frozenset()  # class indices registered without num_kv_heads
+    declare_totals: bool = True
+    tokens_per_block: int = 4
+    head_dim: int = 8
+    dtype: str = "bfloat16"
+    num_draft_layers: int = 0
+    shared_pool: bool = True
+    seed: int = 0
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.layers_per_stage)
+
+    @property
+    def tp_per_dp(self) -> int:
+        return self.tp_size // self.dp_size if self.attention_dp else self.tp_size
+
+
+def true_heads(total: int, tp: int, q: int) -> list[int]:
+    """Rule 1, written independently of kvroute.geometry.heads."""
+    if tp <= total:
+        return list(range(q * (total // tp), (q + 1) * (total // tp)))
+    return [q * total // tp]
+
+
+@dataclass
+class Layout:
+    doc: dict[str, Any]
+    # (class index, layer) -> (pool_id, offset); pool_id -> (slot_bytes, slot_stride, num_slots)
+    regions: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    pools: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+
+def rank_layers(side: Side, cls: ViewClass, pp_rank: int) -> list[int]:
+    if cls.owner == "draft":
+        # Draft layers sit on the last PP stage, as serving stacks place the MTP/Eagle head.
+        return list(range(side.num_draft_layers)) if pp_rank == side.pp_size - 1 else []
+    start = sum(side.layers_per_stage[:pp_rank])
+    return list(range(start, start + side.layers_per_stage[pp_rank]))
+
+
+def per_rank_heads(cls: ViewClass, side: Side) -> int:
+    return 1 if cls.kind == "replicated" else len(true_heads(cls.total_heads, side.tp_per_dp, 0))
+
+
+def layer_bytes(cls: ViewClass, side: Side) -> int:
+    tokens = side.tokens_per_block
+    return cls.buffers * tokens * cls.unit * per_rank_heads(cls, side)
+
+
+def layout_rank(side: Side, classes: list[ViewClass], rank: int, num_slots: int = 3) -> Layout:
+    """An API.md document for one rank, with layers placed in a shuffled order with gaps."""
+    rng = random.Random(side.seed * 1000 + rank)
+    tp_rank, pp_rank = rank % side.tp_size, rank // side.tp_size
+    regions = [
+        (c, layer) for c, cls in enumerate(classes) for layer in rank_layers(side, cls, pp_rank)
+    ]
+    rng.shuffle(regions)
+    layout = Layout(doc={})
+    cursor: dict[int, int] = {}
+    for c, layer in regions:
+        pool = 0 if side.shared_pool else (1 if classes[c].owner == "draft" else 0)
+        offset = cursor.get(pool, 0) + rng.choice([0, 0, 1, 3])
+        layout.regions[(c, layer)] = (pool, offset)
+        cursor[pool] = offset + layer_bytes(classes[c], side)
+    views = []
+    for c, cls in enumerate(classes):
+        layers = sorted((layer, off) for (cc, layer), (_, off) in layout.regions.items() if cc == c)
+        if not layers:
+            continue
+        pool = layout.regions[(c, layers[0][0])][0]
+        view: dict[str, Any] = {
+            "view_id": c,
+            "pool_id": pool,
+            "kind": cls.kind,
+            "roles": list(cls.roles),
+            "owner": cls.owner,
+            "buffers_per_layer": cls.buffers,
+            "bytes_per_layer": layer_bytes(cls, side),
+            "layers": [{"layer": layer, "offset": off} for layer, off in layers],
+        }
+        if cls.kind != "replicated":
+            if c not in side.legacy:
+                view["num_kv_heads"] = per_rank_heads(cls, side)
+            if side.declare_totals:
+                view["total_kv_heads"] = cls.total_heads
+        if cls.dtype:
+            view["dtype"] = cls.dtype
+        views.append(view)
+    pools = []
+    for pool, end in sorted(cursor.items()):
+        slot_bytes = end + rng.choice([0, 2])
+        stride = slot_bytes + rng.choice([0, 0, 5])
+        layout.pools[pool] = (slot_bytes, stride, num_slots)
+        pools.append(
+            {
+                "pool_id": pool,
+                "slot_bytes": slot_bytes,
+                "slot_stride": stride,
+                "num_slots": num_slots,
+            }
+        )
+    legacy_heads = [per_rank_heads(classes[c], side) for c in side.legacy]
+    attention_heads = legacy_heads[0] if legacy_heads else per_rank_heads(classes[0], side)
+    layout.doc = {
+        "role": side.role,
+        "tp_size": side.tp_size,
+        "tp_rank": tp_rank,
+        "pp_size": side.pp_size,
+        "pp_rank": pp_rank,
+        "attention_dp": side.attention_dp,
+        "dp_size": side.dp_size if side.attention_dp else 1,
+        "dp_rank": tp_rank // side.tp_per_dp if side.attention_dp else 0,
+        "layers_per_stage": list(side.layers_per_stage),
+        "num_draft_layers": side.num_draft_layers,
+        "tokens_per_block": side.tokens_per_block,
+        "attention": {
+            "num_kv_heads": attention_heads,
+            "head_dim": side.head_dim,
+            "dtype": side.dtype,
+            "is_mla": False,
+        },
+        "pools": pools,
+        "views": views,
+        "lease_seconds": 30,
+    }
+    return layout
+
+
+def instance(
+    side: Side, classes: list[ViewClass], name: str
+) -> tuple[list[RankRegistration], list[Layout]]:
+    layouts = [layout_rank(side, classes, r) for r in range(side.tp_size * side.pp_size)]
+    regs = [
+        RankRegistration.from_json(layout.doc, deployment="world", instance=name, rank=r)
+        for r, layout in enumerate(layouts)
+    ]
+    return regs, layouts
+
+
+class Truth:
+    """Byte contents from the logical tensor: every logical byte of every block has a unique id."""
+
+    def __init__(self, classes: list[ViewClass], tokens: int) -> None:
+        self.classes = classes
+        self.tokens = tokens
+
+    def logical_id(
+        self,
+        c: int,
+        block: int,
+        layer: int,
+        buf: int,
+        head: np.ndarray,
+        tok: np.ndarray,
+        k: np.ndarray,
+    ) -> np.ndarray:
+        return ((((((c * 8 + block) * 64 + layer) * 4 + buf) * 64 + head) * 64 + tok) * 64 + k) + 1
+
+    def fill(
+        self, side: Side, layout: Layout, rank: int, blocks: list[int], content: list[int]
+    ) -> dict[int, np.ndarray]:
+        """Pool arrays (one int64 'byte' per element) of a rank holding logical blocks ``content`` at ``blocks``."""
+        arrays = {
+            pool: np.zeros(stride * slots, dtype=np.int64)
+            for pool, (_, stride, slots) in layout.pools.items()
+        }
+        q = (rank % side.tp_size) % side.tp_per_dp
+        for (c, layer), (pool, offset) in layout.regions.items():
+            cls = self.classes[c]
+            stride = layout.pools[pool][1]
+            heads = np.array(
+                [0] if cls.kind == "replicated" else true_heads(cls.total_heads, side.tp_per_dp, q)
+            )
+            h, t, u = len(heads), self.tokens, cls.unit
+            j, tok, k = np.meshgrid(np.arange(h), np.arange(t), np.arange(u), indexing="ij")
+            if cls.kind == "nhd":
+                position = tok * (h * u) + j * u + k
+            else:  # hnd and replicated: head-major (replicated has one pseudo-head)
+                position = j * (t * u) + tok * u + k
+            buf_bytes = h * t * u
+            for block, logical in zip(blocks, content, strict=True):
+                for b in range(cls.buffers):
+                    base = block * stride + offset + b * buf_bytes
+                    arrays[pool][base + position] = self.logical_id(
+                        c, logical, layer, b, heads[j], tok, k
+                    )
+        return arrays
+
+
+def execute(
+    plan_json: dict[str, Any],
+    sender_pools: dict[int, dict[int, np.ndarray]],
+    sender_layouts: dict[int, Layout],
+    receiver_layout: Layout,
+    src_blocks: list[int],
+    dst_blocks: list[int],
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """Runs a plan on numpy arrays; returns the receiver's pools and a per-byte write count."""
+    out = {
+        pool: np.zeros(stride * slots, dtype=np.int64)
+        for pool, (_, stride, slots) in receiver_layout.pools.items()
+    }
+    writes = {pool: np.zeros_like(arr) for pool, arr in out.items()}
+    for peer in plan_json["peers"]:
+        src_layout = sender_layouts[peer["rank"]]
+        for view in peer["views"]:
+            src = sender_pools[peer["rank"]][view["src_pool"]]
+            src_stride = src_layout.pools[view["src_pool"]][1]
+            dst_stride = receiver_layout.pools[view["dst_pool"]][1]
+            for sb, db in zip(src_blocks, dst_blocks, strict=True):
+                for s_off, d_off, length in view["fragments"]:
+                    s0, d0 = sb * src_stride + s_off, db * dst_stride + d_off
+                    out[view["dst_pool"]][d0 : d0 + length] = src[s0 : s0 + length]
+                    writes[view["dst_pool"]][d0 : d0 + length] += 1
+    return out, writes
