@@ -213,10 +213,9 @@ class Truth:
             )
             h, t, u = len(heads), self.tokens, cls.unit
             j, tok, k = np.meshgrid(np.arange(h), np.arange(t), np.arange(u), indexing="ij")
-            if cls.kind == "nhd":
-                position = tok * (h * u) + j * u + k
-            else:  # hnd and replicated: head-major (replicated has one pseudo-head)
-                position = j * (t * u) + tok * u + k
+            # nhd is token-major; hnd and replicated (one pseudo-head) are head-major.
+            token_major = cls.kind == "nhd"
+            position = tok * (h * u) + j * u + k if token_major else j * (t * u) + tok * u + k
             buf_bytes = h * t * u
             for block, logical in zip(blocks, content, strict=True):
                 for b in range(cls.buffers):

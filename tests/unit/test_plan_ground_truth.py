@@ -9,9 +9,11 @@ shards one logical KV tensor by rule 1 written independently of the planner.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,7 +40,7 @@ def splits(draw: st.DrawFn, layers: int, stages: int) -> tuple[int, ...]:
         )
     )
     bounds = [0, *cuts, layers]
-    return tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+    return tuple(b - a for a, b in itertools.pairwise(bounds))
 
 
 @st.composite
@@ -192,13 +194,13 @@ def test_incompatible_pairs_are_refused_with_their_code(world, mutation) -> None
     gen_side, code = expected
     ctx, _ = instance(ctx_side, cls, "ctx")
     gen, _ = instance(gen_side, gen_cls, "gen")
-    try:
+    with pytest.raises(GeometryError) as refused:
         check_registration(gen[0], [], ctx)
-    except GeometryError as error:
-        assert error.code == code, f"{mutation}: expected {code}, got {error.code}: {error.detail}"
-        assert error.stage == "peer" and error.peer_instance == "ctx"
-    else:
-        raise AssertionError(f"{mutation} was admitted; expected {code}")
+    assert refused.value.code == code, (
+        f"{mutation}: got {refused.value.code}: {refused.value.detail}"
+    )
+    assert refused.value.stage == "peer"
+    assert refused.value.peer_instance == "ctx"
 
 
 def _mutate(mutation: str, cls: list[ViewClass], gen_cls: list[ViewClass], ctx: Side, gen: Side):

@@ -232,7 +232,7 @@ def parse_registration(
         ),
         views=tuple(
             _parse_view(r.item("views", i))
-            for i in range(len(r.list("views", min_items=1, max_items=MAX_VIEWS)))
+            for i in range(len(r.list("views", max_items=MAX_VIEWS)))
         ),
         lease_seconds=r.int("lease_seconds", low=1, high=86_400, default=30),
         endpoint=r.opt_str("endpoint", max_len=512),
