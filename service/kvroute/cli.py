@@ -84,11 +84,11 @@ def _db(args: argparse.Namespace) -> int:
     elif args.action == "current":
         print(migrate.current(url) or "none")
     else:
-        migrate.check(url)
         if not migrate.is_current(url):
             raise CommandError(
                 f"the database is not at head {migrate.head()}; run `kvroute db upgrade`"
             )
+        migrate.check(url)
         print(f"ok: at head {migrate.head()}, no drift")
     return 0
 
