@@ -252,7 +252,7 @@ async def list_deployments(sessionmaker: SessionMaker, *, now: datetime) -> list
         instances = await session.execute(
             select(Instance.deployment, func.count()).group_by(Instance.deployment)
         )
-        per_deployment = dict(instances.tuples().all())
+        per_deployment: dict[str, int] = {name: count for name, count in instances}
         counts = await _rank_counts(session, now, Rank.deployment)
     return [
         DeploymentSummary(

@@ -1,0 +1,70 @@
+"""Per-backend engine settings the registry's correctness depends on."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import StatementError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from kvroute.store.engine import SessionMaker, create_engine, reading
+from kvroute.store.models import Deployment
+
+
+async def test_sqlite_connections_enforce_foreign_keys_and_use_wal(sqlite_url: str) -> None:
+    engine = create_engine(sqlite_url)
+    try:
+        async with engine.connect() as connection:
+            pragmas = [
+                await connection.scalar(text(f"PRAGMA {name}"))
+                for name in ("foreign_keys", "journal_mode", "busy_timeout")
+            ]
+    finally:
+        await engine.dispose()
+    assert pragmas == [1, "wal", 30_000]
+
+
+async def test_sqlite_writers_serialize_and_readers_do_not_wait(sqlite_url: str) -> None:
+    first, second = create_engine(sqlite_url), create_engine(sqlite_url)
+    try:
+        async with first.begin() as writer:
+            await writer.execute(text("SELECT 1"))  # BEGIN IMMEDIATE: the write lock is now held
+            async with second.connect() as reader:
+                reader = await reader.execution_options(kvroute_read_only=True)
+                assert await reader.scalar(text("SELECT count(*) FROM deployments")) == 0
+            blocked = asyncio.create_task(_begin_and_count(second))
+            await asyncio.sleep(0.3)
+            assert not blocked.done()  # waits on the busy timeout instead of failing
+        assert await asyncio.wait_for(blocked, timeout=10) == 0
+    finally:
+        await first.dispose()
+        await second.dispose()
+
+
+async def _begin_and_count(engine: AsyncEngine) -> int:
+    async with engine.begin() as connection:
+        return int(await connection.scalar(text("SELECT count(*) FROM deployments")) or 0)
+
+
+async def test_timestamps_come_back_as_aware_utc(
+    sessionmaker: SessionMaker, engine: AsyncEngine
+) -> None:
+    plus_two = datetime(2026, 1, 1, 14, 0, tzinfo=timezone(timedelta(hours=2)))
+    async with sessionmaker.begin() as session:
+        session.add(Deployment(name="d", created_at=plus_two, checked_at=plus_two))
+
+    async with reading(sessionmaker) as session:
+        stored = await session.get(Deployment, "d")
+    assert stored is not None
+    assert stored.created_at == datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    assert stored.created_at.utcoffset() == timedelta(0)
+
+
+async def test_naive_timestamps_are_refused(sessionmaker: SessionMaker) -> None:
+    naive = datetime(2026, 1, 1, 12, 0)
+    with pytest.raises(StatementError, match="naive datetime"):
+        async with sessionmaker.begin() as session:
+            session.add(Deployment(name="d", created_at=naive, checked_at=naive))
