@@ -1,0 +1,58 @@
+"""Errors the data plane raises, one type per HTTP answer the REST layer gives.
+
+The transfer package never imports aiohttp; the error middleware maps these types once:
+``PoolMemoryError`` and ``TransferValidationError`` -> 422, ``QueueFull`` -> 429 with
+``Retry-After``, ``PoolDraining`` -> 503, ``UnknownJob`` -> 404.
+"""
+
+from __future__ import annotations
+
+
+class TransferError(Exception):
+    """Base of every error raised by kvroute.transfer."""
+
+
+class PoolMemoryError(TransferError):
+    """A pool's memory cannot be opened (missing segment, wrong size, no CUDA, bad descriptor)."""
+
+    def __init__(self, pool_id: int | None, backend: str, reason: str) -> None:
+        self.pool_id = pool_id
+        self.backend = backend
+        self.reason = reason
+        super().__init__(f"pool {pool_id} ({backend} memory): {reason}")
+
+
+class TransferValidationError(TransferError, ValueError):
+    """A plan or a job that can never copy correctly; ``field`` names the offending input."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        self.field = field
+        self.detail = detail
+        super().__init__(f"{field}: {detail}")
+
+
+class QueueFull(TransferError):
+    """The worker pool's queue is at capacity; retry after ``retry_after`` seconds."""
+
+    def __init__(self, queue_size: int, retry_after: float) -> None:
+        self.queue_size = queue_size
+        self.retry_after = retry_after
+        super().__init__(f"transfer queue is full ({queue_size} jobs); retry in {retry_after:g} s")
+
+
+class PoolDraining(TransferError):
+    """The worker pool is draining or stopped and accepts no new jobs."""
+
+    def __init__(self) -> None:
+        super().__init__("the transfer worker pool is not accepting jobs (draining or stopped)")
+
+
+class UnknownJob(TransferError, KeyError):
+    """No job with this id is known to the worker pool."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        super().__init__(job_id)
+
+    def __str__(self) -> str:
+        return f"no transfer job {self.job_id!r}"

@@ -1,0 +1,36 @@
+"""A worker process that owns shared-memory pool segments, as a real context/generation rank does.
+
+Runs under multiprocessing "spawn": it creates each segment, fills it with seeded bytes, and unlinks
+its segments when told to stop, so the kvroute side (the test process) only ever attaches.
+"""
+
+from __future__ import annotations
+
+from multiprocessing.queues import Queue
+from multiprocessing.shared_memory import SharedMemory
+
+from tests.transfer.layouts import seeded_bytes
+
+
+def serve(commands: Queue, replies: Queue) -> None:
+    owned: dict[str, SharedMemory] = {}
+    while True:
+        command, *args = commands.get()
+        if command == "create":
+            name, size, seed = args
+            segment = SharedMemory(name=name, create=True, size=size)
+            segment.buf[:size] = seeded_bytes(seed, size).tobytes()
+            owned[name] = segment
+            replies.put(("created", name))
+        elif command == "unlink":
+            (name,) = args
+            segment = owned.pop(name)
+            segment.close()
+            segment.unlink()
+            replies.put(("unlinked", name))
+        elif command == "stop":
+            for segment in owned.values():
+                segment.close()
+                segment.unlink()
+            replies.put(("stopped",))
+            return
