@@ -1,0 +1,106 @@
+"""Two live ``kvroute serve`` processes on one PostgreSQL database admit one of two rivals.
+
+The processes share no memory; only the database lock taken by
+the registry serializes them. Incompatible context and generation instances register at
+the same moment, one through each process: exactly one may be admitted, every round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.api.documents import rank_document
+
+ROUNDS = 5
+STARTUP_SECONDS = 30.0
+REQUEST_SECONDS = 15.0
+
+pytestmark = pytest.mark.postgres
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture
+def servers(postgres_test_url: str, tmp_path: Path) -> Iterator[list[str]]:
+    environment = {
+        key: value for key, value in os.environ.items() if not key.startswith("KVROUTE_")
+    }
+    environment.update(KVROUTE_DATABASE_URL=postgres_test_url, KVROUTE_LOG_LEVEL="WARNING")
+    ports = [_free_port(), _free_port()]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "kvroute", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=tmp_path,
+            env=environment,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for port in ports
+    ]
+    try:
+        yield [f"http://127.0.0.1:{port}" for port in ports]
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+
+
+async def _wait_ready(session: aiohttp.ClientSession, base: str) -> None:
+    async with asyncio.timeout(STARTUP_SECONDS):
+        while True:
+            try:
+                async with session.get(f"{base}/readyz") as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.2)
+
+
+async def _put(session: aiohttp.ClientSession, url: str, document: dict) -> int:
+    async with session.put(url, json=document) as response:
+        return response.status
+
+
+async def test_two_processes_admit_exactly_one_of_two_incompatible_instances(servers):
+    timeout = aiohttp.ClientTimeout(total=REQUEST_SECONDS)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(_wait_ready(session, base) for base in servers))
+        for round_number in range(ROUNDS):
+            deployment = f"race{round_number}"
+            first, second = servers if round_number % 2 == 0 else servers[::-1]
+            statuses = await asyncio.gather(
+                _put(
+                    session,
+                    f"{first}/v1/deployments/{deployment}/instances/ctx0/ranks/0",
+                    rank_document(role="context", head_dim=16),
+                ),
+                _put(
+                    session,
+                    f"{second}/v1/deployments/{deployment}/instances/gen0/ranks/0",
+                    rank_document(role="generation", head_dim=32),
+                ),
+            )
+            assert sorted(statuses) == [201, 409], (deployment, statuses)
+            async with session.get(f"{first}/v1/deployments/{deployment}/instances") as response:
+                instances = (await response.json())["instances"]
+            admitted = "ctx0" if statuses[0] == 201 else "gen0"
+            assert [instance["name"] for instance in instances] == [admitted]
