@@ -47,6 +47,10 @@ class Owners:
         assert self._call(owner, "create", name, size, seed) == ("created", name)
         return name
 
+    def digest(self, owner: str, name: str) -> str:
+        reply = self._call(owner, "digest", name)
+        return str(reply[1])
+
     def unlink(self, owner: str, name: str) -> None:
         assert self._call(owner, "unlink", name) == ("unlinked", name)
 
@@ -170,6 +174,7 @@ class Staged:
     senders: dict[int, np.ndarray]  # seeded contents, regenerated independently of the segments
     receiver_before: np.ndarray
     receiver: PoolMemory
+    receiver_segment: str  # owned by the "gen0" process
 
 
 @pytest.fixture
@@ -193,9 +198,8 @@ def stage(owners: Owners) -> Iterator[object]:
         descriptor = {"backend": "shm", "name": name, "offset": scenario.offset}
         receiver = cache.open_pool(descriptor, scenario.dst_pool)
         before = seeded_bytes(seed + 100, size)[scenario.offset :]
-        return Staged(
-            scenario, TransferLeg(plan, src_pools, {0: receiver}), senders, before, receiver
-        )
+        leg = TransferLeg(plan, src_pools, {0: receiver})
+        return Staged(scenario, leg, senders, before, receiver, name)
 
     yield make
     cache.close()

@@ -1,11 +1,12 @@
 """A worker process that owns shared-memory pool segments, as a real context/generation rank does.
 
 Runs under multiprocessing "spawn": it creates each segment, fills it with seeded bytes, and unlinks
-its segments when told to stop, so the kvroute side (the test process) only ever attaches.
+its segments when told to stop (and reports a segment's digest, to show kvroute's writes reached it), so the kvroute side (the test process) only ever attaches.
 """
 
 from __future__ import annotations
 
+import hashlib
 from multiprocessing.queues import Queue
 from multiprocessing.shared_memory import SharedMemory
 
@@ -22,6 +23,9 @@ def serve(commands: Queue, replies: Queue) -> None:
             segment.buf[:size] = seeded_bytes(seed, size).tobytes()
             owned[name] = segment
             replies.put(("created", name))
+        elif command == "digest":
+            (name,) = args
+            replies.put(("digest", hashlib.sha256(owned[name].buf).hexdigest()))
         elif command == "unlink":
             (name,) = args
             segment = owned.pop(name)

@@ -16,6 +16,7 @@ import re
 import stat
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvroute.geometry import Pool
@@ -36,7 +37,11 @@ class ShmBackend:
         segment = self._segment_name(descriptor, pool)
         offset = descriptor_offset(descriptor, pool, self.name)
         mapping = self._map(segment, offset, pool)
-        tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=pool.size_bytes, offset=offset)
+        # Through numpy, not torch.frombuffer: numpy holds a buffer export for as long as any tensor
+        # view lives, so the mapping can never be closed under a running copy (torch.frombuffer
+        # keeps no export and would leave dangling pointers).
+        array = np.frombuffer(mapping, dtype=np.uint8, count=pool.size_bytes, offset=offset)
+        tensor = torch.from_numpy(array)
 
         def release() -> None:
             try:
