@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 from logging.config import fileConfig
-from typing import Any
+from typing import Any, Literal
 
 from alembic import context
 from alembic.autogenerate.api import AutogenContext
@@ -41,7 +41,7 @@ def database_url() -> str:
     return url
 
 
-def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | bool:
+def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | Literal[False]:
     """Renders kvroute's own column types as their portable implementation.
 
     Migrations must not import application types: a later change to the model code would then

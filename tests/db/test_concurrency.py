@@ -12,7 +12,7 @@ from kvroute.store import registry
 from kvroute.store.engine import SessionMaker, create_engine, make_sessionmaker
 from tests.db.documents import T0, registration
 
-ROUNDS = 12
+ROUNDS = 20
 
 
 @pytest.fixture

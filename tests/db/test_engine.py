@@ -10,7 +10,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import StatementError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from kvroute.store.engine import SessionMaker, create_engine, reading
+from kvroute.store.engine import READ_ONLY, SessionMaker, create_engine, reading
 from kvroute.store.models import Deployment
 
 
@@ -33,7 +33,7 @@ async def test_sqlite_writers_serialize_and_readers_do_not_wait(sqlite_url: str)
         async with first.begin() as writer:
             await writer.execute(text("SELECT 1"))  # BEGIN IMMEDIATE: the write lock is now held
             async with second.connect() as reader:
-                reader = await reader.execution_options(kvroute_read_only=True)
+                reader = await reader.execution_options(**{READ_ONLY: True})
                 assert await reader.scalar(text("SELECT count(*) FROM deployments")) == 0
             blocked = asyncio.create_task(_begin_and_count(second))
             await asyncio.sleep(0.3)

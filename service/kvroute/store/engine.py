@@ -16,16 +16,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import event
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection, CursorResult, make_url
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
     create_async_engine,
 )
+from sqlalchemy.sql import Executable
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # Execution option naming a transaction that will not write (SQLite then begins it deferred).
@@ -57,6 +58,12 @@ async def reading(sessionmaker: SessionMaker) -> AsyncIterator[AsyncSession]:
     async with sessionmaker() as session:
         await session.connection(execution_options={READ_ONLY: True})
         yield session
+
+
+async def affected_rows(session: AsyncSession, statement: Executable) -> int:
+    """Executes an UPDATE or DELETE and returns how many rows it touched."""
+    result = await session.execute(statement)
+    return cast("CursorResult[Any]", result).rowcount
 
 
 def _configure_sqlite(engine: AsyncEngine) -> None:

@@ -14,7 +14,7 @@ from datetime import datetime
 
 from sqlalchemy import select, update
 
-from kvroute.store.engine import SessionMaker, reading
+from kvroute.store.engine import SessionMaker, affected_rows, reading
 from kvroute.store.errors import InvalidTransition, NotFound
 from kvroute.store.models import JobState, TransferJob
 from kvroute.store.records import TransferJobRecord
@@ -93,16 +93,17 @@ async def set_state(
         values["finished_at"] = now
     allowed = [predecessor.value for predecessor in _PREDECESSORS[state]]
     async with sessionmaker.begin() as session:
-        result = await session.execute(
+        moved = await affected_rows(
+            session,
             update(TransferJob)
             .where(TransferJob.id == job_id, TransferJob.state.in_(allowed))
             .values(**values)
-            .execution_options(synchronize_session=False)
+            .execution_options(synchronize_session=False),
         )
         job = await session.get(TransferJob, job_id, populate_existing=True)
     if job is None:
         raise NotFound(f"transfer job {job_id!r} does not exist")
-    if result.rowcount == 0:
+    if moved == 0:
         raise InvalidTransition(f"transfer job {job_id!r} is {job.state}; it cannot become {state}")
     return _record(job)
 
@@ -110,12 +111,12 @@ async def set_state(
 async def mark_interrupted(sessionmaker: SessionMaker, *, now: datetime) -> int:
     """Fails every queued or running job (their workers are gone); returns how many."""
     async with sessionmaker.begin() as session:
-        result = await session.execute(
+        return await affected_rows(
+            session,
             update(TransferJob)
             .where(TransferJob.state.in_([JobState.QUEUED.value, JobState.RUNNING.value]))
-            .values(state=JobState.FAILED.value, error=INTERRUPTED, finished_at=now)
+            .values(state=JobState.FAILED.value, error=INTERRUPTED, finished_at=now),
         )
-    return result.rowcount
 
 
 async def list_jobs(

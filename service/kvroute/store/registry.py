@@ -22,7 +22,7 @@ from sqlalchemy.orm import InstrumentedAttribute
 
 from kvroute.geometry import GeometryError, RankRegistration, check_registration
 from kvroute.store import ranks as repo
-from kvroute.store.engine import SessionMaker, reading
+from kvroute.store.engine import SessionMaker, affected_rows, reading
 from kvroute.store.errors import LeaseExpired, NotFound
 from kvroute.store.models import Deployment, Instance, Rank
 from kvroute.store.records import (
@@ -173,12 +173,13 @@ async def delete_rank(
     """Removes a rank (its pools and views cascade); an instance left without ranks goes too."""
     async with sessionmaker.begin() as session:
         await repo.lock_deployment(session, deployment)
-        result = await session.execute(
+        deleted = await affected_rows(
+            session,
             delete(Rank).where(
                 Rank.deployment == deployment, Rank.instance == instance, Rank.rank == rank
-            )
+            ),
         )
-        if result.rowcount == 0:
+        if deleted == 0:
             raise NotFound(
                 f"rank {rank} of instance {instance!r} in {deployment!r} is not registered"
             )
@@ -189,10 +190,11 @@ async def delete_instance(sessionmaker: SessionMaker, deployment: str, instance:
     """Removes an instance with all its ranks, pools and views."""
     async with sessionmaker.begin() as session:
         await repo.lock_deployment(session, deployment)
-        result = await session.execute(
-            delete(Instance).where(Instance.deployment == deployment, Instance.name == instance)
+        deleted = await affected_rows(
+            session,
+            delete(Instance).where(Instance.deployment == deployment, Instance.name == instance),
         )
-        if result.rowcount == 0:
+        if deleted == 0:
             raise NotFound(f"instance {instance!r} of deployment {deployment!r} does not exist")
 
 
@@ -237,11 +239,11 @@ async def reap_expired(sessionmaker: SessionMaker, *, now: datetime, grace: time
     for deployment in sorted(deployments):
         async with sessionmaker.begin() as session:
             await repo.lock_deployment(session, deployment)
-            result = await session.execute(
-                delete(Rank).where(Rank.deployment == deployment, Rank.lease_expires_at < cutoff)
+            reaped += await affected_rows(
+                session,
+                delete(Rank).where(Rank.deployment == deployment, Rank.lease_expires_at < cutoff),
             )
             await repo.delete_empty_instances(session, deployment)
-            reaped += result.rowcount
     return reaped
 
 
