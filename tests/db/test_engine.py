@@ -7,11 +7,14 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.exc import StatementError
+from sqlalchemy.exc import InvalidRequestError, StatementError
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.orm import selectinload
 
+from kvroute.store import registry
 from kvroute.store.engine import READ_ONLY, SessionMaker, create_engine, reading
-from kvroute.store.models import Deployment
+from kvroute.store.models import Deployment, Rank
+from tests.db.documents import T0, registration
 
 
 async def test_sqlite_connections_enforce_foreign_keys_and_use_wal(sqlite_url: str) -> None:
@@ -68,3 +71,28 @@ async def test_naive_timestamps_are_refused(sessionmaker: SessionMaker) -> None:
     with pytest.raises(StatementError, match="naive datetime"):
         async with sessionmaker.begin() as session:
             session.add(Deployment(name="d", created_at=naive, checked_at=naive))
+
+
+async def test_relationships_never_load_implicitly(sessionmaker: SessionMaker) -> None:
+    await registry.register_rank(
+        sessionmaker,
+        registration("llama", "ctx0", 0, memory={"backend": "local", "name": "p"}),
+        now=T0,
+    )
+    key = ("llama", "ctx0", 0)
+    async with reading(sessionmaker) as session:
+        rank = await session.get(Rank, key)
+        assert rank is not None
+        with pytest.raises(InvalidRequestError, match="lazy='raise'"):
+            _ = rank.pools  # would be hidden I/O under asyncio
+        loaded = await session.get(
+            Rank,
+            key,
+            options=[selectinload(Rank.pools), selectinload(Rank.views)],
+            populate_existing=True,
+        )
+    assert loaded is not None
+    assert [(pool.pool_id, pool.memory) for pool in loaded.pools] == [
+        (0, {"backend": "local", "name": "p"})
+    ]
+    assert [view.num_layers for view in loaded.views] == [4]

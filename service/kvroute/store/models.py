@@ -126,10 +126,6 @@ class Instance(Base):
     dp_size: Mapped[int]
     created_at: Mapped[datetime]
 
-    ranks: Mapped[list[Rank]] = relationship(
-        lazy="raise", passive_deletes=True, back_populates="instance_row"
-    )
-
 
 class Rank(Base):
     __tablename__ = "ranks"
@@ -155,7 +151,8 @@ class Rank(Base):
     document: Mapped[dict[str, Any]]
     canonical_sha256: Mapped[str] = mapped_column(String(64))
 
-    instance_row: Mapped[Instance] = relationship(lazy="raise", back_populates="ranks")
+    # lazy="raise": under asyncio an implicit load would be hidden blocking I/O; load with
+    # selectinload. passive_deletes: the database's ON DELETE CASCADE removes the children.
     pools: Mapped[list[PoolRow]] = relationship(lazy="raise", passive_deletes=True)
     views: Mapped[list[ViewRow]] = relationship(lazy="raise", passive_deletes=True)
 
