@@ -1,0 +1,91 @@
+"""Builds a rank's views from per-layer specs, the way a worker describes its KV pools.
+
+Layers are partitioned into views by (pool, kind, owner, roles, head count and byte geometry), so a
+view is homogeneous by construction: target and draft layers never share a view even inside one pool,
+and layers with different KV-head counts can never land in one view, which is the defect the
+per-view head counts exist to fix. Replicated layers record no head count.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvroute.geometry.errors import GeometryError
+from kvroute.geometry.model import Kind, LayerSlot, Owner, View
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One layer's region of one role class inside a pool slot."""
+
+    layer: int
+    pool_id: int
+    offset: int
+    bytes_per_layer: int
+    kind: Kind = Kind.HND
+    owner: Owner = Owner.TARGET
+    roles: frozenset[str] = frozenset({"key", "value"})
+    num_kv_heads: int | None = None
+    total_kv_heads: int | None = None
+    buffers_per_layer: int = 2
+    tokens_per_block: int | None = None
+    dtype: str | None = None
+
+    def view_key(self) -> tuple[object, ...]:
+        heads = None if self.kind is Kind.REPLICATED else self.num_kv_heads
+        total = None if self.kind is Kind.REPLICATED else self.total_kv_heads
+        return (
+            self.pool_id,
+            self.kind,
+            self.owner,
+            self.roles,
+            heads,
+            total,
+            self.buffers_per_layer,
+            self.bytes_per_layer,
+            self.tokens_per_block,
+            self.dtype,
+        )
+
+
+def build_views(specs: Iterable[LayerSpec], *, first_view_id: int = 0) -> tuple[View, ...]:
+    """Views in canonical order (pool, then smallest offset), layers ordered by offset."""
+    groups: dict[tuple[object, ...], list[LayerSpec]] = defaultdict(list)
+    seen: dict[tuple[Owner, frozenset[str], int], LayerSpec] = {}
+    for spec in specs:
+        identity = (spec.owner, spec.roles, spec.layer)
+        if identity in seen:
+            raise GeometryError(
+                "duplicate_layer",
+                f"{spec.owner} layer {spec.layer} with roles {sorted(spec.roles)} is described twice",
+                field="layers",
+                local=spec.layer,
+                stage="self",
+            )
+        seen[identity] = spec
+        groups[spec.view_key()].append(spec)
+    ordered = sorted(
+        groups.values(), key=lambda group: (group[0].pool_id, min(s.offset for s in group))
+    )
+    return tuple(_view(first_view_id + index, group) for index, group in enumerate(ordered))
+
+
+def _view(view_id: int, group: list[LayerSpec]) -> View:
+    first = group[0]
+    replicated = first.kind is Kind.REPLICATED
+    return View(
+        view_id=view_id,
+        pool_id=first.pool_id,
+        kind=first.kind,
+        roles=first.roles,
+        owner=first.owner,
+        layers=tuple(LayerSlot(s.layer, s.offset) for s in sorted(group, key=lambda s: s.offset)),
+        buffers_per_layer=first.buffers_per_layer,
+        bytes_per_layer=first.bytes_per_layer,
+        num_kv_heads=None if replicated else first.num_kv_heads,
+        total_kv_heads=None if replicated else first.total_kv_heads,
+        tokens_per_block=first.tokens_per_block,
+        dtype=first.dtype,
+    )
