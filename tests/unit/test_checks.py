@@ -27,7 +27,7 @@ def _code(candidate, instance_ranks=(), peers=()) -> GeometryError:
         ({"views": [view(heads=2, total=3)]}, "tp_heads_not_divisible", "views[0].total_kv_heads"),
         ({"views": [view(heads=2, total=8)]}, "head_count_inconsistent", "views[0].total_kv_heads"),
         (
-            {"views": [view(heads=1, total=1)]},
+            {"views": [view(heads=3)]},
             "bytes_per_layer_not_divisible",
             "views[0].bytes_per_layer",
         ),
