@@ -117,7 +117,7 @@ def bench_device(device: torch.device, blocks: int, table: Table, verdicts: list
     dst = cache.open_pool({"backend": "local", "name": "dst"}, Pool(0, dst_slot, dst_slot, slots))
     rng = np.random.default_rng(0)
     engine = CopyEngine()
-    repeats = 5 if device.type == "cuda" else 3
+    repeats = 5
     for case in CASES:
         plan = CopyPlan.from_json({"fingerprint": case.kind, "peers": [
             {"rank": 0, "sends": True, "views": [{"src_view": 0, "dst_view": 0, "src_pool": 0,
