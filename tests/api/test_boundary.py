@@ -95,3 +95,9 @@ async def test_request_id_is_echoed_or_generated(client):
     request_id = generated.headers["X-Request-ID"]
     assert request_id != "bad id with spaces"
     assert (await generated.json(content_type=None))["request_id"] == request_id
+
+
+async def test_undeclared_query_parameter_is_422(client):
+    response = await client.get("/v1/rejections?limt=5", headers=ADMIN)
+    assert response.status == 422
+    assert (await response.json(content_type=None))["field"] == "query.limt"

@@ -50,10 +50,10 @@ def create_app(settings: Settings) -> web.Application:
     backend = "sqlite" if settings.is_sqlite else "postgresql"
     app[metrics_key] = Metrics.create(database_backend=backend)
     text = spec_bytes()
-    spec = load_spec(text)
+    document, spec = load_spec(text)
     app[spec_text_key] = text
     app[spec_key] = spec
-    app[spec_validator_key] = SpecValidator(spec)
+    app[spec_validator_key] = SpecValidator(spec, document)
     add_endpoints(app)
     app.cleanup_ctx.append(database_context)
     app.cleanup_ctx.append(reaper_context)

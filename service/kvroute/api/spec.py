@@ -29,9 +29,10 @@ def spec_bytes() -> bytes:
     return resources.files(package).joinpath(name).read_bytes()
 
 
-def load_spec(text: bytes) -> OpenAPI:
+def load_spec(text: bytes) -> tuple[dict[str, Any], OpenAPI]:
     """Parse and check the document (a broken spec fails at startup, not per request)."""
-    return OpenAPI.from_dict(yaml.safe_load(text))
+    document = yaml.safe_load(text)
+    return document, OpenAPI.from_dict(document)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,14 @@ class ValidatedRequest:
     body: Any
 
 
+class UnknownQueryParameter(Exception):
+    """A query parameter the operation does not declare (a typo would otherwise be ignored)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"query parameter {name!r} is not accepted here")
+        self.name = name
+
+
 class SpecValidator:
     """Parameter and body unmarshallers for one spec, built once per app.
 
@@ -50,13 +59,21 @@ class SpecValidator:
     and is off on a loopback-only server.
     """
 
-    def __init__(self, spec: OpenAPI) -> None:
+    def __init__(self, spec: OpenAPI, document: Mapping[str, Any]) -> None:
         self._parameters = V31RequestParametersUnmarshaller(spec.spec)
         self._body = V31RequestBodyUnmarshaller(spec.spec)
+        self._query_names = declared_query_parameters(document)
 
     def unmarshal(
         self, request: web.Request, body: bytes | None
     ) -> tuple[Sequence[Exception], ValidatedRequest]:
+        resource = request.match_info.route.resource
+        allowed = self._query_names.get(
+            (request.method, resource.canonical if resource else ""), frozenset()
+        )
+        unknown = sorted(set(request.query) - allowed)
+        if unknown:
+            return [UnknownQueryParameter(unknown[0])], ValidatedRequest({}, {}, None)
         adapted = AIOHTTPOpenAPIWebRequest(request, body=body)
         parameters = self._parameters.unmarshal(adapted)
         if parameters.errors:
@@ -79,3 +96,27 @@ def spec_operations(spec: Mapping[str, Any]) -> set[tuple[str, str]]:
         for method in item
         if method in methods
     }
+
+
+def declared_query_parameters(spec: Mapping[str, Any]) -> dict[tuple[str, str], frozenset[str]]:
+    """(METHOD, path template) -> names of the query parameters the operation declares."""
+    declared = {}
+    for method, path in spec_operations(spec):
+        item = spec["paths"][path]
+        parameters = [*item.get("parameters", []), *item[method.lower()].get("parameters", [])]
+        declared[(method, path)] = frozenset(
+            _resolve(spec, parameter)["name"]
+            for parameter in parameters
+            if _resolve(spec, parameter)["in"] == "query"
+        )
+    return declared
+
+
+def _resolve(spec: Mapping[str, Any], node: Mapping[str, Any]) -> Mapping[str, Any]:
+    reference = node.get("$ref")
+    if reference is None:
+        return node
+    target: Any = spec
+    for part in reference.removeprefix("#/").split("/"):
+        target = target[part]
+    return _resolve(spec, target)

@@ -28,6 +28,7 @@ from openapi_core.validation.schemas.exceptions import InvalidSchemaValue
 
 from kvroute.api.keys import spec_validator_key, validated_key
 from kvroute.api.problems import Problem, ProblemError
+from kvroute.api.spec import UnknownQueryParameter
 
 # Probes and scrapes must answer even when the spec machinery is the thing that is broken.
 UNVALIDATED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
@@ -41,6 +42,11 @@ def _raise_first(errors: Sequence[Exception]) -> None:
 
 def _problem(error: Exception) -> Problem:
     cause = error.__cause__
+    if isinstance(error, UnknownQueryParameter):
+        field = f"query.{error.name}"
+        return Problem(
+            422, "Unprocessable Content", str(error), "unknown_parameter", {"field": field}
+        )
     if isinstance(error, OperationNotFound):
         return Problem(405, "Method Not Allowed", str(error), "method_not_allowed")
     if isinstance(error, PathError):
