@@ -24,7 +24,7 @@ def match_view(view: View, owner_rank: RankRegistration, peer: RankRegistration)
         and theirs.roles == view.roles
         and theirs.layer_ids & view.layer_ids
     ]
-    field = f"views[{owner_rank.views.index(view)}]"
+    field = _field(owner_rank, view)
     if not candidates:
         raise _match_error(
             "view_missing",
@@ -71,6 +71,11 @@ def match_view(view: View, owner_rank: RankRegistration, peer: RankRegistration)
             local=sorted(stray),
         )
     return theirs
+
+
+def _field(owner_rank: RankRegistration, view: View) -> str:
+    index = next(i for i, candidate in enumerate(owner_rank.views) if candidate is view)
+    return f"views[{index}]"
 
 
 def _match_error(

@@ -170,6 +170,21 @@ class RankRegistration:
         """Canonical JSON of the document: equal strings mean an identical registration."""
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
 
+    @cached_property
+    def geometry_digest(self) -> str:
+        """sha256 of what can change a plan: the document less lease, memory and endpoints."""
+        import hashlib
+
+        from kvroute.geometry.document import render_registration
+
+        doc = {
+            "instance": self.instance,
+            "rank": self.rank,
+            **render_registration(self, geometry_only=True),
+        }
+        canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
     @property
     def key(self) -> tuple[str, int]:
         return self.instance, self.rank
@@ -215,11 +230,14 @@ class RankRegistration:
         Target layers are split by PP stage, so a stage holds its whole range whether or not it
         registered a view for each layer; draft layers sit on whichever ranks declare them.
         """
-        if owner is Owner.TARGET:
-            return frozenset(self.stage_range)
-        return frozenset(
-            layer for view in self.views if view.owner is owner for layer in view.layer_ids
+        return self._held_layers[owner]
+
+    @cached_property
+    def _held_layers(self) -> dict[Owner, frozenset[int]]:
+        draft = frozenset(
+            layer for view in self.views if view.owner is Owner.DRAFT for layer in view.layer_ids
         )
+        return {Owner.TARGET: frozenset(self.stage_range), Owner.DRAFT: draft}
 
     def label(self) -> str:
         return f"{self.instance} rank {self.rank}"

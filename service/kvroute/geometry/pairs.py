@@ -118,7 +118,7 @@ class _Failer:
     def __call__(
         self, code: str, attribute: str, mine: object, theirs: object, *, reason: str | None = None
     ) -> GeometryError:
-        index = self.local.views.index(self.view)
+        index = next(i for i, view in enumerate(self.local.views) if view is self.view)
         detail = reason or f"{attribute} differs: local={mine}, peer={theirs}"
         return GeometryError(
             code,

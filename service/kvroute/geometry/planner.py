@@ -8,14 +8,12 @@ holds identical bytes, and exactly one of its ranks (elected) writes them (DESIG
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvroute.geometry.bounce import fanin_bounce_safe
 from kvroute.geometry.compat import check_peers
-from kvroute.geometry.document import render_registration
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.mappers import coalesce, held_heads, pair_fragments
 from kvroute.geometry.matching import match_view
@@ -33,12 +31,11 @@ class _Source:
     view: View
     geometry: PairGeometry
     assigned: list[int] = field(default_factory=list)
+    heads: tuple[int, int] = (0, 1)  # replicated views hold one pseudo-head
 
-    @property
-    def heads(self) -> tuple[int, int]:
-        if self.geometry.mapper == "replicated":
-            return (0, 1)
-        return held_heads(self.sender, self.geometry.total_heads)
+    def __post_init__(self) -> None:
+        if self.geometry.mapper != "replicated":
+            self.heads = held_heads(self.sender, self.geometry.total_heads)
 
 
 def build_plan(
@@ -189,17 +186,6 @@ def plan_fingerprint(
     senders: Sequence[RankRegistration], receiver: RankRegistration, sender_dp_rank: int
 ) -> str:
     """sha256 over the geometry of every input rank: equal fingerprints mean equal plans."""
-    inputs = {
-        "senders": [
-            {"instance": s.instance, "rank": s.rank, **render_registration(s, geometry_only=True)}
-            for s in sorted(senders, key=lambda s: s.rank)
-        ],
-        "receiver": {
-            "instance": receiver.instance,
-            "rank": receiver.rank,
-            **render_registration(receiver, geometry_only=True),
-        },
-        "sender_dp_rank": sender_dp_rank,
-    }
-    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode())
-    return "sha256:" + digest.hexdigest()
+    parts = [s.geometry_digest for s in sorted(senders, key=lambda s: s.rank)]
+    parts += [receiver.geometry_digest, str(sender_dp_rank)]
+    return "sha256:" + hashlib.sha256("|".join(parts).encode()).hexdigest()

@@ -1,0 +1,203 @@
+"""Plan-building benchmark: how long kvroute takes to plan realistic deployments.
+
+For each deployment it prints the median time to build one receiver rank's plan and all of the
+receiver instance's plans, the fragments per block, and, as a ratio, the plan build time against two
+baselines measured in the same run on the same plans: validating the pair (check_peers, which every
+plan request repeats) and serialising the plan to JSON (which every HTTP answer pays anyway).
+
+    python bench/plan_bench.py [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from rich.console import Console
+from rich.table import Table
+
+from kvroute.geometry import Kind, Owner, Plan, RankRegistration, build_plan, check_peers
+from kvroute.geometry.builder import LayerSpec, build_views
+from kvroute.geometry.document import render_pool, render_view
+
+
+@dataclass(frozen=True)
+class Model:
+    layers: int
+    kv_heads: int
+    draft_heads: int
+    head_dim: int = 128
+    tokens: int = 32
+    bytes_per_element: int = 2
+    kind: Kind = Kind.HND
+    indexer: bool = True  # a replicated index-key view per layer
+
+    def head_bytes(self) -> int:
+        return self.tokens * self.head_dim * self.bytes_per_element
+
+
+def _specs(model: Model, tp: int, stage: range, draft: bool) -> list[LayerSpec]:
+    heads = max(1, model.kv_heads // tp)  # tp here is the attention-DP group size
+    draft_heads = max(1, model.draft_heads // tp)
+    kv_bytes = 2 * heads * model.head_bytes()
+    index_bytes = model.tokens * 128
+    specs, offset = [], 0
+    for layer in stage:
+        specs.append(
+            LayerSpec(
+                layer,
+                0,
+                offset,
+                kv_bytes,
+                model.kind,
+                num_kv_heads=heads,
+                total_kv_heads=model.kv_heads,
+            )
+        )
+        offset += kv_bytes
+        if model.indexer:
+            specs.append(
+                LayerSpec(
+                    layer,
+                    0,
+                    offset,
+                    index_bytes,
+                    Kind.REPLICATED,
+                    roles=frozenset({"index_key"}),
+                    buffers_per_layer=1,
+                )
+            )
+            offset += index_bytes
+    if draft:
+        size = 2 * draft_heads * model.head_bytes()
+        specs.append(
+            LayerSpec(
+                0,
+                0,
+                offset,
+                size,
+                model.kind,
+                Owner.DRAFT,
+                num_kv_heads=draft_heads,
+                total_kv_heads=model.draft_heads,
+            )
+        )
+    return specs
+
+
+def instance(
+    model: Model, role: str, name: str, tp: int, pp: int, dp: int = 1
+) -> list[RankRegistration]:
+    split = [model.layers // pp + (1 if p < model.layers % pp else 0) for p in range(pp)]
+    ranks = []
+    for rank in range(tp * pp):
+        pp_rank, tp_rank = divmod(rank, tp)
+        start = sum(split[:pp_rank])
+        views = build_views(
+            _specs(model, tp, range(start, start + split[pp_rank]), draft=pp_rank == pp - 1)
+        )
+        slot = max(s.offset + v.bytes_per_layer for v in views for s in v.layers)
+        doc = {
+            "role": role,
+            "tp_size": tp,
+            "tp_rank": tp_rank,
+            "pp_size": pp,
+            "pp_rank": pp_rank,
+            "layers_per_stage": split,
+            "num_draft_layers": 1,
+            "tokens_per_block": model.tokens,
+            "attention": {
+                "num_kv_heads": max(1, model.kv_heads // tp),
+                "head_dim": model.head_dim,
+                "dtype": "bfloat16",
+            },
+            "pools": [render_pool_doc(slot)],
+            "views": [render_view(v) for v in views],
+        }
+        ranks.append(RankRegistration.from_json(doc, deployment="bench", instance=name, rank=rank))
+    return ranks
+
+
+def render_pool_doc(slot: int) -> dict:
+    from kvroute.geometry.model import Pool
+
+    return render_pool(Pool(0, slot, slot, 4096))
+
+
+def median_seconds(action: Callable[[], object], repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+CASES = [
+    ("80L HND ctx TP8xPP2 -> gen TP4 (target+draft+indexer)", Model(80, 8, 4), (8, 2), (4, 1)),
+    (
+        "80L NHD head mismatch ctx TP8xPP2 -> gen TP2",
+        Model(80, 8, 4, kind=Kind.NHD, indexer=False),
+        (8, 2),
+        (2, 1),
+    ),
+    ("48L HND ctx TP3 -> gen TP2, 6 heads (non-integer ratio)", Model(48, 6, 6), (3, 1), (2, 1)),
+    (
+        "61L MLA-like ctx TP8 -> gen TP8 attention-DP8",
+        Model(61, 1, 1, head_dim=576, indexer=True),
+        (8, 1, 1),
+        (8, 1, 8),
+    ),
+]
+
+
+def _plan_all(ctx: list[RankRegistration], gen: list[RankRegistration]) -> None:
+    for receiver in gen:
+        build_plan(ctx, receiver)
+
+
+def _serialise(plan: Plan) -> str:
+    return json.dumps(plan.to_json())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=30)
+    args = parser.parse_args()
+    table = Table(title="kvroute plan build (median)", expand=True)
+    for column in (
+        "deployment",
+        "one plan ms",
+        "all plans ms",
+        "fragments/block",
+        "vs check_peers",
+        "vs json.dumps",
+    ):
+        table.add_column(column, justify="right" if column != "deployment" else "left")
+    for name, model, ctx_layout, gen_layout in CASES:
+        ctx = instance(model, "context", "ctx", *ctx_layout)
+        gen = instance(model, "generation", "gen", *gen_layout)
+        receiver = gen[0]
+        plan = build_plan(ctx, receiver)
+        one = median_seconds(partial(build_plan, ctx, receiver), args.repeat)
+        every = median_seconds(partial(_plan_all, ctx, gen), max(3, args.repeat // 5))
+        checks = median_seconds(partial(check_peers, receiver, ctx), args.repeat)
+        dumps = median_seconds(partial(_serialise, plan), args.repeat)
+        table.add_row(
+            name,
+            f"{one * 1e3:.2f}",
+            f"{every * 1e3:.1f}",
+            str(plan.fragments_per_block),
+            f"{one / checks:.2f}x",
+            f"{one / dumps:.2f}x",
+        )
+    Console(width=160).print(table)
+
+
+if __name__ == "__main__":
+    main()
