@@ -67,3 +67,17 @@ async def test_unreachable_database_is_503_not_500(aiohttp_client):
     assert response.status == 503
     assert (await response.json(content_type=None))["code"] == "database_unavailable"
     assert (await client.get("/metrics")).status == 200
+
+
+async def test_one_access_line_per_request_with_its_request_id(client, caplog):
+    caplog.set_level("INFO", logger="kvroute.access")
+    await client.get("/v1/deployments/nope", headers={**ADMIN, "X-Request-ID": "req-7"})
+    lines = [record for record in caplog.records if record.name == "kvroute.access"]
+    assert len(lines) == 1
+    fields = lines[0].http
+    assert (fields["status"], fields["route"], fields["method"]) == (
+        404,
+        "/v1/deployments/{deployment}",
+        "GET",
+    )
+    assert fields["request_id"] == "req-7"

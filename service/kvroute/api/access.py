@@ -115,6 +115,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             status,
             extra={
                 "http": {
+                    "request_id": request_id,
                     "method": request.method,
                     "path": request.path,
                     "route": route,
