@@ -1,0 +1,77 @@
+"""Plans rendered for people: the text table and the SVG name the right writer for every head."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+from kvroute.geometry import build_plan
+from kvroute.render import plan_rows, plan_svg, plan_text
+from tests.unit.docs import instance, view
+from tests.unit.test_reference_derived import d1, d3
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _tp3_to_tp2(receiver: int) -> dict:
+    ctx = instance(
+        "context", tp=3, heads=2, views=lambda t, p: [view(0, [0, 1], 512, heads=2, total=6)]
+    )
+    gen = instance(
+        "generation", tp=2, heads=3, views=lambda t, p: [view(0, [0, 1], 768, heads=3, total=6)]
+    )
+    return build_plan(ctx, gen[receiver]).to_json(
+        sender_generations={0: 4, 1: 4, 2: 5}, receiver_generation=2
+    )
+
+
+def test_text_table_lists_each_sender_view_pair() -> None:
+    plan = _tp3_to_tp2(1)
+    assert plan_rows(plan) == [
+        ("1", "yes", "0->0", "target", "key+value", "hnd", "3", "0-1", "512", "4"),
+        ("2", "yes", "0->0", "target", "key+value", "hnd", "4-5", "0-1", "1024", "4"),
+    ]
+    text = plan_text(plan)
+    assert "ctx (dp group 0) -> gen rank 1 (generation 2)" in text
+    assert "{0:4, 1:4, 2:5}" in text
+    assert "expected writers 2  fan-in bounce safe False" in text
+
+
+def test_text_table_shows_silent_replicas() -> None:
+    ctx, (gen,) = d1(False)
+    rows = plan_rows(build_plan(ctx, gen).to_json())
+    assert [(r[0], r[1]) for r in rows] == [("0", "yes"), ("1", "no"), ("2", "yes"), ("3", "no")]
+
+
+def _cells(svg: str) -> list[tuple[str, str]]:
+    root = ET.fromstring(svg)
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    titles = [
+        r.find(f"{SVG}title").text
+        for r in root.iter(f"{SVG}rect")
+        if r.find(f"{SVG}title") is not None
+    ]
+    return texts, titles
+
+
+def test_svg_colours_every_receiver_head_with_its_writer() -> None:
+    texts, titles = _cells(plan_svg(_tp3_to_tp2(1)))
+    assert titles == [
+        "head 3, layers 0-1: sender rank 1",
+        "head 4, layers 0-1: sender rank 2",
+        "head 5, layers 0-1: sender rank 2",
+    ]
+    assert "view 0 (target, key+value, hnd)" in texts
+
+
+def test_svg_draws_target_and_draft_views_separately() -> None:
+    ctx, gen = d3(False)
+    texts, titles = _cells(plan_svg(build_plan(ctx, gen[0]).to_json()))
+    assert [t for t in texts if t.startswith("view")] == [
+        "view 0 (target, key+value, hnd)",
+        "view 1 (draft, key+value, intact)",
+    ]
+    assert titles == [
+        "head 0, layers 0-1: sender rank 0",
+        "head 1, layers 0-1: sender rank 1",
+        "head 0, layers 0: sender rank 0",
+    ]
