@@ -101,3 +101,13 @@ async def test_undeclared_query_parameter_is_422(client):
     response = await client.get("/v1/rejections?limt=5", headers=ADMIN)
     assert response.status == 422
     assert (await response.json(content_type=None))["field"] == "query.limt"
+
+
+async def test_body_sent_to_an_operation_without_one_is_ignored(client):
+    await register(client, "ctx0", 0, rank_document())
+    response = await client.post(
+        rank_path("ctx0", 0) + "/heartbeat",
+        data=b"not json at all",
+        headers={**WORKER, "Content-Type": "application/json"},
+    )
+    assert response.status == 200
