@@ -28,6 +28,7 @@ from kvroute.api.keys import (
 )
 from kvroute.api.lifecycle import database_context, drain_middleware, reaper_context, start_draining
 from kvroute.api.metrics import Metrics
+from kvroute.api.plans import plan_context
 from kvroute.api.routes import add_endpoints
 from kvroute.api.spec import SpecValidator, load_spec, spec_bytes
 from kvroute.api.validation import validation_middleware
@@ -56,6 +57,7 @@ def create_app(settings: Settings) -> web.Application:
     app[spec_validator_key] = SpecValidator(spec, document)
     add_endpoints(app)
     app.cleanup_ctx.append(database_context)
+    app.cleanup_ctx.append(plan_context)
     app.cleanup_ctx.append(reaper_context)
     app.on_shutdown.append(start_draining)
     return app

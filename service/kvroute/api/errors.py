@@ -25,8 +25,14 @@ from kvroute.store.errors import Conflict, NotFound
 log = logging.getLogger(__name__)
 
 # Stage of a geometry refusal -> status: the document alone is wrong (422), or it disagrees
-# with what is already registered (409).
-GEOMETRY_STATUS: dict[str, int] = {"schema": 422, "self": 422, "instance": 409, "peer": 409}
+# with what is already registered (409; a plan request naming ranks that cannot pair, too).
+GEOMETRY_STATUS: dict[str, int] = {
+    "schema": 422,
+    "self": 422,
+    "instance": 409,
+    "peer": 409,
+    "plan": 409,
+}
 
 _GEOMETRY_MEMBERS = ("field", "local", "peer", "peer_instance", "peer_rank")
 

@@ -14,8 +14,10 @@ from openapi_core import OpenAPI
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from kvroute.api.metrics import Metrics
+from kvroute.api.plan_answers import PlanAnswers
 from kvroute.api.scopes import Scope
 from kvroute.api.spec import SpecValidator, ValidatedRequest
+from kvroute.plans import PlanService
 from kvroute.settings import Settings
 
 
@@ -36,6 +38,8 @@ route_scopes_key = web.AppKey("route_scopes", dict[tuple[str, str], Scope])
 engine_key = web.AppKey("engine", AsyncEngine)
 sessionmaker_key = web.AppKey("sessionmaker", async_sessionmaker[AsyncSession])
 reaper_key = web.AppKey("reaper", asyncio.Task[None])
+plan_service_key = web.AppKey("plan_service", PlanService)
+plan_answers_key = web.AppKey("plan_answers", PlanAnswers)
 
 request_id_key = web.RequestKey("request_id", str)
 validated_key = web.RequestKey("validated", ValidatedRequest)

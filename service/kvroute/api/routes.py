@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from kvroute.api import inventory, ops, registration
+from kvroute.api import compatibility, inventory, ops, plans, registration
 from kvroute.api.keys import route_scopes_key
 from kvroute.api.scopes import Scope
 
 RANK = "/v1/deployments/{deployment}/instances/{instance}/ranks/{rank}"
 INSTANCE = "/v1/deployments/{deployment}/instances/{instance}"
+DEPLOYMENT = "/v1/deployments/{deployment}"
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", INSTANCE, inventory.get_instance, Scope.ADMIN),
     Endpoint("DELETE", INSTANCE, inventory.delete_instance, Scope.ADMIN),
     Endpoint("GET", "/v1/rejections", inventory.list_rejections, Scope.ADMIN),
+    Endpoint("GET", DEPLOYMENT + "/plans", plans.get_plan, Scope.WORKER),
+    Endpoint("GET", DEPLOYMENT + "/plan-sets", plans.get_plan_set, Scope.WORKER),
+    Endpoint("GET", DEPLOYMENT + "/compatibility", compatibility.get_compatibility, Scope.ADMIN),
     Endpoint("GET", "/healthz", ops.healthz, Scope.PUBLIC),
     Endpoint("GET", "/readyz", ops.readyz, Scope.PUBLIC),
     Endpoint("GET", "/metrics", ops.metrics, Scope.PUBLIC),

@@ -1,0 +1,140 @@
+"""Plans as HTTP answers: encoded once per (plan, generations, format), then served as bytes.
+
+``PlanService`` already avoids re-planning while the generations a plan was built from are
+current; this layer avoids re-encoding. A cached plan is answered with the bytes encoded when it
+was first served (JSON, the text table or the SVG), so a hot plan read costs the generation
+lookup and nothing proportional to the plan's size. The ETag names exactly what the bytes depend
+on: the plan fingerprint (geometry of every input rank), the generations and the format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from kvroute.plans import PlanKey, PlanService, ServedPlan
+from kvroute.render import plan_svg, plan_text
+
+PlanFormat = Literal["json", "text", "svg"]
+
+MEDIA_TYPES: dict[str, str] = {
+    "json": "application/json",
+    "text": "text/plain",
+    "svg": "image/svg+xml",
+}
+# Planning is pure CPU: ~0.1 ms for small HND plans, tens of ms for per-token NHD plans.
+PLAN_BUILD_BUCKETS_SECONDS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.25, 1)
+# Fragments per block: 1 for a fully coalesced view pair, layers x tokens for NHD head mismatch.
+PLAN_FRAGMENT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384, 65536)
+
+
+@dataclass(frozen=True)
+class PlanMetrics:
+    requests: Counter
+    cache_hits: Counter
+    build_seconds: Histogram
+    fragments: Histogram
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> PlanMetrics:
+        return cls(
+            requests=Counter(
+                "kvroute_plan_requests_total",
+                "Plan requests answered, by result "
+                "(ok, not_modified, unavailable, incompatible, not_found)",
+                ["result"],
+                registry=registry,
+            ),
+            cache_hits=Counter(
+                "kvroute_plan_cache_hits_total",
+                "Plans answered from the cache without planning again",
+                registry=registry,
+            ),
+            build_seconds=Histogram(
+                "kvroute_plan_build_seconds",
+                "Time to build one plan from its registrations",
+                buckets=PLAN_BUILD_BUCKETS_SECONDS,
+                registry=registry,
+            ),
+            fragments=Histogram(
+                "kvroute_plan_fragments",
+                "Fragments (copy descriptors) per block of each plan built",
+                buckets=PLAN_FRAGMENT_BUCKETS,
+                registry=registry,
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPlan:
+    """One plan in one format, with what a caller needs to check it against others."""
+
+    etag: str
+    body: bytes
+    sender_generations: tuple[tuple[int, int], ...]
+    receiver_generation: int
+
+
+def encode_json(document: dict[str, Any]) -> bytes:
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+ENCODERS: dict[str, Callable[[dict[str, Any]], bytes]] = {
+    "json": encode_json,
+    "text": lambda document: plan_text(document).encode(),
+    "svg": lambda document: plan_svg(document).encode(),
+}
+
+
+def plan_version(served: ServedPlan) -> str:
+    """Fingerprint and generations: equal versions mean byte-identical plan documents."""
+    senders = ".".join(f"{rank}:{gen}" for rank, gen in sorted(served.sender_generations.items()))
+    digest = served.plan.fingerprint.removeprefix("sha256:")
+    return f"{digest}-{senders}-{served.receiver_generation}"
+
+
+class PlanAnswers:
+    """The plan endpoints' view of ``PlanService``: encoded bytes, cached per plan key."""
+
+    def __init__(self, service: PlanService, metrics: PlanMetrics, *, cache_size: int = 4096):
+        self.service = service
+        self.metrics = metrics
+        # Per key only the newest version is kept: an older one can never be current again.
+        self._encoded: OrderedDict[PlanKey, tuple[str, dict[str, bytes]]] = OrderedDict()
+        self._cache_size = cache_size
+
+    async def answer(self, key: PlanKey, plan_format: str, *, now: datetime) -> EncodedPlan:
+        served = await self.service.get(key, now=now)
+        if served.cached:
+            self.metrics.cache_hits.inc()
+        else:
+            if served.build_seconds is not None:
+                self.metrics.build_seconds.observe(served.build_seconds)
+            self.metrics.fragments.observe(served.plan.fragments_per_block)
+        version = plan_version(served)
+        entry = self._encoded.get(key)
+        if entry is None or entry[0] != version:
+            entry = (version, {})
+            self._encoded[key] = entry
+        self._encoded.move_to_end(key)
+        while len(self._encoded) > self._cache_size:
+            self._encoded.popitem(last=False)
+        body = entry[1].get(plan_format)
+        if body is None:
+            encoder = ENCODERS[plan_format]
+            # A per-token NHD plan encodes to megabytes: keep that off the event loop.
+            body = await asyncio.to_thread(encoder, served.document)
+            entry[1][plan_format] = body
+        return EncodedPlan(
+            etag=f'"{version}-{plan_format}"',
+            body=body,
+            sender_generations=tuple(sorted(served.sender_generations.items())),
+            receiver_generation=served.receiver_generation,
+        )

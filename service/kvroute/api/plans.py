@@ -1,0 +1,161 @@
+"""Plan endpoints: one receiver rank's plan, or every plan of a receiver instance at once.
+
+Handlers translate the validated query into ``PlanKey`` lookups on the app's one ``PlanService``
+(shared with the transfer endpoints, so both see the same cached plans) and answer encoded bytes
+from ``PlanAnswers``. Refusals propagate to the error boundary: a missing or expired rank is a
+``PlanUnavailable`` (409 naming the ranks), an incompatible pair a ``GeometryError`` (409), an
+unknown instance ``NotFound`` (404); each is counted by result first.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from kvroute.api.keys import (
+    metrics_key,
+    plan_answers_key,
+    plan_service_key,
+    sessionmaker_key,
+    validated_key,
+)
+from kvroute.api.plan_answers import MEDIA_TYPES, EncodedPlan, PlanAnswers, PlanMetrics
+from kvroute.api.registration import utcnow
+from kvroute.geometry import GeometryError
+from kvroute.plans import PlanKey, PlanService, PlanUnavailable
+from kvroute.store.errors import NotFound
+from kvroute.store.snapshots import instance_state
+
+# A batch is re-read when a sender rank re-registers between two of its plans; past this many
+# reads the instance is changing too fast to answer one consistent set.
+PLAN_SET_ATTEMPTS = 3
+
+
+async def plan_context(app: web.Application) -> AsyncIterator[None]:
+    """One plan service per app, over the app's sessionmaker (so after ``database_context``)."""
+    service = PlanService(app[sessionmaker_key])
+    app[plan_service_key] = service
+    app[plan_answers_key] = PlanAnswers(service, PlanMetrics.create(app[metrics_key].registry))
+    yield
+
+
+def _result(error: Exception) -> str:
+    if isinstance(error, PlanUnavailable):
+        return "unavailable"
+    if isinstance(error, GeometryError):
+        return "incompatible"
+    return "not_found" if isinstance(error, NotFound) else "error"
+
+
+async def _counted(
+    request: web.Request, answer: Callable[[], Awaitable[web.Response]]
+) -> web.Response:
+    metrics = request.app[plan_answers_key].metrics
+    try:
+        response = await answer()
+    except Exception as error:
+        metrics.requests.labels(result=_result(error)).inc()
+        raise
+    metrics.requests.labels(result="ok" if response.status == 200 else "not_modified").inc()
+    return response
+
+
+def _matches(request: web.Request, etag: str) -> bool:
+    """RFC 9110 If-None-Match with weak comparison (``W/`` prefixes ignored)."""
+    offered = request.headers.get("If-None-Match")
+    if offered is None:
+        return False
+    tags = {tag.strip().removeprefix("W/") for tag in offered.split(",")}
+    return "*" in tags or etag in tags
+
+
+def _plan_key(request: web.Request, receiver_rank: int) -> PlanKey:
+    validated = request[validated_key]
+    query = validated.query
+    return PlanKey(
+        validated.path["deployment"],
+        query["sender"],
+        query["receiver"],
+        receiver_rank,
+        query.get("sender_dp_rank", 0),
+    )
+
+
+def _response(encoded: EncodedPlan, body: bytes, plan_format: str) -> web.Response:
+    return web.Response(
+        body=body,
+        content_type=MEDIA_TYPES[plan_format],
+        charset=None if plan_format == "json" else "utf-8",
+        headers={"ETag": encoded.etag},
+    )
+
+
+async def get_plan(request: web.Request) -> web.Response:
+    async def answer() -> web.Response:
+        plan_format = request[validated_key].query.get("format", "json")
+        key = _plan_key(request, request[validated_key].query["receiver_rank"])
+        encoded = await request.app[plan_answers_key].answer(key, plan_format, now=utcnow())
+        if _matches(request, encoded.etag):
+            return web.Response(status=304, headers={"ETag": encoded.etag})
+        return _response(encoded, encoded.body, plan_format)
+
+    return await _counted(request, answer)
+
+
+async def get_plan_set(request: web.Request) -> web.Response:
+    async def answer() -> web.Response:
+        validated = request[validated_key]
+        plan_format = validated.query.get("format", "json")
+        plans = await _plan_set(request, plan_format)
+        if plan_format == "text":
+            body = b"\n".join(plan.body for plan in plans)
+        else:
+            head = {
+                "deployment": validated.path["deployment"],
+                "sender": validated.query["sender"],
+                "receiver": validated.query["receiver"],
+            }
+            # The plans are already encoded: splice their bytes instead of decoding them again.
+            opening = json.dumps(head, separators=(",", ":")).removesuffix("}") + ',"plans":['
+            body = opening.encode() + b",".join(plan.body for plan in plans) + b"]}"
+        return web.Response(
+            body=body,
+            content_type=MEDIA_TYPES[plan_format],
+            charset=None if plan_format == "json" else "utf-8",
+        )
+
+    return await _counted(request, answer)
+
+
+async def _plan_set(request: web.Request, plan_format: str) -> list[EncodedPlan]:
+    """Plans of every rank of the receiver instance, all built from one set of sender generations."""
+    answers: PlanAnswers = request.app[plan_answers_key]
+    key = _plan_key(request, 0)
+    for _ in range(PLAN_SET_ATTEMPTS):
+        now = utcnow()
+        receiver = await instance_state(
+            request.app[sessionmaker_key], key.deployment, key.receiver, now=now
+        )
+        missing = sorted(set(range(receiver.expected_ranks)) - set(receiver.live))
+        if missing and receiver.role == "generation":
+            live = ",".join(map(str, sorted(receiver.live))) or "none"
+            raise PlanUnavailable(
+                f"receiver instance {key.receiver} has ranks {live} of {receiver.expected_ranks} "
+                f"live (missing or expired: {','.join(map(str, missing))})"
+            )
+        plans = [
+            await answers.answer(
+                PlanKey(key.deployment, key.sender, key.receiver, rank, key.sender_dp_rank),
+                plan_format,
+                now=now,
+            )
+            for rank in range(receiver.expected_ranks)
+        ]
+        if len({plan.sender_generations for plan in plans}) <= 1:
+            return plans
+    raise PlanUnavailable(
+        f"sender instance {key.sender} re-registered ranks while its plans were read "
+        f"{PLAN_SET_ATTEMPTS} times; retry"
+    )
