@@ -1,0 +1,266 @@
+"""The async kvroute client a worker imports: registration, leases, plans, transfers, admin reads.
+
+One ``aiohttp.ClientSession`` per client (connection reuse matters: a worker heartbeats and fetches
+plans for its whole life). Every call goes through ``_call``: bearer token, per-request timeout,
+bounded retries on "no answer" and 429/503, and every other non-2xx answer raised as one
+``KvrouteError`` carrying the problem+json members.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
+from urllib.parse import quote
+
+import aiohttp
+
+from kvroute.client.errors import KvrouteError
+from kvroute.client.models import (
+    DeploymentSummary,
+    InstanceSummary,
+    Lease,
+    PlanDocument,
+    RankInfo,
+    Registered,
+    Rejection,
+    TransferStatus,
+)
+from kvroute.client.retry import RETRY_STATUSES, RetryPolicy, parse_retry_after
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 10.0
+# Methods whose repetition cannot do harm; a POST that may have reached the server is not resent.
+IDEMPOTENT = frozenset({"GET", "PUT", "DELETE"})
+
+
+def _seg(value: str | int) -> str:
+    return quote(str(value), safe="")
+
+
+def rank_path(deployment: str, instance: str, rank: int) -> str:
+    return f"/v1/deployments/{_seg(deployment)}/instances/{_seg(instance)}/ranks/{_seg(rank)}"
+
+
+class AsyncKvrouteClient:
+    """Talks to one kvroute service; use as ``async with AsyncKvrouteClient(url) as client``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retry = retry or RetryPolicy()
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        # Created lazily so the session binds to the loop the client is first used on.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
+        return self._session
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, str | int] | None = None,
+        retry_sent: bool | None = None,
+    ) -> tuple[int, Any]:
+        """(status, JSON body or None) of a 2xx answer; raises ``KvrouteError`` otherwise."""
+        resend = method in IDEMPOTENT if retry_sent is None else retry_sent
+        url = self.base_url + path
+        for attempt in range(self.retry.attempts):
+            last = attempt == self.retry.attempts - 1
+            try:
+                async with self._client().request(method, url, json=body, params=params) as resp:
+                    if resp.status in RETRY_STATUSES and not last:
+                        wait = parse_retry_after(resp.headers.get("Retry-After"))
+                        await self._backoff(method, path, attempt, f"status {resp.status}", wait)
+                        continue
+                    payload = await _payload(resp)
+                    if resp.status >= 400:
+                        raise KvrouteError.from_problem(
+                            resp.status, payload, reason=resp.reason or ""
+                        )
+                    return resp.status, payload
+            except aiohttp.ClientConnectorError as error:  # never reached the server: always safe
+                if last:
+                    raise KvrouteError.unreachable(
+                        "unreachable", f"{method} {url}: {error}"
+                    ) from error
+                await self._backoff(method, path, attempt, str(error), None)
+            except aiohttp.ClientConnectionError as error:  # may have been processed
+                if last or not resend:
+                    raise KvrouteError.unreachable(
+                        "connection_lost", f"{method} {url}: {error}"
+                    ) from error
+                await self._backoff(method, path, attempt, str(error), None)
+            except TimeoutError as error:
+                raise KvrouteError.unreachable(
+                    "timeout", f"{method} {url}: no answer within {self._timeout.total} s"
+                ) from error
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _backoff(
+        self, method: str, path: str, attempt: int, why: str, retry_after: float | None
+    ) -> None:
+        delay = self.retry.delay(attempt, retry_after)
+        log.info("kvroute %s %s: %s; retry %d in %.2f s", method, path, why, attempt + 1, delay)
+        await asyncio.sleep(delay)
+
+    # Registration and leases (worker token).
+
+    async def register(
+        self, deployment: str, instance: str, rank: int, document: Mapping[str, Any]
+    ) -> Registered:
+        status, body = await self._call("PUT", rank_path(deployment, instance, rank), body=document)
+        return Registered.from_json(body, created=status == 201)
+
+    async def heartbeat(self, deployment: str, instance: str, rank: int) -> Lease:
+        """Renews the lease; a 404 means kvroute no longer knows the rank: register again."""
+        path = rank_path(deployment, instance, rank) + "/heartbeat"
+        # Renewing twice is harmless, so a heartbeat lost in flight is resent.
+        _, body = await self._call("POST", path, retry_sent=True)
+        return Lease.from_json(body)
+
+    async def get_rank(self, deployment: str, instance: str, rank: int) -> RankInfo:
+        _, body = await self._call("GET", rank_path(deployment, instance, rank))
+        return RankInfo.from_json(body)
+
+    async def deregister(self, deployment: str, instance: str, rank: int) -> None:
+        await self._call("DELETE", rank_path(deployment, instance, rank))
+
+    # Plans and transfers (worker token).
+
+    async def get_plan(
+        self,
+        deployment: str,
+        *,
+        sender: str,
+        receiver: str,
+        receiver_rank: int,
+        sender_dp_rank: int | None = None,
+    ) -> PlanDocument:
+        params: dict[str, str | int] = {
+            "sender": sender,
+            "receiver": receiver,
+            "receiver_rank": receiver_rank,
+        }
+        if sender_dp_rank is not None:
+            params["sender_dp_rank"] = sender_dp_rank
+        _, body = await self._call(
+            "GET", f"/v1/deployments/{_seg(deployment)}/plans", params=params
+        )
+        return PlanDocument.from_json(body)
+
+    async def submit_transfer(
+        self,
+        deployment: str,
+        *,
+        sender: str,
+        receiver: str,
+        receiver_ranks: Sequence[int],
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+    ) -> TransferStatus:
+        document = {
+            "sender": sender,
+            "receiver": receiver,
+            "receiver_ranks": list(receiver_ranks),
+            "src_blocks": list(src_blocks),
+            "dst_blocks": list(dst_blocks),
+        }
+        path = f"/v1/deployments/{_seg(deployment)}/transfers"
+        _, body = await self._call("POST", path, body=document)
+        return TransferStatus.from_json(body)
+
+    async def get_transfer(self, job_id: str) -> TransferStatus:
+        _, body = await self._call("GET", f"/v1/transfers/{_seg(job_id)}")
+        return TransferStatus.from_json(body)
+
+    async def cancel_transfer(self, job_id: str) -> TransferStatus | None:
+        """Cancels a queued job; the job's last state when the service reports one."""
+        _, body = await self._call("DELETE", f"/v1/transfers/{_seg(job_id)}")
+        return (
+            TransferStatus.from_json(body) if isinstance(body, Mapping) and "id" in body else None
+        )
+
+    async def wait_transfer(
+        self, job_id: str, *, limit_s: float = 60.0, poll_interval: float = 0.02
+    ) -> TransferStatus:
+        """Polls until the job is finished; raises ``KvrouteError`` (code ``wait_timeout``) after ``limit_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit_s
+        interval = poll_interval
+        while True:
+            status = await self.get_transfer(job_id)
+            if status.finished:
+                return status
+            if loop.time() + interval > deadline:
+                raise KvrouteError.unreachable(
+                    "wait_timeout", f"transfer {job_id} still {status.state} after {limit_s} s"
+                )
+            await asyncio.sleep(interval)
+            interval = min(interval * 2, 0.5)  # short jobs answer fast; long ones are not hammered
+
+    # Admin reads (admin token).
+
+    async def deployments(self) -> list[DeploymentSummary]:
+        _, body = await self._call("GET", "/v1/deployments")
+        return [DeploymentSummary.from_json(item) for item in body["deployments"]]
+
+    async def instances(self, deployment: str) -> list[InstanceSummary]:
+        _, body = await self._call("GET", f"/v1/deployments/{_seg(deployment)}/instances")
+        return [InstanceSummary.from_json(item) for item in body["instances"]]
+
+    async def instance(self, deployment: str, instance: str) -> InstanceSummary:
+        _, body = await self._call(
+            "GET", f"/v1/deployments/{_seg(deployment)}/instances/{_seg(instance)}"
+        )
+        return InstanceSummary.from_json(body)
+
+    async def delete_instance(self, deployment: str, instance: str) -> None:
+        await self._call("DELETE", f"/v1/deployments/{_seg(deployment)}/instances/{_seg(instance)}")
+
+    async def rejections(self, limit: int = 100) -> list[Rejection]:
+        _, body = await self._call("GET", "/v1/rejections", params={"limit": limit})
+        return [Rejection.from_json(item) for item in body["rejections"]]
+
+    async def compatibility(self, deployment: str) -> dict[str, Any]:
+        """The context x generation matrix with reasons (API.md), as served."""
+        _, body = await self._call("GET", f"/v1/deployments/{_seg(deployment)}/compatibility")
+        return dict(body)
+
+
+async def _payload(resp: aiohttp.ClientResponse) -> Any:
+    if resp.status == 204:
+        return None
+    text = await resp.text()
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

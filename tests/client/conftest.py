@@ -1,0 +1,28 @@
+"""Client fixtures: a live kvroute process per module, and registration documents."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.client.live import LiveServer
+
+
+@pytest.fixture(scope="module")
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    server = LiveServer(tmp_path_factory.mktemp("kvroute-live")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def restartable_server(tmp_path: Path) -> Iterator[LiveServer]:
+    server = LiveServer(tmp_path).start()
+    try:
+        yield server
+    finally:
+        server.stop()

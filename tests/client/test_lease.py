@@ -1,0 +1,84 @@
+"""The lease keeper: heartbeats at lease/3, and re-registers when kvroute forgot the rank."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from kvroute.client import AsyncKvrouteClient, KvrouteClient, LeaseKeeper, RetryPolicy
+from tests.api.documents import rank_document
+from tests.client.live import ADMIN_TOKEN, WORKER_TOKEN, LiveServer
+
+pytestmark = pytest.mark.slow
+
+PATIENT = RetryPolicy(attempts=3, base_delay=0.05, max_delay=0.2)
+
+
+async def wait_for(predicate: Callable[[], bool], limit_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def test_interval_is_a_third_of_the_lease() -> None:
+    client = AsyncKvrouteClient("http://127.0.0.1:1")
+    keeper = LeaseKeeper(client, "d", "i", 0, rank_document(lease_seconds=9))
+    assert keeper.interval == 3.0
+
+
+async def test_keeper_heartbeats_and_reregisters_after_restart_on_fresh_db(
+    restartable_server: LiveServer,
+) -> None:
+    document = rank_document(lease_seconds=30)
+    async with AsyncKvrouteClient(
+        restartable_server.url, token=WORKER_TOKEN, retry=PATIENT
+    ) as client:
+        keeper = LeaseKeeper(client, "lease", "ctx0", 0, document, interval=0.2)
+        async with keeper:
+            assert keeper.generation == 1
+            await wait_for(lambda: keeper.heartbeats >= 2)
+            await asyncio.to_thread(restartable_server.restart, fresh_db=True)
+            registered = await keeper.wait_reregistered(limit_s=15)
+            info = await client.get_rank("lease", "ctx0", 0)
+            assert registered.created  # the fresh database had never seen it
+            assert info.document["views"] == document["views"]
+            assert keeper.reregistrations == 1
+            before = keeper.heartbeats
+            await wait_for(lambda: keeper.heartbeats > before)  # and renewing again
+
+
+async def test_keeper_survives_restart_on_same_db_without_reregistering(
+    restartable_server: LiveServer,
+) -> None:
+    async with (
+        AsyncKvrouteClient(restartable_server.url, token=WORKER_TOKEN, retry=PATIENT) as client,
+        LeaseKeeper(client, "lease", "ctx0", 0, rank_document(), interval=0.2) as keeper,
+    ):
+        await asyncio.to_thread(restartable_server.restart, fresh_db=False)
+        before = keeper.heartbeats
+        await wait_for(lambda: keeper.heartbeats >= before + 2)
+        assert keeper.reregistrations == 0
+        assert keeper.generation == 1
+
+
+def test_sync_lease_reregisters_after_an_admin_delete(live_server: LiveServer) -> None:
+    with (
+        KvrouteClient(live_server.url, token=WORKER_TOKEN) as worker,
+        KvrouteClient(live_server.url, token=ADMIN_TOKEN) as admin,
+    ):
+        lease = worker.keep_lease(
+            "synclease", "gen0", 0, rank_document(role="generation"), interval=0.1
+        )
+        with lease:
+            admin.deregister("synclease", "gen0", 0)
+            worker._run(lease.keeper.wait_reregistered(limit_s=10))
+            assert admin.get_rank("synclease", "gen0", 0).state == "live"
+        stopped_at = lease.keeper.heartbeats
+        import time
+
+        time.sleep(0.3)
+        assert lease.keeper.heartbeats == stopped_at  # stop() ended the task
