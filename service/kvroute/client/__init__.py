@@ -13,6 +13,8 @@ from kvroute.client.errors import KvrouteError
 from kvroute.client.lease import LeaseKeeper
 from kvroute.client.models import (
     TERMINAL_STATES,
+    Compatibility,
+    CompatibilityPair,
     DeploymentSummary,
     InstanceSummary,
     Lease,
@@ -30,6 +32,8 @@ __all__ = [
     "NO_RETRY",
     "TERMINAL_STATES",
     "AsyncKvrouteClient",
+    "Compatibility",
+    "CompatibilityPair",
     "DeploymentSummary",
     "InstanceSummary",
     "KvrouteClient",

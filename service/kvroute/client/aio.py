@@ -19,6 +19,7 @@ import aiohttp
 
 from kvroute.client.errors import KvrouteError
 from kvroute.client.models import (
+    Compatibility,
     DeploymentSummary,
     InstanceSummary,
     Lease,
@@ -175,6 +176,17 @@ class AsyncKvrouteClient:
         )
         return PlanDocument.from_json(body)
 
+    async def get_plans(
+        self, deployment: str, *, sender: str, receiver: str, sender_dp_rank: int | None = None
+    ) -> list[PlanDocument]:
+        """Every rank's plan of a receiver instance in one answer, ordered by rank (``plan-sets``)."""
+        params: dict[str, str | int] = {"sender": sender, "receiver": receiver}
+        if sender_dp_rank is not None:
+            params["sender_dp_rank"] = sender_dp_rank
+        path = f"/v1/deployments/{_seg(deployment)}/plan-sets"
+        _, body = await self._call("GET", path, params=params)
+        return [PlanDocument.from_json(plan) for plan in body["plans"]]
+
     async def submit_transfer(
         self,
         deployment: str,
@@ -248,10 +260,10 @@ class AsyncKvrouteClient:
         _, body = await self._call("GET", "/v1/rejections", params={"limit": limit})
         return [Rejection.from_json(item) for item in body["rejections"]]
 
-    async def compatibility(self, deployment: str) -> dict[str, Any]:
-        """The context x generation matrix with reasons (API.md), as served."""
+    async def compatibility(self, deployment: str) -> Compatibility:
+        """The context x generation matrix with the first refusal of each incompatible pair."""
         _, body = await self._call("GET", f"/v1/deployments/{_seg(deployment)}/compatibility")
-        return dict(body)
+        return Compatibility.from_json(body)
 
 
 async def _payload(resp: aiohttp.ClientResponse) -> Any:

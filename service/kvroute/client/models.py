@@ -257,3 +257,52 @@ class TransferStatus:
         if not self.duration_seconds:
             return None
         return self.bytes / self.duration_seconds / 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class CompatibilityPair:
+    """One (context, generation) instance pair: ``status`` compatible | incompatible | incomplete."""
+
+    context: str
+    generation: str
+    status: str
+    compatible: bool | None
+    refusal: (
+        dict[str, Any] | None
+    )  # code, field, detail, local, peer, generation_rank, context_rank
+    missing_ranks: dict[str, list[int]]
+
+    @classmethod
+    def from_json(cls, body: Json) -> CompatibilityPair:
+        refusal = body.get("refusal")
+        return cls(
+            context=body["context"],
+            generation=body["generation"],
+            status=body["status"],
+            compatible=body.get("compatible"),
+            refusal=None if refusal is None else dict(refusal),
+            missing_ranks={k: list(v) for k, v in (body.get("missing_ranks") or {}).items()},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Compatibility:
+    """The context x generation matrix of a deployment (``GET .../compatibility``)."""
+
+    deployment: str
+    pairs: tuple[CompatibilityPair, ...]
+    document: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_json(cls, body: Json) -> Compatibility:
+        return cls(
+            deployment=body["deployment"],
+            pairs=tuple(CompatibilityPair.from_json(pair) for pair in body["pairs"]),
+            document=dict(body),
+        )
+
+    def pair(self, context: str, generation: str) -> CompatibilityPair:
+        for pair in self.pairs:
+            if (pair.context, pair.generation) == (context, generation):
+                return pair
+        raise KeyError(f"no pair ({context}, {generation}) in {self.deployment}")

@@ -15,6 +15,7 @@ from typing import Any, Self, TypeVar
 from kvroute.client.aio import DEFAULT_TIMEOUT_S, AsyncKvrouteClient
 from kvroute.client.lease import LeaseKeeper
 from kvroute.client.models import (
+    Compatibility,
     DeploymentSummary,
     InstanceSummary,
     Lease,
@@ -115,6 +116,15 @@ class KvrouteClient:
             )
         )
 
+    def get_plans(
+        self, deployment: str, *, sender: str, receiver: str, sender_dp_rank: int | None = None
+    ) -> list[PlanDocument]:
+        return self._run(
+            self.aio.get_plans(
+                deployment, sender=sender, receiver=receiver, sender_dp_rank=sender_dp_rank
+            )
+        )
+
     def submit_transfer(
         self,
         deployment: str,
@@ -160,7 +170,7 @@ class KvrouteClient:
     def rejections(self, limit: int = 100) -> list[Rejection]:
         return self._run(self.aio.rejections(limit))
 
-    def compatibility(self, deployment: str) -> dict[str, Any]:
+    def compatibility(self, deployment: str) -> Compatibility:
         return self._run(self.aio.compatibility(deployment))
 
 
