@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
+from kvroute.cli_plan import add_plan
 from kvroute.settings import Settings, SettingsError, load_settings
 from kvroute.store.errors import StoreError
 
@@ -105,7 +106,7 @@ def add_db(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     parser.set_defaults(run=_db)
 
 
-COMMANDS: list[Registrar] = [add_serve, add_db]
+COMMANDS: list[Registrar] = [add_serve, add_db, add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

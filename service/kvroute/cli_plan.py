@@ -1,0 +1,174 @@
+"""``kvroute plan``: a plan as a table (or JSON, or SVG), fetched from a server or computed locally.
+
+Two sources, one output. ``--url`` asks a running kvroute for the plan of live ranks (what workers
+get). ``--sender-doc``/``--receiver-doc`` plan from registration documents on disk (API.md shape),
+checked exactly as registration would check them, so a geometry can be tried before any worker
+starts. Sender ranks are numbered by file order; the receiver rank comes from ``--rank`` or from
+its document's ``tp_rank``/``pp_rank``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from kvroute.geometry import GeometryError, RankRegistration, build_plan, check_registration
+from kvroute.render import plan_svg, plan_text
+
+FETCH_TIMEOUT_SECONDS = 30.0
+TOKEN_ENV = "KVROUTE_TOKEN"
+
+stderr = Console(stderr=True, highlight=False)
+
+
+class PlanCommandError(Exception):
+    """A problem the user can fix (unreadable file, unreachable server); exit status 2."""
+
+
+class RefusedByServer(Exception):
+    """The server answered an error; the message carries its problem detail."""
+
+
+def add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "plan",
+        help="print a transfer plan, from a server (--url) or from registration documents",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    remote = parser.add_argument_group("from a running server")
+    remote.add_argument("--url", help="kvroute base URL, e.g. http://127.0.0.1:8080")
+    remote.add_argument("--deployment", default="local", help="deployment name")
+    remote.add_argument("--token", help=f"bearer token (default: ${TOKEN_ENV})")
+    local = parser.add_argument_group("from registration documents")
+    local.add_argument("--sender-doc", nargs="+", type=Path, help="sender ranks' JSON, rank order")
+    local.add_argument("--receiver-doc", type=Path, help="the receiver rank's JSON")
+    parser.add_argument("--sender", default="ctx0", help="sender (context) instance name")
+    parser.add_argument("--receiver", default="gen0", help="receiver (generation) instance name")
+    parser.add_argument("--rank", type=int, help="receiver rank (local default: from its document)")
+    parser.add_argument("--sender-dp-rank", type=int, default=0, help="sender attention-DP group")
+    parser.add_argument("--format", choices=("text", "json", "svg"), default="text")
+    parser.set_defaults(run=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        if args.url is not None:
+            if args.sender_doc or args.receiver_doc:
+                raise PlanCommandError("give either --url or --sender-doc/--receiver-doc, not both")
+            output = fetch_plan(args)
+        elif args.sender_doc and args.receiver_doc:
+            output = render(local_plan(args), args.format)
+        else:
+            raise PlanCommandError("give --url, or --sender-doc and --receiver-doc")
+    except PlanCommandError as exc:
+        stderr.print(f"kvroute plan: {exc}", markup=False, soft_wrap=True)
+        return 2
+    except GeometryError as exc:
+        stderr.print(
+            f"kvroute plan: refused ({exc.code}): {exc.detail} "
+            f"[field {exc.field}: local={exc.local!r}, peer={exc.peer!r}]",
+            markup=False,
+            soft_wrap=True,
+        )
+        return 1
+    except RefusedByServer as exc:
+        stderr.print(f"kvroute plan: {exc}", markup=False, soft_wrap=True)
+        return 1
+    sys.stdout.write(output)
+    return 0
+
+
+def render(plan: dict[str, Any], plan_format: str) -> str:
+    if plan_format == "json":
+        return json.dumps(plan, indent=2) + "\n"
+    return plan_svg(plan) if plan_format == "svg" else plan_text(plan)
+
+
+def _read_document(path: Path) -> dict[str, Any]:
+    try:
+        document = json.loads(path.read_text())
+    except OSError as exc:
+        raise PlanCommandError(f"cannot read {path}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise PlanCommandError(f"{path} is not JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise PlanCommandError(f"{path} holds a {type(document).__name__}, not a JSON object")
+    return document
+
+
+def _registration(path: Path, *, deployment: str, instance: str, rank: int) -> RankRegistration:
+    return RankRegistration.from_json(
+        _read_document(path), deployment=deployment, instance=instance, rank=rank
+    )
+
+
+def local_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Checks the documents as registration would (instance, then peers), then plans."""
+    senders: list[RankRegistration] = []
+    for rank, path in enumerate(args.sender_doc):
+        sender = _registration(path, deployment=args.deployment, instance=args.sender, rank=rank)
+        check_registration(sender, senders, [])
+        senders.append(sender)
+    receiver = _registration(
+        args.receiver_doc, deployment=args.deployment, instance=args.receiver, rank=args.rank or 0
+    )
+    if args.rank is None:
+        # Ranks are numbered TP-fastest within PP stages, as the instance check requires.
+        receiver = replace(receiver, rank=receiver.pp_rank * receiver.tp_size + receiver.tp_rank)
+    check_registration(receiver, [], senders)
+    plan = build_plan(senders, receiver, sender_dp_rank=args.sender_dp_rank)
+    return plan.to_json()
+
+
+def fetch_plan(args: argparse.Namespace) -> str:
+    if args.rank is None:
+        raise PlanCommandError("--rank (the receiver rank) is required with --url")
+    query = urllib.parse.urlencode(
+        {
+            "sender": args.sender,
+            "receiver": args.receiver,
+            "receiver_rank": args.rank,
+            "sender_dp_rank": args.sender_dp_rank,
+            "format": args.format,
+        }
+    )
+    deployment = urllib.parse.quote(args.deployment, safe="")
+    url = f"{args.url.rstrip('/')}/v1/deployments/{deployment}/plans?{query}"
+    request = urllib.request.Request(url)
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=FETCH_TIMEOUT_SECONDS) as response:
+            body: bytes = response.read()
+    except urllib.error.HTTPError as exc:
+        raise RefusedByServer(_problem_text(exc)) from exc
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise PlanCommandError(f"cannot reach {args.url}: {reason}") from exc
+    text = body.decode()
+    if args.format == "json":
+        return json.dumps(json.loads(text), indent=2) + "\n"
+    return text
+
+
+def _problem_text(error: urllib.error.HTTPError) -> str:
+    raw = error.read().decode(errors="replace")
+    try:
+        problem = json.loads(raw)
+    except json.JSONDecodeError:
+        problem = None
+    if not isinstance(problem, dict):
+        return f"{error.code}: {raw[:200]}"
+    return f"{error.code} {problem.get('title', '')}: {problem.get('detail', raw)}"

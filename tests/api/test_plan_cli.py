@@ -1,0 +1,104 @@
+"""``kvroute plan``: from registration documents on disk, and from a live server over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+
+from kvroute.cli import main
+from tests.api.conftest import WORKER_TOKEN, register
+from tests.api.documents import rank_document
+
+Client = TestClient[web.Request, web.Application]
+
+
+def _write(path: Path, document: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(document))
+    return path
+
+
+@pytest.fixture
+def documents(tmp_path: Path) -> list[str]:
+    senders = [
+        str(_write(tmp_path / f"ctx_rank{r}.json", rank_document(tp_size=4, tp_rank=r)))
+        for r in range(4)
+    ]
+    receiver = rank_document(role="generation", tp_size=2, tp_rank=1)
+    return [
+        "--sender-doc",
+        *senders,
+        "--receiver-doc",
+        str(_write(tmp_path / "gen1.json", receiver)),
+    ]
+
+
+def test_local_plan_prints_the_table(documents, capsys) -> None:
+    assert main(["plan", *documents]) == 0
+    table = capsys.readouterr().out
+    # The receiver rank comes from the document's tp_rank: rank 1 hears from senders 2 and 3.
+    assert table.startswith("plan local: ctx0 (dp group 0) -> gen0 rank 1 (generation None)")
+    senders = {line.split()[0] for line in table.splitlines()[6:] if line.strip()}
+    assert senders == {"2", "3"}
+
+
+def test_local_plan_as_json_names_the_options(documents, capsys) -> None:
+    args = ["plan", *documents, "--sender", "p0", "--receiver", "d0", "--rank", "1"]
+    assert main([*args, "--format", "json", "--deployment", "m"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["deployment"], plan["sender"]["instance"], plan["receiver"]["instance"]) == (
+        "m",
+        "p0",
+        "d0",
+    )
+    assert [peer["rank"] for peer in plan["peers"] if peer["sends"]] == [2, 3]
+
+
+def test_incompatible_documents_are_refused_with_the_field(tmp_path, capsys) -> None:
+    sender = _write(tmp_path / "ctx.json", rank_document(head_dim=16))
+    receiver = _write(tmp_path / "gen.json", rank_document(role="generation", head_dim=32))
+    assert main(["plan", "--sender-doc", str(sender), "--receiver-doc", str(receiver)]) == 1
+    error = capsys.readouterr().err
+    assert "head_dim_mismatch" in error
+    assert "field attention.head_dim: local=32, peer=16" in error
+
+
+def test_unreadable_documents_and_missing_sources_are_usage_errors(tmp_path, capsys) -> None:
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    assert main(["plan", "--sender-doc", str(broken), "--receiver-doc", str(broken)]) == 2
+    assert "is not JSON" in capsys.readouterr().err
+    assert (
+        main(["plan", "--sender-doc", str(tmp_path / "absent.json"), "--receiver-doc", str(broken)])
+        == 2
+    )
+    assert "cannot read" in capsys.readouterr().err
+    assert main(["plan"]) == 2
+    assert "give --url" in capsys.readouterr().err
+
+
+async def test_remote_plan_from_a_running_server(client: Client, capsys) -> None:
+    for rank in range(2):
+        await register(client, "ctx0", rank, rank_document(tp_size=2, tp_rank=rank))
+    await register(client, "gen0", 0, rank_document(role="generation"))
+    url = str(client.make_url("")).rstrip("/")
+    base = ["plan", "--url", url, "--deployment", "llama", "--rank", "0"]
+    # The command blocks on HTTP; run it off the loop that serves the app.
+    assert await asyncio.to_thread(main, [*base, "--token", WORKER_TOKEN]) == 0
+    table = capsys.readouterr().out
+    assert "gen0 rank 0 (generation 1)" in table
+    assert "expected writers 2" in table
+
+    assert await asyncio.to_thread(main, [*base, "--token", WORKER_TOKEN, "--format", "svg"]) == 0
+    assert capsys.readouterr().out.startswith("<svg")
+
+    assert await asyncio.to_thread(main, base) == 1
+    assert "401 Unauthorized" in capsys.readouterr().err
+    missing = [*base[:-1], "5", "--token", WORKER_TOKEN]
+    assert await asyncio.to_thread(main, missing) == 1
+    assert "receiver instance gen0 rank 5 is not registered" in capsys.readouterr().err
