@@ -1,0 +1,186 @@
+"""Plan -> NIXL descriptor lists: exact addresses, coalescing rules, refusals, and equivalence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvroute.client.nixl_descs import PoolAddress, plan_descriptors
+from kvroute.client.pools import KvLayout, Parallel, SharedKvPool, rank_document
+from kvroute.geometry import Kind, Owner, RankRegistration, build_plan
+
+
+def plan(*peers: dict[str, Any]) -> dict[str, Any]:
+    return {"peers": list(peers), "expected_writers": sum(1 for p in peers if p["sends"])}
+
+
+def peer(rank: int, *views: dict[str, Any]) -> dict[str, Any]:
+    return {"rank": rank, "sends": any(v["fragments"] for v in views), "views": list(views)}
+
+
+def view(fragments: list[list[int]], src_pool: int = 0, dst_pool: int = 0) -> dict[str, Any]:
+    return {"src_view": 0, "src_pool": src_pool, "dst_pool": dst_pool, "fragments": fragments}
+
+
+RECEIVER = {0: PoolAddress(base=100_000, slot_stride=64, num_slots=16)}
+SENDER = {0: PoolAddress(base=5_000, slot_stride=64, num_slots=16, device=1)}
+
+
+def test_fragment_addresses_are_exact() -> None:
+    result = plan_descriptors(
+        plan(peer(0, view([[0, 0, 16], [16, 32, 16]]))),
+        receiver_pools=RECEIVER,
+        sender_pools={0: SENDER},
+        src_blocks=[0, 3],
+        dst_blocks=[2, 9],
+    )
+    [descs] = result.peers
+    assert descs.local == (
+        (100_000 + 2 * 64, 16, 0),
+        (100_000 + 2 * 64 + 32, 16, 0),
+        (100_000 + 9 * 64, 16, 0),
+        (100_000 + 9 * 64 + 32, 16, 0),
+    )
+    assert descs.remote == (
+        (5_000, 16, 1),
+        (5_016, 16, 1),
+        (5_000 + 3 * 64, 16, 1),
+        (5_000 + 3 * 64 + 16, 16, 1),
+    )
+    assert (descs.bytes, descs.fragments, result.expected_notifications) == (64, 4, 1)
+
+
+def test_runs_contiguous_on_both_sides_merge_across_blocks() -> None:
+    whole_slot = plan(peer(0, view([[0, 0, 32], [32, 32, 32]])))
+    consecutive = plan_descriptors(
+        whole_slot,
+        receiver_pools=RECEIVER,
+        sender_pools={0: SENDER},
+        src_blocks=[0, 1, 2],
+        dst_blocks=[5, 6, 7],
+    )
+    assert consecutive.peers[0].local == ((100_000 + 5 * 64, 192, 0),)
+    assert consecutive.peers[0].remote == ((5_000, 192, 1),)
+    assert consecutive.descriptors == 1
+    assert consecutive.peers[0].fragments == 6
+    gap = plan_descriptors(
+        whole_slot,
+        receiver_pools=RECEIVER,
+        sender_pools={0: SENDER},
+        src_blocks=[0, 1, 2],
+        dst_blocks=[5, 7, 8],
+    )
+    assert [length for _, length, _ in gap.peers[0].local] == [64, 128]
+
+
+def test_runs_never_cross_pools_even_when_adjacent() -> None:
+    receiver = {0: PoolAddress(0, 64, 1), 1: PoolAddress(64, 64, 1)}
+    sender = {0: PoolAddress(1000, 64, 1), 1: PoolAddress(1064, 64, 1)}
+    result = plan_descriptors(
+        plan(peer(0, view([[0, 0, 64]], 0, 0), view([[0, 0, 64]], 1, 1))),
+        receiver_pools=receiver,
+        sender_pools={0: sender},
+        src_blocks=[0],
+        dst_blocks=[0],
+    )
+    assert result.peers[0].local == ((0, 64, 0), (64, 64, 0))
+
+
+def test_silent_peers_get_no_list_and_notifications_count_writers() -> None:
+    result = plan_descriptors(
+        plan(peer(0, view([[0, 0, 8]])), peer(1, view([])), peer(2, view([[8, 8, 8]]))),
+        receiver_pools=RECEIVER,
+        sender_pools={0: SENDER, 2: SENDER},
+        src_blocks=[1],
+        dst_blocks=[1],
+    )
+    assert [p.rank for p in result.peers] == [0, 2]
+    assert result.expected_notifications == 2
+    assert result.bytes == 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"src_blocks": [0], "dst_blocks": [0, 1]}, "1 source blocks but 2"),
+        ({"src_blocks": [16], "dst_blocks": [0]}, "16 slots"),
+        ({"src_blocks": [0], "dst_blocks": [-1]}, "receiver pool 0 has 16 slots"),
+        ({"src_blocks": [0], "dst_blocks": [0], "sender_pools": {}}, "sender rank 0"),
+        ({"src_blocks": [0], "dst_blocks": [0], "receiver_pools": {}}, "receiver pool 0"),
+    ],
+)
+def test_bad_inputs_are_named(kwargs: dict[str, Any], message: str) -> None:
+    arguments: dict[str, Any] = {"receiver_pools": RECEIVER, "sender_pools": {0: SENDER}, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        plan_descriptors(plan(peer(0, view([[0, 0, 8]]))), **arguments)
+
+
+def test_fragment_beyond_the_slot_is_refused() -> None:
+    with pytest.raises(ValueError, match="exceeds the slot stride"):
+        plan_descriptors(
+            plan(peer(0, view([[60, 0, 8]]))),
+            receiver_pools=RECEIVER,
+            sender_pools={0: SENDER},
+            src_blocks=[0],
+            dst_blocks=[0],
+        )
+
+
+def _rank(
+    role: str, tp: int, rank: int, kind: Kind, blocks: int
+) -> tuple[RankRegistration, SharedKvPool]:
+    target = KvLayout(kind, 4, 8 // tp, 4, 8, "bfloat16", total_kv_heads=8)
+    draft = KvLayout(kind, 1, 1, 4, 8, "bfloat16", owner=Owner.DRAFT, total_kv_heads=1)
+    pool = SharedKvPool.carve([target, draft], blocks)
+    doc = rank_document(
+        role=role,
+        target=target,
+        pools=[pool.describe()],
+        num_draft_layers=1,
+        parallel=Parallel(tp_size=tp, tp_rank=rank),
+    )
+    reg = RankRegistration.from_json(doc, deployment="d", instance=role, rank=rank)
+    return reg, pool
+
+
+@pytest.mark.parametrize("kind", [Kind.HND, Kind.NHD])
+def test_descriptors_move_exactly_what_the_fragments_move(kind: Kind) -> None:
+    """Coalesced descriptors applied as memcpy == every fragment applied one by one."""
+    senders = [_rank("context", 4, r, kind, 6) for r in range(4)]
+    receiver, _ = _rank("generation", 2, 1, kind, 6)
+    document = build_plan([reg for reg, _ in senders], receiver).to_json()
+    rng = np.random.default_rng(0)
+    sender_bytes = {
+        r: rng.integers(0, 256, pool.buffer.numel(), dtype=np.uint8)
+        for r, (_, pool) in enumerate(senders)
+    }
+    stride_s = senders[0][1].slot_stride
+    stride_r = receiver.pools[0].slot_stride
+    bases = {r: (r + 1) << 32 for r in range(4)}
+    src_blocks, dst_blocks = [4, 0, 1, 2], [0, 1, 2, 5]
+    result = plan_descriptors(
+        document,
+        receiver_pools={0: PoolAddress(0, stride_r, 6)},
+        sender_pools={r: {0: PoolAddress(bases[r], stride_s, 6)} for r in range(4)},
+        src_blocks=src_blocks,
+        dst_blocks=dst_blocks,
+    )
+    by_descriptors = np.zeros(stride_r * 6, dtype=np.uint8)
+    for descs in result.peers:
+        for (dst, length, _), (src, _, _) in zip(descs.local, descs.remote, strict=True):
+            offset = src - bases[descs.rank]
+            by_descriptors[dst : dst + length] = sender_bytes[descs.rank][offset : offset + length]
+    by_fragments = np.zeros_like(by_descriptors)
+    for p in document["peers"]:
+        for v in p["views"]:
+            for s, d in zip(src_blocks, dst_blocks, strict=True):
+                for so, do, length in v["fragments"]:
+                    by_fragments[d * stride_r + do : d * stride_r + do + length] = sender_bytes[
+                        p["rank"]
+                    ][s * stride_s + so : s * stride_s + so + length]
+    assert np.array_equal(by_descriptors, by_fragments)
+    assert result.expected_notifications == document["expected_writers"] == 2
+    assert result.descriptors <= sum(p.fragments for p in result.peers)
+    assert result.bytes == document["bytes_per_block"] * len(src_blocks)
