@@ -1,0 +1,194 @@
+"""Executes a plan across nodes with NIXL: the receiver pulls (READ) from every sending rank.
+
+kvroute does not move bytes between nodes; it tells the receiver which bytes to read from whom.
+A sender registers its pool memory with its NIXL agent and publishes, in its kvroute registration,
+the agent's metadata (``nixl_agent_metadata``, base64) and each pool's address in its own address
+space (the ``nixl`` member of the pool's ``memory`` descriptor). The receiver loads the senders'
+metadata, turns the plan into descriptor lists (``nixl_descs``), posts one READ per sender with a
+notification, waits within a bound, and each sender learns from the notification that its blocks
+may be freed. Pull, not push: a receiver knows when its destination blocks are ready.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvroute.client.nixl_descs import NixlTransfer, PoolAddress, plan_descriptors
+
+if TYPE_CHECKING:
+    import torch
+
+NIXL_MEMBER = "nixl"  # member of a pool's memory descriptor: {"address", "device", "mem_type"}
+LOCAL_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "my own descriptors" in prep_xfer_dlist
+
+
+class NixlTransferError(RuntimeError):
+    """A NIXL transfer failed, or did not finish within its bound."""
+
+
+def nixl_memory(address: int, *, device: int = 0, mem_type: str = "DRAM") -> dict[str, Any]:
+    return {"address": address, "device": device, "mem_type": mem_type}
+
+
+def pool_addresses(document: Mapping[str, Any]) -> dict[int, PoolAddress]:
+    """Pool id -> address, from a registration document whose pools publish a ``nixl`` member."""
+    addresses = {}
+    for pool in document["pools"]:
+        member = (pool.get("memory") or {}).get(NIXL_MEMBER)
+        if member is None:
+            continue
+        addresses[int(pool["pool_id"])] = PoolAddress(
+            base=int(member["address"]),
+            slot_stride=int(pool.get("slot_stride", pool["slot_bytes"])),
+            num_slots=int(pool["num_slots"]),
+            device=int(member.get("device", 0)),
+        )
+    return addresses
+
+
+@dataclass(frozen=True, slots=True)
+class PullReport:
+    bytes: int
+    descriptors: int
+    senders: int
+    seconds: float
+
+
+class NixlEndpoint:
+    """One NIXL agent (UCX) with its registered pool memory."""
+
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name
+        self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self._registered: list[Any] = []
+        self._peers: set[str] = set()
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Registers a contiguous pool tensor (host or device) for remote access."""
+        if not tensor.is_contiguous():
+            raise ValueError("NIXL registers contiguous memory; register the pool's flat buffer")
+        self._registered.append(self._agent.register_memory(tensor))
+
+    @property
+    def metadata(self) -> str:
+        """The agent metadata as base64, the form a kvroute registration carries."""
+        return base64.b64encode(self._agent.get_agent_metadata()).decode()
+
+    def add_peer(self, metadata: str) -> str:
+        """Loads a remote agent's metadata (base64); returns the agent's name."""
+        name = self._agent.add_remote_agent(base64.b64decode(metadata))
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._peers.add(name)
+        return name
+
+    def pull(
+        self,
+        transfer: NixlTransfer,
+        agents: Mapping[int, str],
+        *,
+        notification: bytes,
+        mem_type: str = "DRAM",
+        limit_s: float = 30.0,
+    ) -> PullReport:
+        """READs every sender's descriptors in parallel; each sender is notified on completion."""
+        started = time.perf_counter()
+        handles, dlists = [], []
+        try:
+            for peer in transfer.peers:
+                local = self._agent.prep_xfer_dlist(LOCAL_AGENT, list(peer.local), mem_type)
+                remote = self._agent.prep_xfer_dlist(agents[peer.rank], list(peer.remote), mem_type)
+                dlists += [local, remote]
+                indices = list(range(len(peer.local)))
+                handle = self._agent.make_prepped_xfer(
+                    "READ", local, indices, remote, indices, notification
+                )
+                handles.append(handle)
+                if self._agent.transfer(handle) == "ERR":
+                    raise NixlTransferError(f"posting the read from sender rank {peer.rank} failed")
+            self._wait(handles, limit_s)
+        finally:
+            for handle in handles:
+                self._agent.release_xfer_handle(handle)
+            for dlist in dlists:
+                self._agent.release_dlist_handle(dlist)
+        return PullReport(
+            transfer.bytes, transfer.descriptors, len(transfer.peers), time.perf_counter() - started
+        )
+
+    def _wait(self, handles: list[Any], limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        pending = list(handles)
+        while pending:
+            states = [self._agent.check_xfer_state(handle) for handle in pending]
+            if "ERR" in states:
+                raise NixlTransferError("a NIXL read failed")
+            pending = [h for h, state in zip(pending, states, strict=True) if state != "DONE"]
+            if pending and time.monotonic() > deadline:
+                raise NixlTransferError(f"{len(pending)} reads still running after {limit_s} s")
+            if pending:
+                time.sleep(0.0005)
+
+    def wait_notifications(self, count: int, *, limit_s: float = 30.0) -> list[tuple[str, bytes]]:
+        """Blocks until ``count`` notifications arrived (a sender waiting for its readers)."""
+        received: list[tuple[str, bytes]] = []
+        deadline = time.monotonic() + limit_s
+        while len(received) < count:
+            for agent, messages in self._agent.get_new_notifs().items():
+                name = agent.decode() if isinstance(agent, bytes) else str(agent)
+                received += [(name, message) for message in messages]
+            if len(received) < count:
+                if time.monotonic() > deadline:
+                    raise NixlTransferError(
+                        f"{len(received)} of {count} notifications in {limit_s} s"
+                    )
+                time.sleep(0.001)
+        return received
+
+    def close(self) -> None:
+        for name in self._peers:
+            self._agent.remove_remote_agent(name)
+        self._peers.clear()
+        for descs in self._registered:
+            self._agent.deregister_memory(descs)
+        self._registered.clear()
+
+
+def pull_plan(
+    endpoint: NixlEndpoint,
+    plan: Mapping[str, Any],
+    sender_documents: Mapping[int, Mapping[str, Any]],
+    *,
+    receiver_pools: Mapping[int, PoolAddress],
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    limit_s: float = 30.0,
+) -> PullReport:
+    """Pulls one plan's blocks: sender documents are the sending ranks' registrations (GET rank)."""
+    sending = [int(peer["rank"]) for peer in plan["peers"] if peer["sends"]]
+    missing = [
+        rank for rank in sending if "nixl_agent_metadata" not in sender_documents.get(rank, {})
+    ]
+    if missing:
+        raise ValueError(f"sender ranks {missing} published no nixl_agent_metadata")
+    agents = {
+        rank: endpoint.add_peer(sender_documents[rank]["nixl_agent_metadata"]) for rank in sending
+    }
+    transfer = plan_descriptors(
+        plan,
+        receiver_pools=receiver_pools,
+        sender_pools={rank: pool_addresses(sender_documents[rank]) for rank in sending},
+        src_blocks=src_blocks,
+        dst_blocks=dst_blocks,
+    )
+    fingerprint = str(plan.get("fingerprint", ""))
+    receiver = plan.get("receiver", {})
+    notification = (
+        f"kvroute:{receiver.get('instance')}:{receiver.get('rank')}:{fingerprint}".encode()
+    )
+    return endpoint.pull(transfer, agents, notification=notification, limit_s=limit_s)
