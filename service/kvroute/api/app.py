@@ -31,6 +31,7 @@ from kvroute.api.metrics import Metrics
 from kvroute.api.plans import plan_context
 from kvroute.api.routes import add_endpoints
 from kvroute.api.spec import SpecValidator, load_spec, spec_bytes
+from kvroute.api.transfers import transfer_context
 from kvroute.api.validation import validation_middleware
 from kvroute.settings import Settings
 
@@ -59,5 +60,6 @@ def create_app(settings: Settings) -> web.Application:
     app.cleanup_ctx.append(database_context)
     app.cleanup_ctx.append(plan_context)
     app.cleanup_ctx.append(reaper_context)
+    app.cleanup_ctx.append(transfer_context)
     app.on_shutdown.append(start_draining)
     return app

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from openapi_core import OpenAPI
@@ -19,6 +20,10 @@ from kvroute.api.scopes import Scope
 from kvroute.api.spec import SpecValidator, ValidatedRequest
 from kvroute.plans import PlanService
 from kvroute.settings import Settings
+
+if TYPE_CHECKING:  # the data plane imports torch, which the control plane may lack
+    from kvroute.transfer.engine import CopyEngine
+    from kvroute.transfer.service import TransferService
 
 
 @dataclass
@@ -40,6 +45,9 @@ sessionmaker_key = web.AppKey("sessionmaker", async_sessionmaker[AsyncSession])
 reaper_key = web.AppKey("reaper", asyncio.Task[None])
 plan_service_key = web.AppKey("plan_service", PlanService)
 plan_answers_key = web.AppKey("plan_answers", PlanAnswers)
+transfer_service_key: web.AppKey[TransferService] = web.AppKey("transfer_service")
+# Optional: an embedder's copy engine (e.g. one fixed strategy); the default engine otherwise.
+copy_engine_key: web.AppKey[CopyEngine] = web.AppKey("copy_engine")
 
 request_id_key = web.RequestKey("request_id", str)
 validated_key = web.RequestKey("validated", ValidatedRequest)

@@ -17,6 +17,7 @@ from kvroute.api.keys import (
     spec_text_key,
 )
 from kvroute.api.registration import utcnow
+from kvroute.api.transfers import transfer_checks
 from kvroute.store import registry
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ async def readyz(request: web.Request) -> web.Response:
     checks = {
         "database": await _database_check(request),
         "draining": "draining for shutdown" if app[lifecycle_key].draining else "ok",
+        **transfer_checks(app),
     }
     ready = all(result == "ok" for result in checks.values())
     return web.json_response(

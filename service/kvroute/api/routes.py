@@ -11,13 +11,14 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from kvroute.api import compatibility, inventory, ops, plans, registration
+from kvroute.api import compatibility, inventory, ops, plans, registration, transfers
 from kvroute.api.keys import route_scopes_key
 from kvroute.api.scopes import Scope
 
 RANK = "/v1/deployments/{deployment}/instances/{instance}/ranks/{rank}"
 INSTANCE = "/v1/deployments/{deployment}/instances/{instance}"
 DEPLOYMENT = "/v1/deployments/{deployment}"
+TRANSFER = "/v1/transfers/{job_id}"
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", DEPLOYMENT + "/plans", plans.get_plan, Scope.WORKER),
     Endpoint("GET", DEPLOYMENT + "/plan-sets", plans.get_plan_set, Scope.WORKER),
     Endpoint("GET", DEPLOYMENT + "/compatibility", compatibility.get_compatibility, Scope.ADMIN),
+    Endpoint("POST", DEPLOYMENT + "/transfers", transfers.post_transfer, Scope.WORKER),
+    Endpoint("GET", TRANSFER, transfers.get_transfer, Scope.WORKER),
+    Endpoint("DELETE", TRANSFER, transfers.delete_transfer, Scope.WORKER),
     Endpoint("GET", "/healthz", ops.healthz, Scope.PUBLIC),
     Endpoint("GET", "/readyz", ops.readyz, Scope.PUBLIC),
     Endpoint("GET", "/metrics", ops.metrics, Scope.PUBLIC),

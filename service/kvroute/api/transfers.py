@@ -1,0 +1,183 @@
+"""Transfer job endpoints, and the worker pool's lifetime inside the app.
+
+The data plane needs torch, which the control-plane image does not install: the pool's cleanup
+context imports it lazily and, without it, the app serves everything else while ``POST`` and
+``DELETE`` answer 503 naming the missing extra. ``GET`` reads the job table only, so any replica
+(with or without a data plane) answers it. The transfer package's errors are translated here,
+since importing them outside this lazily-entered path would import torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from kvroute.api.keys import (
+    copy_engine_key,
+    metrics_key,
+    plan_service_key,
+    sessionmaker_key,
+    settings_key,
+    transfer_service_key,
+    validated_key,
+)
+from kvroute.api.problems import Problem, ProblemError
+from kvroute.api.registration import utcnow
+from kvroute.store import jobs
+from kvroute.store.records import TransferJobRecord
+
+if TYPE_CHECKING:
+    from kvroute.transfer.service import TransferService
+
+log = logging.getLogger(__name__)
+
+NO_DATA_PLANE = (
+    "this kvroute process runs without the transfer data plane (torch is not installed; "
+    "install kvroute[transfer]); submit transfers to a replica that has it"
+)
+
+
+async def transfer_context(app: web.Application) -> AsyncIterator[None]:
+    """Start the worker pool; on shutdown (readiness is already 503) drain it, then unmap pools."""
+    try:
+        from kvroute.transfer.service import TransferService
+    except ImportError as error:
+        log.warning("transfer endpoints disabled: %s (%s)", NO_DATA_PLANE, error)
+        yield
+        return
+    settings = app[settings_key]
+    service = TransferService(
+        app[sessionmaker_key],
+        app[plan_service_key],
+        workers=settings.transfer_workers,
+        queue_size=settings.transfer_queue_size,
+        registry=app[metrics_key].registry,
+        engine=app.get(copy_engine_key),
+    )
+    await service.start(now=utcnow())
+    app[transfer_service_key] = service
+    yield
+    report = await service.close(settings.shutdown_timeout_seconds)
+    if not report.clean:
+        log.warning("transfer jobs abandoned at shutdown: %s", ", ".join(report.abandoned))
+
+
+def transfer_checks(app: web.Application) -> dict[str, str]:
+    """The readiness entry of the worker pool; none where this process has no data plane."""
+    service = app.get(transfer_service_key)
+    return {} if service is None else {"transfer_pool": service.readiness()}
+
+
+async def post_transfer(request: web.Request) -> web.Response:
+    service = _service(request.app)
+    from kvroute.transfer.service import TransferRequest  # importable: the service exists
+
+    validated = request[validated_key]
+    body = validated.body
+    transfer = TransferRequest(
+        deployment=validated.path["deployment"],
+        sender=body["sender"],
+        receiver=body["receiver"],
+        receiver_ranks=tuple(body["receiver_ranks"]),
+        src_blocks=tuple(body["src_blocks"]),
+        dst_blocks=tuple(body["dst_blocks"]),
+        sender_dp_rank=body.get("sender_dp_rank", 0),
+    )
+    try:
+        record = await service.submit(transfer, now=utcnow())
+    except Exception as error:
+        problem = _transfer_problem(error)
+        if problem is None:
+            raise
+        raise ProblemError(problem) from error
+    return web.json_response(
+        job_json(record), status=202, headers={"Location": f"/v1/transfers/{record.id}"}
+    )
+
+
+async def get_transfer(request: web.Request) -> web.Response:
+    job_id = request[validated_key].path["job_id"]
+    record = await jobs.get_job(request.app[sessionmaker_key], job_id)
+    return web.json_response(job_json(record))
+
+
+async def delete_transfer(request: web.Request) -> web.Response:
+    service = _service(request.app)
+    job_id = request[validated_key].path["job_id"]
+    record = await service.cancel(job_id, now=utcnow())
+    return web.json_response(job_json(record))
+
+
+def job_json(record: TransferJobRecord) -> dict[str, Any]:
+    duration = None
+    if record.started_at is not None and record.finished_at is not None:
+        duration = (record.finished_at - record.started_at).total_seconds()
+    return {
+        "id": record.id,
+        "deployment": record.deployment,
+        "sender": record.sender,
+        "receiver": record.receiver,
+        "receiver_ranks": list(record.receiver_ranks),
+        "blocks": len(record.src_blocks),
+        "state": record.state,
+        "bytes": record.bytes,
+        "fragments": record.fragments,
+        "duration_seconds": duration,
+        "error": record.error,
+        "plan_fingerprints": record.plan_fingerprint.split(","),
+        "created_at": record.created_at.isoformat(),
+        "started_at": _iso(record.started_at),
+        "finished_at": _iso(record.finished_at),
+    }
+
+
+def _iso(stamp: Any) -> str | None:
+    return stamp.isoformat() if stamp is not None else None
+
+
+def _service(app: web.Application) -> TransferService:
+    service = app.get(transfer_service_key)
+    if service is None:
+        raise ProblemError(Problem(503, "Service Unavailable", NO_DATA_PLANE, "no_data_plane"))
+    return service
+
+
+def _transfer_problem(error: Exception) -> Problem | None:
+    """A data-plane refusal as problem+json; None leaves the error to the error boundary."""
+    from kvroute.transfer.errors import (
+        PoolDraining,
+        PoolMemoryError,
+        QueueFull,
+        TransferValidationError,
+    )
+    from kvroute.transfer.service import RankPoolMemoryError
+
+    if isinstance(error, PoolMemoryError):
+        extras: dict[str, Any] = {
+            "pool": error.pool_id,
+            "backend": error.backend,
+            "reason": error.reason,
+        }
+        if isinstance(error, RankPoolMemoryError):
+            extras |= {"instance": error.instance, "rank": error.rank}
+        return _unprocessable(error, "pool_memory_unavailable", extras)
+    if isinstance(error, TransferValidationError):
+        return _unprocessable(error, "invalid_transfer", {"field": error.field})
+    if isinstance(error, QueueFull):
+        retry = str(max(1, math.ceil(error.retry_after)))
+        return Problem(
+            429, "Too Many Requests", str(error), "queue_full", headers={"Retry-After": retry}
+        )
+    if isinstance(error, PoolDraining):
+        return Problem(
+            503, "Service Unavailable", str(error), "draining", headers={"Retry-After": "1"}
+        )
+    return None
+
+
+def _unprocessable(error: Exception, code: str, extras: dict[str, Any]) -> Problem:
+    return Problem(422, "Unprocessable Content", str(error), code, extras=extras)
