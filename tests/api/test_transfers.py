@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient
 from kvroute.api import create_app
 from kvroute.api.keys import copy_engine_key, sessionmaker_key
 from kvroute.store import jobs
+from kvroute.store.engine import create_engine, make_sessionmaker
 from kvroute.store.jobs import INTERRUPTED
 from kvroute.transfer import CopyEngine, TransferJob
 from kvroute.transfer.jobs import CopyResult
@@ -312,6 +313,30 @@ async def test_a_job_queued_by_another_process_is_409_here(start, segment) -> No
     assert refused.status == 409
     assert "in another kvroute process" in (await refused.json())["detail"]
     assert seen["state"] == "queued"
+
+
+async def test_shutdown_cancels_queued_jobs_and_lets_the_running_one_finish(
+    start, segment, database_url
+) -> None:
+    engine = GatedEngine()
+    client = await start(engine, transfer_workers=1, shutdown_timeout_seconds=5)
+    await register_world(client, segment)
+    running = await submit(client, [0], [0])
+    await wait_entered(engine)
+    queued = await submit(client, [1], [1])
+    threading.Timer(0.2, engine.gate.set).start()  # the copy ends while shutdown waits for it
+
+    await client.close()
+
+    store = create_engine(database_url)
+    try:
+        sessionmaker = make_sessionmaker(store)
+        finished = await jobs.get_job(sessionmaker, running["id"])
+        drained = await jobs.get_job(sessionmaker, queued["id"])
+    finally:
+        await store.dispose()
+    assert (finished.state, finished.error) == ("succeeded", None)
+    assert (drained.state, drained.error) == ("cancelled", "cancelled: kvroute is draining")
 
 
 NO_TORCH = """
