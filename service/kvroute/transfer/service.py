@@ -354,9 +354,10 @@ class TransferService:
             )
         except InvalidTransition:
             log.debug("transfer job %s is already final; %s not stored", row_id, state)
-        if state.terminal:
-            self._row_ids.pop(status.job_id, None)
-            self._pool_ids.pop(row_id, None)
+        finally:
+            if state.terminal:  # the pool forgets the job too; even a failed write ends it here
+                self._row_ids.pop(status.job_id, None)
+                self._pool_ids.pop(row_id, None)
 
 
 def _sending_pools(plan: CopyPlan) -> list[tuple[int, int]]:
