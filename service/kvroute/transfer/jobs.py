@@ -11,25 +11,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 import numpy as np
 
+from kvroute.job_state import JobState
 from kvroute.transfer.errors import TransferValidationError
 from kvroute.transfer.memory import PoolMemory
 from kvroute.transfer.plan import CopyPlan
-
-
-class JobState(StrEnum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def finished(self) -> bool:
-        return self in {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
 
 
 @dataclass(frozen=True, slots=True)

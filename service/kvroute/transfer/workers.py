@@ -271,7 +271,7 @@ class WorkerPool:
     ) -> None:
         job_id = entry.job.job_id
         with self._cond:
-            if entry.status.state.finished:
+            if entry.status.state.terminal:
                 return  # abandoned by a drain that gave up on it; the late result is dropped
             self._running.pop(job_id, None)
             entry.status = replace(
