@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
+from kvroute.cli_demo import add_demo
 from kvroute.cli_plan import add_plan
 from kvroute.settings import Settings, SettingsError, load_settings
 from kvroute.store.errors import StoreError
@@ -106,7 +107,7 @@ def add_db(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     parser.set_defaults(run=_db)
 
 
-COMMANDS: list[Registrar] = [add_serve, add_db, add_plan]
+COMMANDS: list[Registrar] = [add_serve, add_db, add_plan, add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,38 @@
+"""``kvroute demo --small`` end to end: a subprocess, its output and its exit status."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+DEMO_LIMIT_S = 240
+
+
+def test_small_demo_moves_and_verifies_every_byte() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvroute", "demo", "--small", "--jobs", "3"],
+        capture_output=True,
+        text=True,
+        timeout=DEMO_LIMIT_S,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "registered ctx0: context, TP4, 4 live ranks" in output
+    assert "registered gen0: generation, TP2, 2 live ranks" in output
+    assert (
+        "refused gen-bad: 409 tokens_per_block_mismatch field=tokens_per_block local=2 peer=4"
+        in output
+    )
+    assert output.count("succeeded") == 3
+    verified = re.search(r"verified\s*│\s*ok\s*│.*?([\d,]+) checked\s*│\s*0 wrong", output)
+    assert verified is not None, output
+    # 12 slots x 2 generation ranks x (4 target layers x 2 x 4 heads x 4 tokens x 16 x 2 bytes
+    # + a 256-byte-aligned draft region of 1 head): every slot checked, received or not.
+    assert int(verified.group(1).replace(",", "")) == 12 * 2 * (8192 + 512)
