@@ -9,6 +9,7 @@ never a silent fallback to a default.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -48,6 +49,9 @@ class Settings(BaseSettings):
     shutdown_timeout_seconds: float = Field(default=30.0, gt=0, le=600)
     transfer_workers: int = Field(default=2, ge=1, le=64)
     transfer_queue_size: int = Field(default=256, ge=1, le=100_000)
+    # Names this process among replicas sharing one database: a restart fails only the transfer
+    # jobs its own previous incarnation left in flight. Must be stable across restarts (a pod name).
+    replica_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128)
 
     @field_validator("database_url")
     @classmethod

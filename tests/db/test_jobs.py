@@ -16,7 +16,9 @@ from tests.db.documents import T0
 LATER = T0 + timedelta(seconds=2)
 
 
-async def new_job(sessionmaker: SessionMaker, deployment: str = "llama") -> TransferJobRecord:
+async def new_job(
+    sessionmaker: SessionMaker, deployment: str = "llama", replica: str = ""
+) -> TransferJobRecord:
     return await jobs.create_job(
         sessionmaker,
         deployment=deployment,
@@ -29,6 +31,7 @@ async def new_job(sessionmaker: SessionMaker, deployment: str = "llama") -> Tran
         bytes_total=2**40,  # beyond 32 bits: the columns are BIGINT
         fragments=12,
         now=T0,
+        replica=replica,
     )
 
 
@@ -96,6 +99,17 @@ async def test_restart_fails_jobs_that_were_in_flight(sessionmaker: SessionMaker
             LATER,
         )
     assert (await jobs.get_job(sessionmaker, finished.id)).state == "succeeded"
+
+
+async def test_a_restart_fails_only_its_own_replica_jobs(sessionmaker: SessionMaker) -> None:
+    mine = await new_job(sessionmaker, replica="kvroute-0")
+    theirs = await new_job(sessionmaker, replica="kvroute-1")
+    await jobs.set_state(sessionmaker, theirs.id, JobState.RUNNING, now=T0)
+
+    assert await jobs.mark_interrupted(sessionmaker, now=LATER, replica="kvroute-0") == 1
+
+    assert (await jobs.get_job(sessionmaker, mine.id)).state == "failed"
+    assert (await jobs.get_job(sessionmaker, theirs.id)).state == "running"
 
 
 async def test_list_jobs_is_per_deployment(sessionmaker: SessionMaker) -> None:

@@ -57,6 +57,7 @@ async def transfer_context(app: web.Application) -> AsyncIterator[None]:
         queue_size=settings.transfer_queue_size,
         registry=app[metrics_key].registry,
         engine=app.get(copy_engine_key),
+        replica=settings.replica_id,
     )
     await service.start(now=utcnow())
     app[transfer_service_key] = service

@@ -44,6 +44,7 @@ async def create_job(
     bytes_total: int,
     fragments: int,
     now: datetime,
+    replica: str = "",
 ) -> TransferJobRecord:
     """Stores a new queued job under a fresh UUID and returns it."""
     job = TransferJob(
@@ -58,6 +59,7 @@ async def create_job(
         bytes=bytes_total,
         fragments=fragments,
         plan_fingerprint=plan_fingerprint,
+        replica=replica,
         created_at=now,
     )
     async with sessionmaker.begin() as session:
@@ -108,13 +110,19 @@ async def set_state(
     return _record(job)
 
 
-async def mark_interrupted(sessionmaker: SessionMaker, *, now: datetime) -> int:
-    """Fails every queued or running job (their workers are gone); returns how many."""
+async def mark_interrupted(sessionmaker: SessionMaker, *, now: datetime, replica: str = "") -> int:
+    """Fails the replica's queued or running jobs (its previous workers are gone); returns how many.
+
+    Jobs of other replicas sharing the database are left alone: their workers are alive.
+    """
     async with sessionmaker.begin() as session:
         return await affected_rows(
             session,
             update(TransferJob)
-            .where(TransferJob.state.in_([JobState.QUEUED.value, JobState.RUNNING.value]))
+            .where(
+                TransferJob.replica == replica,
+                TransferJob.state.in_([JobState.QUEUED.value, JobState.RUNNING.value]),
+            )
             .values(state=JobState.FAILED.value, error=INTERRUPTED, finished_at=now),
         )
 

@@ -224,6 +224,7 @@ class TransferJob(Base):
     __table_args__ = (
         CheckConstraint(_in("state", tuple(JobState)), name="state"),
         Index(None, "state"),
+        Index(None, "replica", "state"),
         Index(None, "deployment", "created_at"),
     )
 
@@ -238,6 +239,8 @@ class TransferJob(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     fragments: Mapped[int] = mapped_column(BigInteger)
     plan_fingerprint: Mapped[str] = mapped_column(Text)
+    # The kvroute replica whose worker pool runs the job (settings.replica_id).
+    replica: Mapped[str] = mapped_column(String(128), server_default="")
     created_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]

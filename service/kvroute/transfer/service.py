@@ -106,8 +106,10 @@ class TransferService:
         registry: CollectorRegistry,
         engine: CopyEngine | None = None,
         memories: PoolMemoryCache | None = None,
+        replica: str = "",
     ) -> None:
         self._sessionmaker = sessionmaker
+        self._replica = replica
         self._plans = plans
         self.workers = workers
         self.pool = WorkerPool(
@@ -143,7 +145,9 @@ class TransferService:
         async with self._recovery:
             if self._recovered:
                 return
-            interrupted = await jobs.mark_interrupted(self._sessionmaker, now=now)
+            interrupted = await jobs.mark_interrupted(
+                self._sessionmaker, now=now, replica=self._replica
+            )
             self._recovered = True
         if interrupted:
             log.warning("marked %d transfer jobs of a previous process failed", interrupted)
@@ -204,6 +208,7 @@ class TransferService:
                 bytes_total=job.num_blocks * sum(leg.copy_plan.bytes_per_block for leg in legs),
                 fragments=job.num_blocks * sum(leg.copy_plan.fragments_per_block for leg in legs),
                 now=now,
+                replica=self._replica,
             )
         except BaseException:
             # Unrecorded, the job must not run: nobody could ever learn its outcome.
