@@ -33,6 +33,8 @@ def test_small_demo_moves_and_verifies_every_byte() -> None:
     assert output.count("succeeded") == 3
     verified = re.search(r"verified\s*│\s*ok\s*│.*?([\d,]+) checked\s*│\s*0 wrong", output)
     assert verified is not None, output
-    # 12 slots x 2 generation ranks x (4 target layers x 2 x 4 heads x 4 tokens x 16 x 2 bytes
-    # + a 256-byte-aligned draft region of 1 head): every slot checked, received or not.
-    assert int(verified.group(1).replace(",", "")) == 12 * 2 * (8192 + 512)
+    # Every slot of both generation ranks is checked, received or not: 12 slots x 2 ranks x
+    # (4 target layers x K,V x 4 heads x 4 tokens x 16 x 2 bytes + 1 draft layer with 1 head).
+    assert int(verified.group(1).replace(",", "")) == 12 * 2 * (
+        4 * 2 * 4 * 4 * 16 * 2 + 2 * 4 * 16 * 2
+    )
