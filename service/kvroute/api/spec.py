@@ -8,6 +8,7 @@ wheel), so an editable checkout and a container image load the same document.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -21,6 +22,9 @@ from openapi_core.unmarshalling.request.unmarshallers import V31RequestParameter
 from openapi_core.validation.request.validators import V31RequestBodyValidator
 
 SPEC_RESOURCE = ("kvroute.api", "openapi.yaml")
+# Parameter results remembered per (operation, path, query): hot reads (plans, heartbeats) repeat
+# the same URL, and openapi-core spends ~2 ms per parameter resolving its schema again.
+PARAMETER_CACHE_SIZE = 4096
 
 
 def spec_bytes() -> bytes:
@@ -64,6 +68,8 @@ class SpecValidator:
         # ~15x more than validating it, and the JSON is the document the handler needs anyway.
         self._body = V31RequestBodyValidator(spec.spec)
         self._query_names = declared_query_parameters(document)
+        self._url_only = url_only_operations(document)
+        self._parameters_seen: OrderedDict[tuple[str, ...], ValidatedRequest] = OrderedDict()
         self._with_body = {
             (method, path)
             for method, path in spec_operations(document)
@@ -79,16 +85,37 @@ class SpecValidator:
         unknown = sorted(set(request.query) - allowed)
         if unknown:
             return [UnknownQueryParameter(unknown[0])], ValidatedRequest({}, {}, None)
+        if operation not in self._with_body and operation in self._url_only:
+            # The URL alone decides the result: no body to check, no header parameters.
+            key = (*operation, request.path, request.query_string)
+            seen = self._parameters_seen.get(key)
+            if seen is None:
+                errors, seen = self._unmarshal(request, operation, None)
+                if errors:
+                    return errors, seen
+                self._parameters_seen[key] = seen
+                if len(self._parameters_seen) > PARAMETER_CACHE_SIZE:
+                    self._parameters_seen.popitem(last=False)
+            return [], seen
+        return self._unmarshal(request, operation, body)
+
+    def _unmarshal(
+        self, request: web.Request, operation: tuple[str, str], body: bytes | None
+    ) -> tuple[Sequence[Exception], ValidatedRequest]:
         adapted = AIOHTTPOpenAPIWebRequest(request, body=body)
         parameters = self._parameters.unmarshal(adapted)
         if parameters.errors:
             return parameters.errors, ValidatedRequest({}, {}, None)
+        if operation not in self._with_body:
+            # An operation without a requestBody ignores whatever body was sent.
+            return [], ValidatedRequest(
+                parameters.parameters.path, parameters.parameters.query, None
+            )
         errors = list(self._body.iter_errors(adapted))
         validated = ValidatedRequest(
             path=parameters.parameters.path,
             query=parameters.parameters.query,
-            # An operation without a requestBody ignores whatever body was sent.
-            body=json.loads(body) if body and not errors and operation in self._with_body else None,
+            body=json.loads(body) if body and not errors else None,
         )
         return errors, validated
 
@@ -116,6 +143,17 @@ def declared_query_parameters(spec: Mapping[str, Any]) -> dict[tuple[str, str], 
             if _resolve(spec, parameter)["in"] == "query"
         )
     return declared
+
+
+def url_only_operations(spec: Mapping[str, Any]) -> frozenset[tuple[str, str]]:
+    """Operations whose parameters all live in the path or the query string."""
+    found = set()
+    for method, path in spec_operations(spec):
+        item = spec["paths"][path]
+        parameters = [*item.get("parameters", []), *item[method.lower()].get("parameters", [])]
+        if all(_resolve(spec, parameter)["in"] in ("path", "query") for parameter in parameters):
+            found.add((method, path))
+    return frozenset(found)
 
 
 def _resolve(spec: Mapping[str, Any], node: Mapping[str, Any]) -> Mapping[str, Any]:
