@@ -1,0 +1,232 @@
+"""HTTP benchmark: a live ``kvroute serve`` driven by many concurrent clients from another process.
+
+Starts ``kvroute serve`` (127.0.0.1, a free port, a temporary SQLite file, tokens on, warnings-only
+logs) and measures, with aiohttp clients in this process: registrations, heartbeats, uncached plan
+reads (the first read of each plan) and cached plan reads. Each row prints throughput and p50/p99
+latency, and the p50 as a multiple of the in-process ``build_plan`` time for the same plans, which
+makes the HTTP overhead visible. The deployment is API.md's example (context TP4 -> generation
+TP2, 32 layers with 8 KV heads, 1 draft layer with 1 head, bf16, head_dim 128, 32 tokens).
+
+    python bench/api_bench.py [--deployments 48] [--clients 64] [--reads 6000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.console import Console
+from rich.table import Table
+
+from kvroute.geometry import RankRegistration, build_plan
+from plan_bench import Model, instance
+
+MODEL = Model(layers=32, kv_heads=8, draft_heads=1, indexer=False)
+CONTEXT_TP, GENERATION_TP = 4, 2
+WORKER_TOKEN = "bench-worker-token-0123456789"
+ADMIN_TOKEN = "bench-admin-token-0123456789ab"
+HEADERS = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+STARTUP_SECONDS = 30.0
+REQUEST_TIMEOUT_SECONDS = 10.0
+TOTAL_SECONDS = 110.0  # the whole run, server start included, stays under two minutes
+LEASE_SECONDS = 600
+WRITE_CLIENTS = 16  # SQLite serialises writers: more clients only queue on its lock
+
+Request = Callable[[aiohttp.ClientSession], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    clients: int
+    seconds: float
+    latencies: list[float]
+
+    @property
+    def throughput(self) -> float:
+        return len(self.latencies) / self.seconds
+
+    def percentile(self, fraction: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def serve(workdir: Path) -> Iterator[str]:
+    port = _free_port()
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    environment.update(
+        KVROUTE_DATABASE_URL=f"sqlite+aiosqlite:///{workdir}/kvroute.db",
+        KVROUTE_WORKER_TOKEN=WORKER_TOKEN,
+        KVROUTE_ADMIN_TOKEN=ADMIN_TOKEN,
+        KVROUTE_LOG_LEVEL="WARNING",
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvroute", "serve", "--port", str(port)],
+        cwd=workdir,
+        env=environment,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
+
+
+async def wait_ready(session: aiohttp.ClientSession, base: str) -> None:
+    async with asyncio.timeout(STARTUP_SECONDS):
+        while True:
+            try:
+                async with session.get(f"{base}/readyz") as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.2)
+
+
+async def drive(
+    session: aiohttp.ClientSession, name: str, requests: list[Request], clients: int
+) -> Phase:
+    """Runs the requests on ``clients`` concurrent connections; one latency sample each."""
+    pending = iter(requests)
+    latencies: list[float] = []
+
+    async def client() -> None:
+        for request in pending:
+            started = time.perf_counter()
+            await request(session)
+            latencies.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return Phase(name, clients, time.perf_counter() - started, latencies)
+
+
+def expect(method: str, url: str, status: int, body: Any = None) -> Request:
+    async def request(session: aiohttp.ClientSession) -> None:
+        async with session.request(method, url, json=body, headers=HEADERS) as response:
+            await response.read()
+            if response.status != status:
+                raise RuntimeError(f"{method} {url}: {response.status}, expected {status}")
+
+    return request
+
+
+def document(reg: RankRegistration) -> dict[str, Any]:
+    # Leases outlive the run: an expiry mid-benchmark would turn plan reads into 409s.
+    return {**reg.to_json(), "lease_seconds": LEASE_SECONDS}
+
+
+def deployment_urls(base: str, deployments: int) -> list[tuple[str, str]]:
+    return [(f"{base}/v1/deployments/d{index}", f"d{index}") for index in range(deployments)]
+
+
+def plan_reads(base: str, deployments: int) -> list[Request]:
+    return [
+        expect("GET", f"{url}/plans?sender=ctx0&receiver=gen0&receiver_rank={rank}", 200)
+        for url, _ in deployment_urls(base, deployments)
+        for rank in range(GENERATION_TP)
+    ]
+
+
+async def run(base: str, args: argparse.Namespace) -> list[Phase]:
+    context = instance(MODEL, "context", "ctx0", CONTEXT_TP, 1)
+    generation = instance(MODEL, "generation", "gen0", GENERATION_TP, 1)
+    ranks = [("ctx0", reg) for reg in context] + [("gen0", reg) for reg in generation]
+    connector = aiohttp.TCPConnector(limit=args.clients)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await wait_ready(session, base)
+        urls = deployment_urls(base, args.deployments)
+        registrations = [
+            expect("PUT", f"{url}/instances/{name}/ranks/{reg.rank}", 201, document(reg))
+            for url, _ in urls
+            for name, reg in ranks
+        ]
+        phases = [await drive(session, "register rank", registrations, WRITE_CLIENTS)]
+        beats = [
+            expect("POST", f"{url}/instances/{name}/ranks/{reg.rank}/heartbeat", 200)
+            for url, _ in urls
+            for name, reg in ranks
+        ]
+        rounds = max(1, args.heartbeats // len(beats))
+        phases.append(await drive(session, "heartbeat", beats * rounds, args.clients))
+        phases.append(
+            await drive(session, "plan, uncached", plan_reads(base, args.deployments), args.clients)
+        )
+        reads = plan_reads(base, args.deployments)
+        cached = [reads[index % len(reads)] for index in range(args.reads)]
+        phases.append(await drive(session, "plan, cached", cached, args.clients))
+    return phases
+
+
+def build_seconds(context: list[RankRegistration], generation: list[RankRegistration]) -> float:
+    samples = []
+    for _ in range(50):
+        for receiver in generation:
+            started = time.perf_counter()
+            build_plan(context, receiver)
+            samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def report(phases: list[Phase], build: float) -> None:
+    table = Table(title=f"kvroute over HTTP (in-process build_plan: {build * 1e3:.3f} ms)")
+    for column in ("phase", "requests", "clients", "req/s", "p50 ms", "p99 ms", "p50 / build"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for phase in phases:
+        p50 = phase.percentile(0.5)
+        table.add_row(
+            phase.name,
+            str(len(phase.latencies)),
+            str(phase.clients),
+            f"{phase.throughput:.0f}",
+            f"{p50 * 1e3:.2f}",
+            f"{phase.percentile(0.99) * 1e3:.2f}",
+            f"{p50 / build:.1f}x" if phase.name.startswith("plan") else "-",
+        )
+    Console(width=120).print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--deployments", type=int, default=48)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--heartbeats", type=int, default=3000)
+    parser.add_argument("--reads", type=int, default=6000)
+    args = parser.parse_args()
+    context = instance(MODEL, "context", "ctx0", CONTEXT_TP, 1)
+    generation = instance(MODEL, "generation", "gen0", GENERATION_TP, 1)
+    build = build_seconds(context, generation)
+    with tempfile.TemporaryDirectory() as workdir, serve(Path(workdir)) as base:
+        phases = asyncio.run(asyncio.wait_for(run(base, args), TOTAL_SECONDS))
+    report(phases, build)
+
+
+if __name__ == "__main__":
+    main()
