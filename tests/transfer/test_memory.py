@@ -138,3 +138,34 @@ def test_cuda_ipc_is_refused_cleanly_without_cuda() -> None:
     with pytest.raises(PoolMemoryError, match="CUDA is not available") as e:
         CudaIpcBackend().open({"backend": "cuda_ipc", "handle": "AAAA", "device": 0}, POOL)
     assert e.value.backend == "cuda_ipc"
+
+
+def _segment(root: Path, name: str, fill: int) -> None:
+    (root / name).write_bytes(bytes([fill]) * POOL.size_bytes)
+
+
+def test_a_recreated_segment_is_mapped_again_not_written_through_the_dead_mapping(
+    tmp_path: Path,
+) -> None:
+    descriptor = {"backend": "shm", "name": "kvroute-restarted"}
+    with PoolMemoryCache([ShmBackend(root=tmp_path)]) as cache:
+        _segment(tmp_path, "kvroute-restarted", 1)
+        first = cache.open_pool(descriptor, POOL)
+        assert cache.open_pool(descriptor, POOL) is first
+        (tmp_path / "kvroute-restarted").unlink()  # the worker restarts and creates it anew
+        _segment(tmp_path, "kvroute-restarted", 2)
+        second = cache.open_pool(descriptor, POOL)
+        assert second is not first
+        second.tensor[:4] = 7
+        del first, second
+    assert (tmp_path / "kvroute-restarted").read_bytes()[:5] == bytes([7, 7, 7, 7, 2])
+
+
+def test_a_vanished_segment_is_refused_instead_of_reused(tmp_path: Path) -> None:
+    descriptor = {"backend": "shm", "name": "kvroute-gone"}
+    with PoolMemoryCache([ShmBackend(root=tmp_path)]) as cache:
+        _segment(tmp_path, "kvroute-gone", 0)
+        cache.open_pool(descriptor, POOL)
+        (tmp_path / "kvroute-gone").unlink()
+        with pytest.raises(PoolMemoryError, match="no shared memory segment"):
+            cache.open_pool(descriptor, POOL)

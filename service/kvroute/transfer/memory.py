@@ -28,7 +28,7 @@ Descriptor = Mapping[str, Any]
 class PoolMemory:
     """An opened pool: ``tensor`` is its flat uint8 bytes; ``close()`` releases the mapping."""
 
-    __slots__ = ("_release", "_tensor", "backend", "pool")
+    __slots__ = ("_current", "_release", "_tensor", "backend", "pool")
 
     def __init__(
         self,
@@ -36,6 +36,7 @@ class PoolMemory:
         backend: str,
         tensor: torch.Tensor,
         release: Callable[[], None] | None = None,
+        current: Callable[[], bool] | None = None,
     ) -> None:
         if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
             raise PoolMemoryError(
@@ -51,6 +52,7 @@ class PoolMemory:
         self.backend = backend
         self._tensor: torch.Tensor | None = tensor
         self._release = release
+        self._current = current
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -65,6 +67,10 @@ class PoolMemory:
     @property
     def closed(self) -> bool:
         return self._tensor is None
+
+    def is_current(self) -> bool:
+        """False once the memory behind the name was replaced (a restarted worker's new segment)."""
+        return not self.closed and (self._current is None or self._current())
 
     def close(self) -> None:
         """Drop the tensor, then release the mapping (idempotent)."""
@@ -177,7 +183,9 @@ class PoolMemoryCache:
         key = _cache_key(descriptor, pool)
         with self._lock:
             memory = self._open.get(key)
-            if memory is None or memory.closed:
+            if memory is None or not memory.is_current():
+                # A stale mapping is dropped, not closed: a running copy may still hold it, and
+                # the mapping is released when its last view goes.
                 memory = backend.open(descriptor, pool)
                 self._open[key] = memory
             return memory

@@ -36,7 +36,7 @@ class ShmBackend:
     def open(self, descriptor: Descriptor, pool: Pool) -> PoolMemory:
         segment = self._segment_name(descriptor, pool)
         offset = descriptor_offset(descriptor, pool, self.name)
-        mapping = self._map(segment, offset, pool)
+        mapping, identity = self._map(segment, offset, pool)
         # Through numpy, not torch.frombuffer: numpy holds a buffer export for as long as any tensor
         # view lives, so the mapping can never be closed under a running copy (torch.frombuffer
         # keeps no export and would leave dangling pointers).
@@ -52,7 +52,18 @@ class ShmBackend:
                     pool.pool_id, self.name, f"segment {segment!r} is still in use, not unmapped"
                 ) from error
 
-        return PoolMemory(pool, self.name, tensor, release)
+        path = self._root / segment
+
+        def current() -> bool:
+            # A worker that restarts re-creates its segment under the same name: writes into the
+            # old mapping would land in an unlinked segment nobody reads, and the job would "succeed".
+            try:
+                info = os.stat(path, follow_symlinks=False)
+            except OSError:
+                return False
+            return (info.st_dev, info.st_ino) == identity
+
+        return PoolMemory(pool, self.name, tensor, release, current)
 
     def _segment_name(self, descriptor: Descriptor, pool: Pool) -> str:
         segment = descriptor.get("name")
@@ -64,7 +75,7 @@ class ShmBackend:
             )
         return segment
 
-    def _map(self, segment: str, offset: int, pool: Pool) -> mmap.mmap:
+    def _map(self, segment: str, offset: int, pool: Pool) -> tuple[mmap.mmap, tuple[int, int]]:
         try:
             fd = os.open(self._root / segment, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError as error:
@@ -80,6 +91,6 @@ class ShmBackend:
             if not stat.S_ISREG(info.st_mode):
                 raise PoolMemoryError(pool.pool_id, self.name, f"{segment!r} is not a segment")
             check_extent(info.st_size, offset, pool, self.name)
-            return mmap.mmap(fd, offset + pool.size_bytes)
+            return mmap.mmap(fd, offset + pool.size_bytes), (info.st_dev, info.st_ino)
         finally:
             os.close(fd)
