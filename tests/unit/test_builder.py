@@ -72,3 +72,22 @@ def test_a_layer_described_twice_is_refused() -> None:
     with pytest.raises(GeometryError) as refused:
         build_views([_spec(0, 0), _spec(0, 512)])
     assert refused.value.code == "duplicate_layer"
+
+
+def test_layers_described_by_k_and_v_buffers() -> None:
+    spec = LayerSpec.from_buffers(3, 0, [(1536, 256), (1280, 256)], num_kv_heads=2)
+    assert (spec.offset, spec.bytes_per_layer, spec.buffers_per_layer) == (1280, 512, 2)
+
+
+@pytest.mark.parametrize(
+    ("buffers", "code"),
+    [
+        ([(0, 256), (512, 256)], "buffers_not_contiguous"),
+        ([(0, 256), (256, 128)], "buffers_not_uniform"),
+        ([], "buffers_not_uniform"),
+    ],
+)
+def test_buffers_must_be_equal_and_back_to_back(buffers, code) -> None:
+    with pytest.raises(GeometryError) as refused:
+        LayerSpec.from_buffers(0, 0, buffers)
+    assert refused.value.code == code

@@ -8,9 +8,11 @@ per-view head counts exist to fix. Replicated layers record no head count.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.model import Kind, LayerSlot, Owner, View
@@ -32,6 +34,45 @@ class LayerSpec:
     buffers_per_layer: int = 2
     tokens_per_block: int | None = None
     dtype: str | None = None
+
+    @classmethod
+    def from_buffers(
+        cls, layer: int, pool_id: int, buffers: Sequence[tuple[int, int]], **geometry: Any
+    ) -> LayerSpec:
+        """A layer described by its buffers' (offset, size) in the slot, e.g. K and V.
+
+        DESIGN.md's byte layout needs a layer's buffers equal in size and back to back; anything
+        else would be sliced wrongly by every mapper, so it is refused here, where it is found.
+        """
+        ordered = sorted(buffers)
+        sizes = {size for _, size in ordered}
+        if not ordered or len(sizes) != 1:
+            raise GeometryError(
+                "buffers_not_uniform",
+                f"layer {layer} buffers must be non-empty and of one size, got sizes {sorted(sizes)}",
+                field="buffers",
+                local=[list(b) for b in ordered],
+                stage="self",
+            )
+        for (offset, size), (next_offset, _) in itertools.pairwise(ordered):
+            if offset + size != next_offset:
+                raise GeometryError(
+                    "buffers_not_contiguous",
+                    f"layer {layer} buffers are not contiguous: [{offset}, {offset + size}) is "
+                    f"followed by offset {next_offset}",
+                    field="buffers",
+                    local=[list(b) for b in ordered],
+                    stage="self",
+                )
+        size = sizes.pop()
+        return cls(
+            layer,
+            pool_id,
+            ordered[0][0],
+            size * len(ordered),
+            buffers_per_layer=len(ordered),
+            **geometry,
+        )
 
     def view_key(self) -> tuple[object, ...]:
         heads = None if self.kind is Kind.REPLICATED else self.num_kv_heads
