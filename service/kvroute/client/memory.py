@@ -10,40 +10,59 @@ from __future__ import annotations
 
 import base64
 import contextlib
-from multiprocessing.shared_memory import SharedMemory
+import mmap
+import os
+import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
+# kvroute.transfer.shm's rules, repeated here so the client does not import the data plane (torch).
+SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+SHM_ROOT = Path("/dev/shm")
+
 
 class ShmPool:
-    """A POSIX shared-memory segment owned by this worker, viewed as a flat uint8 tensor."""
+    """A POSIX shared-memory segment owned by this worker, viewed as a flat uint8 tensor.
+
+    Created and mapped with ``os``/``mmap`` rather than ``multiprocessing.shared_memory``, whose
+    finaliser raises when tensor views of the mapping outlive it and whose resource tracker
+    unlinks segments behind the owner's back.
+    """
 
     def __init__(self, name: str, nbytes: int) -> None:
         import numpy as np
         import torch
 
+        if not SHM_NAME.match(name):
+            raise ValueError(f"shared-memory name {name!r} must match {SHM_NAME.pattern}")
         self.name = name
         self.nbytes = nbytes
-        self._segment: SharedMemory | None = SharedMemory(name=name, create=True, size=nbytes)
+        self._path = SHM_ROOT / name
+        fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._mapping: mmap.mmap | None = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
         # numpy holds a buffer export while any view lives, so the mapping cannot vanish under one.
-        array = np.frombuffer(self._segment.buf, dtype=np.uint8, count=nbytes)
-        self.tensor: torch.Tensor = torch.from_numpy(array)
+        self.tensor: torch.Tensor = torch.from_numpy(np.frombuffer(self._mapping, dtype=np.uint8))
 
     def descriptor(self, offset: int = 0) -> dict[str, Any]:
         return {"backend": "shm", "name": self.name, "offset": offset}
 
     def close(self) -> None:
         """Unlinks the segment; the mapping itself goes when the last tensor view is dropped."""
-        segment, self._segment = self._segment, None
-        if segment is None:
+        mapping, self._mapping = self._mapping, None
+        if mapping is None:
             return
-        segment.unlink()
+        self._path.unlink(missing_ok=True)
         del self.tensor
         # Views of the pool may still be alive; the mapping is then released with the last one.
         with contextlib.suppress(BufferError):
-            segment.close()
+            mapping.close()
 
     def __enter__(self) -> ShmPool:
         return self
