@@ -20,7 +20,7 @@ from typing import Any
 from kvroute.geometry import GeometryError, Plan, RankRegistration, build_plan
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import Conflict
-from kvroute.store.snapshots import InstanceState, instance_state, rank_documents
+from kvroute.store.snapshots import InstanceState, instance_states, rank_documents
 
 
 class PlanUnavailable(Conflict):
@@ -58,8 +58,10 @@ class PlanService:
         self._cache_size = cache_size
 
     async def get(self, key: PlanKey, *, now: datetime) -> ServedPlan:
-        sender = await instance_state(self._sessionmaker, key.deployment, key.sender, now=now)
-        receiver = await instance_state(self._sessionmaker, key.deployment, key.receiver, now=now)
+        states = await instance_states(
+            self._sessionmaker, key.deployment, [key.sender, key.receiver], now=now
+        )
+        sender, receiver = states[key.sender], states[key.receiver]
         _require_live(sender, receiver, key.receiver_rank)
         generations = (tuple(sorted(sender.live.items())), receiver.live[key.receiver_rank])
         hit = self._plans.get(key)

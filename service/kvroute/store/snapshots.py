@@ -7,7 +7,7 @@ cache miss, and then only at the generations that were seen, so a plan never mix
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -35,30 +35,61 @@ class InstanceState:
         return self.tp_size * self.pp_size
 
 
+async def instance_states(
+    sessionmaker: SessionMaker, deployment: str, instances: Sequence[str], *, now: datetime
+) -> dict[str, InstanceState]:
+    """Generations of the instances' live ranks and the numbers of their expired ones.
+
+    One session and three small queries for any number of instances: this runs on every plan
+    read, cache hits included.
+    """
+    async with reading(sessionmaker) as session:
+        owner = await session.get(Deployment, deployment)
+        rows = (
+            []
+            if owner is None
+            else await session.scalars(
+                select(Instance).where(
+                    Instance.deployment == deployment, Instance.name.in_(instances)
+                )
+            )
+        )
+        found = {row.name: row for row in rows}
+        for name in instances:
+            if name not in found:
+                raise NotFound(f"instance {name!r} of deployment {deployment!r} does not exist")
+        assert owner is not None  # an instance row implies its deployment row (foreign key)
+        at = repo.judged_at(owner, now)
+        ranks = await session.execute(
+            select(Rank.instance, Rank.rank, Rank.generation, Rank.lease_expires_at).where(
+                Rank.deployment == deployment, Rank.instance.in_(instances)
+            )
+        )
+        live: dict[str, dict[int, int]] = {name: {} for name in instances}
+        expired: dict[str, list[int]] = {name: [] for name in instances}
+        for instance, rank, generation, expires in ranks:
+            if expires > at:
+                live[instance][rank] = generation
+            else:
+                expired[instance].append(rank)
+    return {
+        name: InstanceState(
+            deployment,
+            name,
+            row.role,
+            row.tp_size,
+            row.pp_size,
+            live[name],
+            tuple(sorted(expired[name])),
+        )
+        for name, row in found.items()
+    }
+
+
 async def instance_state(
     sessionmaker: SessionMaker, deployment: str, instance: str, *, now: datetime
 ) -> InstanceState:
-    """Generations of the instance's live ranks and the numbers of its expired ones."""
-    async with reading(sessionmaker) as session:
-        owner = await session.get(Deployment, deployment)
-        row = await session.get(Instance, (deployment, instance)) if owner is not None else None
-        if owner is None or row is None:
-            raise NotFound(f"instance {instance!r} of deployment {deployment!r} does not exist")
-        at = repo.judged_at(owner, now)
-        rows = await session.execute(
-            select(Rank.rank, Rank.generation, Rank.lease_expires_at).where(
-                Rank.deployment == deployment, Rank.instance == instance
-            )
-        )
-        live, expired = {}, []
-        for rank, generation, expires in rows:
-            if expires > at:
-                live[rank] = generation
-            else:
-                expired.append(rank)
-    return InstanceState(
-        deployment, instance, row.role, row.tp_size, row.pp_size, live, tuple(sorted(expired))
-    )
+    return (await instance_states(sessionmaker, deployment, [instance], now=now))[instance]
 
 
 async def rank_documents(
