@@ -20,7 +20,10 @@ async def test_healthz_and_readyz(client):
     assert await (await client.get("/healthz")).json() == {"status": "ok"}
     ready = await client.get("/readyz")
     assert ready.status == 200
-    assert await ready.json() == {"status": "ready", "checks": {"database": "ok", "draining": "ok", "transfer_pool": "ok"}}
+    assert await ready.json() == {
+        "status": "ready",
+        "checks": {"database": "ok", "draining": "ok", "transfer_pool": "ok"},
+    }
 
 
 async def test_metrics_expose_kvroute_families(client):
