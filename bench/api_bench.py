@@ -14,15 +14,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvroute.geometry import RankRegistration, build_plan
+from kvroute.live import LiveServer
 from plan_bench import Model, instance
 
 MODEL = Model(layers=32, kv_heads=8, draft_heads=1, indexer=False)
@@ -39,7 +35,6 @@ CONTEXT_TP, GENERATION_TP = 4, 2
 WORKER_TOKEN = "bench-worker-token-0123456789"
 ADMIN_TOKEN = "bench-admin-token-0123456789ab"
 HEADERS = {"Authorization": f"Bearer {WORKER_TOKEN}"}
-STARTUP_SECONDS = 30.0
 REQUEST_TIMEOUT_SECONDS = 10.0
 TOTAL_SECONDS = 110.0  # the whole run, server start included, stays under two minutes
 LEASE_SECONDS = 600
@@ -62,51 +57,6 @@ class Phase:
     def percentile(self, fraction: float) -> float:
         ordered = sorted(self.latencies)
         return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@contextmanager
-def serve(workdir: Path) -> Iterator[str]:
-    port = _free_port()
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
-    environment.update(
-        KVROUTE_DATABASE_URL=f"sqlite+aiosqlite:///{workdir}/kvroute.db",
-        KVROUTE_WORKER_TOKEN=WORKER_TOKEN,
-        KVROUTE_ADMIN_TOKEN=ADMIN_TOKEN,
-        KVROUTE_LOG_LEVEL="WARNING",
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvroute", "serve", "--port", str(port)],
-        cwd=workdir,
-        env=environment,
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
-
-
-async def wait_ready(session: aiohttp.ClientSession, base: str) -> None:
-    async with asyncio.timeout(STARTUP_SECONDS):
-        while True:
-            try:
-                async with session.get(f"{base}/readyz") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.2)
 
 
 async def drive(
@@ -161,7 +111,6 @@ async def run(base: str, args: argparse.Namespace) -> list[Phase]:
     connector = aiohttp.TCPConnector(limit=args.clients)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        await wait_ready(session, base)
         urls = deployment_urls(base, args.deployments)
         registrations = [
             expect("PUT", f"{url}/instances/{name}/ranks/{reg.rank}", 201, document(reg))
@@ -223,8 +172,11 @@ def main() -> None:
     context = instance(MODEL, "context", "ctx0", CONTEXT_TP, 1)
     generation = instance(MODEL, "generation", "gen0", GENERATION_TP, 1)
     build = build_seconds(context, generation)
-    with tempfile.TemporaryDirectory() as workdir, serve(Path(workdir)) as base:
-        phases = asyncio.run(asyncio.wait_for(run(base, args), TOTAL_SECONDS))
+    with (
+        tempfile.TemporaryDirectory() as workdir,
+        LiveServer(Path(workdir), tokens=(WORKER_TOKEN, ADMIN_TOKEN)) as server,
+    ):
+        phases = asyncio.run(asyncio.wait_for(run(server.url, args), TOTAL_SECONDS))
     report(phases, build)
 
 

@@ -8,16 +8,13 @@ the same moment, one through each process: exactly one may be admitted, every ro
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from kvroute.live import LiveServer
 from tests.api.documents import rank_document
 
 ROUNDS = 5
@@ -27,52 +24,13 @@ REQUEST_SECONDS = 15.0
 pytestmark = pytest.mark.postgres
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture
 def servers(postgres_test_url: str, tmp_path: Path) -> Iterator[list[str]]:
-    environment = {
-        key: value for key, value in os.environ.items() if not key.startswith("KVROUTE_")
-    }
-    environment.update(KVROUTE_DATABASE_URL=postgres_test_url, KVROUTE_LOG_LEVEL="WARNING")
-    ports = [_free_port(), _free_port()]
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "kvroute", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=tmp_path,
-            env=environment,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for port in ports
-    ]
-    try:
-        yield [f"http://127.0.0.1:{port}" for port in ports]
-    finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
-
-
-async def _wait_ready(session: aiohttp.ClientSession, base: str) -> None:
-    async with asyncio.timeout(STARTUP_SECONDS):
-        while True:
-            try:
-                async with session.get(f"{base}/readyz") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.2)
+    with (
+        LiveServer(tmp_path, database_url=postgres_test_url) as first,
+        LiveServer(tmp_path, database_url=postgres_test_url) as second,
+    ):
+        yield [first.url, second.url]
 
 
 async def _put(session: aiohttp.ClientSession, url: str, document: dict) -> int:
@@ -83,7 +41,6 @@ async def _put(session: aiohttp.ClientSession, url: str, document: dict) -> int:
 async def test_two_processes_admit_exactly_one_of_two_incompatible_instances(servers):
     timeout = aiohttp.ClientTimeout(total=REQUEST_SECONDS)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        await asyncio.gather(*(_wait_ready(session, base) for base in servers))
         for round_number in range(ROUNDS):
             deployment = f"race{round_number}"
             first, second = servers if round_number % 2 == 0 else servers[::-1]

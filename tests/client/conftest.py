@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.client.live import LiveServer
+from tests.client.live import LiveServer, live_server_in
 
 
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    server = LiveServer(tmp_path_factory.mktemp("kvroute-live")).start()
+    server = live_server_in(tmp_path_factory.mktemp("kvroute-live")).start()
     try:
         yield server
     finally:
@@ -21,7 +21,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
 
 @pytest.fixture
 def restartable_server(tmp_path: Path) -> Iterator[LiveServer]:
-    server = LiveServer(tmp_path).start()
+    server = live_server_in(tmp_path).start()
     try:
         yield server
     finally:

@@ -8,13 +8,6 @@ content type, body schema) and none may be a server error. Bounded: at most
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,9 +18,10 @@ from hypothesis import HealthCheck, settings
 from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from kvroute.live import LiveServer
+
 SPEC = Path(__file__).resolve().parents[2] / "api_spec" / "openapi.yaml"
 MAX_EXAMPLES = 50
-STARTUP_SECONDS = 30.0
 WORKER_TOKEN = "contract-worker-token-0123456789"
 ADMIN_TOKEN = "contract-admin-token-0123456789"
 
@@ -43,58 +37,12 @@ schema = schemathesis.openapi.from_path(str(SPEC), config=CONFIG)
 statuses: Counter[int] = Counter()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _wait_ready(base_url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"kvroute serve exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(f"{base_url}/readyz", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"kvroute serve not ready within {STARTUP_SECONDS} s")
-
-
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    workdir = tmp_path_factory.mktemp("contract")
-    port = _free_port()
-    environment = {
-        key: value for key, value in os.environ.items() if not key.startswith("KVROUTE_")
-    }
-    environment.update(
-        KVROUTE_DATABASE_URL=f"sqlite+aiosqlite:///{workdir}/kvroute.db",
-        KVROUTE_WORKER_TOKEN=WORKER_TOKEN,
-        KVROUTE_ADMIN_TOKEN=ADMIN_TOKEN,
-        KVROUTE_LOG_LEVEL="WARNING",
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvroute", "serve", "--port", str(port)],
-        cwd=workdir,
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, process)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+    with LiveServer(
+        tmp_path_factory.mktemp("contract"), tokens=(WORKER_TOKEN, ADMIN_TOKEN)
+    ) as server:
+        yield server.url
 
 
 @schema.parametrize()

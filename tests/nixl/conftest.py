@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.client.live import LiveServer
+from tests.client.live import LiveServer, live_server_in
 
 
 @pytest.fixture
@@ -14,7 +14,7 @@ def live_server(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[LiveServer]:
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # spawned senders inherit it
-    server = LiveServer(tmp_path_factory.mktemp("kvroute-nixl")).start()
+    server = live_server_in(tmp_path_factory.mktemp("kvroute-nixl")).start()
     try:
         yield server
     finally:
