@@ -7,7 +7,7 @@ latency, and the p50 as a multiple of the in-process ``build_plan`` time for the
 makes the HTTP overhead visible. The deployment is API.md's example (context TP4 -> generation
 TP2, 32 layers with 8 KV heads, 1 draft layer with 1 head, bf16, head_dim 128, 32 tokens).
 
-    python bench/api_bench.py [--deployments 48] [--clients 64] [--reads 6000]
+    python bench/api_bench.py [--deployments 48] [--clients 64] [--reads 6000] [--database-url URL]
 """
 
 from __future__ import annotations
@@ -168,13 +168,19 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--heartbeats", type=int, default=3000)
     parser.add_argument("--reads", type=int, default=6000)
+    parser.add_argument(
+        "--database-url",
+        help="serve on this database (e.g. an empty PostgreSQL database) instead of a temp SQLite file",
+    )
     args = parser.parse_args()
     context = instance(MODEL, "context", "ctx0", CONTEXT_TP, 1)
     generation = instance(MODEL, "generation", "gen0", GENERATION_TP, 1)
     build = build_seconds(context, generation)
     with (
         tempfile.TemporaryDirectory() as workdir,
-        LiveServer(Path(workdir), tokens=(WORKER_TOKEN, ADMIN_TOKEN)) as server,
+        LiveServer(
+            Path(workdir), database_url=args.database_url, tokens=(WORKER_TOKEN, ADMIN_TOKEN)
+        ) as server,
     ):
         phases = asyncio.run(asyncio.wait_for(run(server.url, args), TOTAL_SECONDS))
     report(phases, build)
