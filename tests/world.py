@@ -183,6 +183,8 @@ class Truth:
     def __init__(self, classes: list[ViewClass], tokens: int) -> None:
         self.classes = classes
         self.tokens = tokens
+        # The byte index's radix fits the widest unit, so ids stay unique for any head size.
+        self.unit_radix = max(c.unit for c in classes)
 
     def logical_id(
         self,
@@ -194,7 +196,10 @@ class Truth:
         tok: np.ndarray,
         k: np.ndarray,
     ) -> np.ndarray:
-        return ((((((c * 8 + block) * 64 + layer) * 4 + buf) * 64 + head) * 64 + tok) * 64 + k) + 1
+        slot = (
+            ((((c * 8 + block) * 64 + layer) * 4 + buf) * 64 + head) * 64 + tok
+        ) * self.unit_radix
+        return slot + k + 1
 
     def fill(
         self, side: Side, layout: Layout, rank: int, blocks: list[int], content: list[int]

@@ -46,22 +46,6 @@ GENERATION = Side(
 SRC_BLOCKS, DST_BLOCKS, CONTENT = [2, 0], [1, 2], [5, 3]
 
 
-class WideTruth(Truth):
-    """``Truth`` with room for 256-byte token-heads, so every logical byte keeps a unique id."""
-
-    def logical_id(
-        self,
-        c: int,
-        block: int,
-        layer: int,
-        buf: int,
-        head: np.ndarray,
-        tok: np.ndarray,
-        k: np.ndarray,
-    ) -> np.ndarray:
-        return ((((((c * 8 + block) * 64 + layer) * 4 + buf) * 64 + head) * 64 + tok) * 512 + k) + 1
-
-
 async def _register(client: Client, side: Side, name: str) -> dict[int, Layout]:
     layouts = {rank: layout_rank(side, CLASSES, rank) for rank in range(side.tp_size)}
     for rank, layout in layouts.items():
@@ -83,7 +67,7 @@ def _views(plan: dict[str, Any], rank: int) -> list[str]:
 
 
 async def test_api_md_example_plans_move_every_byte_exactly_once(client: Client) -> None:
-    truth = WideTruth(CLASSES, TOKENS)
+    truth = Truth(CLASSES, TOKENS)
     senders = await _register(client, CONTEXT, "ctx0")
     receivers = await _register(client, GENERATION, "gen0")
     sender_pools = {
