@@ -2,8 +2,8 @@
 
 Starts ``kvroute serve`` (127.0.0.1, a free port, a temporary SQLite file, tokens on, warnings-only
 logs) and measures, with aiohttp clients in this process: registrations, heartbeats, uncached plan
-reads (the first read of each plan) and cached plan reads. Each row prints throughput and p50/p99
-latency, and the p50 as a multiple of the in-process ``build_plan`` time for the same plans, which
+reads (the first read of each plan) and cached plan reads, the last also with a single client to
+show the service time apart from queueing. Each row prints throughput and p50/p99 latency, and the p50 as a multiple of the in-process ``build_plan`` time for the same plans, which
 makes the HTTP overhead visible. The deployment is API.md's example (context TP4 -> generation
 TP2, 32 layers with 8 KV heads, 1 draft layer with 1 head, bf16, head_dim 128, 32 tokens).
 
@@ -131,6 +131,9 @@ async def run(base: str, args: argparse.Namespace) -> list[Phase]:
         reads = plan_reads(base, args.deployments)
         cached = [reads[index % len(reads)] for index in range(args.reads)]
         phases.append(await drive(session, "plan, cached", cached, args.clients))
+        # One client: the service time of a cached read, without queueing behind 63 others
+        # (with N closed-loop clients, latency is at least N / throughput: Little's law).
+        phases.append(await drive(session, "plan, cached", cached[: args.reads // 10], 1))
     return phases
 
 

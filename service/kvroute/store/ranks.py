@@ -42,7 +42,11 @@ async def ensure_deployment(session: AsyncSession, name: str, now: datetime) -> 
 
 def judged_at(deployment: Deployment, now: datetime) -> datetime:
     """The instant leases of this deployment are judged at: never before its latest admission."""
-    return max(now, deployment.checked_at)
+    return judged_at_time(deployment.checked_at, now)
+
+
+def judged_at_time(checked_at: datetime, now: datetime) -> datetime:
+    return max(now, checked_at)
 
 
 async def live_registrations(

@@ -43,46 +43,45 @@ async def instance_states(
     One session and three small queries for any number of instances: this runs on every plan
     read, cache hits included.
     """
+    # One joined statement: this runs on every plan read, cache hits included.
+    query = (
+        select(
+            Deployment.checked_at,
+            Instance.name,
+            Instance.role,
+            Instance.tp_size,
+            Instance.pp_size,
+            Rank.rank,
+            Rank.generation,
+            Rank.lease_expires_at,
+        )
+        .join(Instance, Instance.deployment == Deployment.name)
+        .outerjoin(
+            Rank, (Rank.deployment == Instance.deployment) & (Rank.instance == Instance.name)
+        )
+        .where(Deployment.name == deployment, Instance.name.in_(instances))
+    )
     async with reading(sessionmaker) as session:
-        owner = await session.get(Deployment, deployment)
-        rows = (
-            []
-            if owner is None
-            else await session.scalars(
-                select(Instance).where(
-                    Instance.deployment == deployment, Instance.name.in_(instances)
-                )
-            )
-        )
-        found = {row.name: row for row in rows}
-        for name in instances:
-            if name not in found:
-                raise NotFound(f"instance {name!r} of deployment {deployment!r} does not exist")
-        assert owner is not None  # an instance row implies its deployment row (foreign key)
-        at = repo.judged_at(owner, now)
-        ranks = await session.execute(
-            select(Rank.instance, Rank.rank, Rank.generation, Rank.lease_expires_at).where(
-                Rank.deployment == deployment, Rank.instance.in_(instances)
-            )
-        )
-        live: dict[str, dict[int, int]] = {name: {} for name in instances}
-        expired: dict[str, list[int]] = {name: [] for name in instances}
-        for instance, rank, generation, expires in ranks:
-            if expires > at:
-                live[instance][rank] = generation
-            else:
-                expired[instance].append(rank)
+        rows = (await session.execute(query)).all()
+    layouts: dict[str, tuple[str, int, int]] = {}
+    live: dict[str, dict[int, int]] = {name: {} for name in instances}
+    expired: dict[str, list[int]] = {name: [] for name in instances}
+    for checked_at, name, role, tp_size, pp_size, rank, generation, expires in rows:
+        layouts[name] = (role, tp_size, pp_size)
+        if rank is None:
+            continue
+        if expires > repo.judged_at_time(checked_at, now):
+            live[name][rank] = generation
+        else:
+            expired[name].append(rank)
+    missing = [name for name in instances if name not in layouts]
+    if missing:
+        raise NotFound(f"instance {missing[0]!r} of deployment {deployment!r} does not exist")
     return {
         name: InstanceState(
-            deployment,
-            name,
-            row.role,
-            row.tp_size,
-            row.pp_size,
-            live[name],
-            tuple(sorted(expired[name])),
+            deployment, name, *layouts[name], live[name], tuple(sorted(expired[name]))
         )
-        for name, row in found.items()
+        for name in instances
     }
 
 
