@@ -83,10 +83,10 @@ class PlanService:
     async def _build(
         self, key: PlanKey, sender: InstanceState, receiver_generation: int
     ) -> ServedPlan:
-        wanted = [(key.sender, rank, gen) for rank, gen in sender.live.items()]
+        wanted = [(key.sender, rank, gen) for rank, gen in sorted(sender.live.items())]
         wanted.append((key.receiver, key.receiver_rank, receiver_generation))
-        senders = [await self._registration(key.deployment, *w) for w in wanted[:-1]]
-        receiver = await self._registration(key.deployment, *wanted[-1])
+        registrations = await self._registrations_at(key.deployment, wanted)
+        senders, receiver = registrations[:-1], registrations[-1]
         started = time.perf_counter()
         # Planning is CPU-bound (milliseconds for per-token NHD plans): keep it off the event loop.
         plan = await asyncio.to_thread(
@@ -99,15 +99,14 @@ class PlanService:
         )
         return ServedPlan(plan, sender_generations, receiver_generation, document, False, elapsed)
 
-    async def _registration(
-        self, deployment: str, instance: str, rank: int, generation: int
-    ) -> RankRegistration:
-        cache_key = (deployment, instance, rank, generation)
-        reg = self._registrations.get(cache_key)
-        if reg is None:
-            documents = await rank_documents(
-                self._sessionmaker, deployment, [(instance, rank, generation)]
-            )
+    async def _registrations_at(
+        self, deployment: str, wanted: list[tuple[str, int, int]]
+    ) -> list[RankRegistration]:
+        """Parsed registrations at exactly these generations; uncached documents in one read."""
+        found = {w: self._registrations.get((deployment, *w)) for w in wanted}
+        missing = [w for w, reg in found.items() if reg is None]
+        documents = await rank_documents(self._sessionmaker, deployment, missing)
+        for instance, rank, generation in missing:
             document = documents.get((instance, rank))
             if document is None:
                 raise PlanUnavailable(
@@ -116,8 +115,9 @@ class PlanService:
             reg = RankRegistration.from_json(
                 document, deployment=deployment, instance=instance, rank=rank
             )
-            self._remember(self._registrations, cache_key, reg)
-        return reg
+            found[(instance, rank, generation)] = reg
+            self._remember(self._registrations, (deployment, instance, rank, generation), reg)
+        return [reg for reg in found.values() if reg is not None]
 
     def _remember(self, cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:
         cache[key] = value
