@@ -45,6 +45,7 @@ class Side:
     num_draft_layers: int = 0
     shared_pool: bool = True
     seed: int = 0
+    draft_stage: int = -1  # the PP stage whose ranks declare the draft layers (-1: the last)
 
     @property
     def pp_size(self) -> int:
@@ -72,8 +73,11 @@ class Layout:
 
 def rank_layers(side: Side, cls: ViewClass, pp_rank: int) -> list[int]:
     if cls.owner == "draft":
-        # Draft layers sit on the last PP stage, as serving stacks place the MTP/Eagle head.
-        return list(range(side.num_draft_layers)) if pp_rank == side.pp_size - 1 else []
+        # Draft layers are not split by stage: one stage declares them all (usually the last,
+        # where serving stacks place the MTP/Eagle head).
+        return (
+            list(range(side.num_draft_layers)) if pp_rank == side.draft_stage % side.pp_size else []
+        )
     start = sum(side.layers_per_stage[:pp_rank])
     return list(range(start, start + side.layers_per_stage[pp_rank]))
 

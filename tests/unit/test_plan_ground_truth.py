@@ -114,6 +114,7 @@ def side(
         tokens_per_block=tokens,
         num_draft_layers=draft_layers,
         shared_pool=draw(st.booleans()),
+        draft_stage=draw(st.sampled_from([-1, 0])),
         seed=draw(st.integers(0, 10**6)),
     )
 
