@@ -122,7 +122,10 @@ class LiveServer:
     def restart(self, *, fresh_db: bool) -> None:
         self.stop()
         if fresh_db:
-            self.database.unlink(missing_ok=True)
+            # The WAL and its index too: a fresh database file next to an old WAL would replay
+            # the old rows into it whenever the previous server exited before a checkpoint.
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                Path(f"{self.database}{suffix}").unlink(missing_ok=True)
         self.start()
 
     def __enter__(self) -> LiveServer:

@@ -41,8 +41,9 @@ async def test_keeper_heartbeats_and_reregisters_after_restart_on_fresh_db(
         async with keeper:
             assert keeper.generation == 1
             await wait_for(lambda: keeper.heartbeats >= 2)
+            before_restart = keeper.reregistrations
             await asyncio.to_thread(restartable_server.restart, fresh_db=True)
-            registered = await keeper.wait_reregistered(limit_s=15)
+            registered = await keeper.wait_reregistered(limit_s=15, since=before_restart)
             info = await client.get_rank("lease", "ctx0", 0)
             assert registered.created  # the fresh database had never seen it
             assert info.document["views"] == document["views"]
@@ -74,8 +75,9 @@ def test_sync_lease_reregisters_after_an_admin_delete(live_server: LiveServer) -
             "synclease", "gen0", 0, rank_document(role="generation"), interval=0.1
         )
         with lease:
+            before_delete = lease.keeper.reregistrations
             admin.deregister("synclease", "gen0", 0)
-            worker._run(lease.keeper.wait_reregistered(limit_s=10))
+            worker._run(lease.keeper.wait_reregistered(limit_s=10, since=before_delete))
             assert admin.get_rank("synclease", "gen0", 0).state == "live"
         stopped_at = lease.keeper.heartbeats
         import time

@@ -83,11 +83,17 @@ class LeaseKeeper:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    async def wait_reregistered(self, limit_s: float) -> Registered:
-        """Waits for the next re-registration (tests, and workers that must refresh plans)."""
-        self._reregistered.clear()
-        await asyncio.wait_for(self._reregistered.wait(), limit_s)
-        assert self.registered is not None
+    async def wait_reregistered(self, limit_s: float, *, since: int | None = None) -> Registered:
+        """Waits until the keeper has re-registered more than ``since`` times (default: the count
+        now), for tests and workers that must refresh plans. Pass the count read before whatever
+        makes kvroute forget the rank: the keeper may re-register before this call is reached."""
+        seen = self.reregistrations if since is None else since
+        async with asyncio.timeout(limit_s):
+            while self.reregistrations <= seen:
+                self._reregistered.clear()
+                await self._reregistered.wait()
+        if self.registered is None:
+            raise RuntimeError("the lease keeper was never started")
         return self.registered
 
     async def _register(self) -> None:
