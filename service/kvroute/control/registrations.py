@@ -8,7 +8,9 @@ parsed are read, all in one query.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from cachetools import LRUCache
 
@@ -40,20 +42,32 @@ class RegistrationCache:
             if (reg := self._parsed.get((deployment, *key))) is not None:
                 parsed[key] = reg
         missing = [key for key in wanted if key not in parsed]
+        if not missing:
+            return [parsed[key] for key in wanted]
         documents = await rank_documents(self._sessionmaker, deployment, missing)
-        for instance, rank, generation in missing:
-            document = documents.get((instance, rank))
-            if document is None:
+        for instance, rank, _ in missing:
+            if (instance, rank) not in documents:
                 raise RegistrationMoved(
                     f"{instance} rank {rank} re-registered or left while it was read; retry"
                 )
-            reg = RankRegistration.from_json(
-                document, deployment=deployment, instance=instance, rank=rank
-            )
-            parsed[instance, rank, generation] = reg
-            self._parsed[deployment, instance, rank, generation] = reg
+        # A sender instance of many large documents takes a while to parse: not on the event loop.
+        fresh = await asyncio.to_thread(_parse_all, deployment, missing, documents)
+        for key, reg in zip(missing, fresh, strict=True):
+            parsed[key] = reg
+            self._parsed[deployment, *key] = reg
         return [parsed[key] for key in wanted]
 
     def remember(self, reg: RankRegistration, generation: int) -> None:
         """Keeps a registration this process just parsed (e.g. on admission)."""
         self._parsed[reg.deployment, reg.instance, reg.rank, generation] = reg
+
+
+def _parse_all(
+    deployment: str, wanted: Sequence[RankAt], documents: Mapping[tuple[str, int], Any]
+) -> list[RankRegistration]:
+    return [
+        RankRegistration.from_json(
+            documents[instance, rank], deployment=deployment, instance=instance, rank=rank
+        )
+        for instance, rank, _ in wanted
+    ]

@@ -7,6 +7,7 @@ what one transaction contains. Writes of one deployment are only correct while t
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
 from datetime import datetime, timedelta
@@ -65,7 +66,12 @@ async def live_registrations(
         query = query.where(Rank.instance == instance)
     if role is not None:
         query = query.where(Rank.role == role)
-    rows = await session.execute(query.order_by(Rank.instance, Rank.rank))
+    rows = (await session.execute(query.order_by(Rank.instance, Rank.rank))).all()
+    # Parsing a large deployment's documents takes milliseconds per rank: not on the event loop.
+    return await asyncio.to_thread(_parse_rows, deployment, rows)
+
+
+def _parse_rows(deployment: str, rows: Sequence[Any]) -> list[tuple[RankRegistration, int]]:
     return [
         (
             RankRegistration.from_json(doc, deployment=deployment, instance=name, rank=number),

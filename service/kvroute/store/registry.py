@@ -14,6 +14,7 @@ several kvroute processes over one database:
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timedelta
 
 from sqlalchemy import ColumnElement, case, delete, func, select
@@ -80,8 +81,12 @@ async def _admit(session: AsyncSession, reg: RankRegistration, now: datetime) ->
     at = repo.judged_at(deployment, now)
     members = await repo.live_registrations(session, reg.deployment, at, instance=reg.instance)
     peers = await repo.live_registrations(session, reg.deployment, at, role=reg.role.opposite)
-    check_registration(
-        reg, [member for member, _ in members if member.rank != reg.rank], [p for p, _ in peers]
+    # Checking against a large deployment is CPU work (milliseconds per peer): off the event loop.
+    await asyncio.to_thread(
+        check_registration,
+        reg,
+        [member for member, _ in members if member.rank != reg.rank],
+        [p for p, _ in peers],
     )
     deployment.checked_at = at
     await repo.upsert_instance(session, reg, now)
