@@ -37,7 +37,8 @@ MUTATING_METHODS = frozenset({"PUT", "POST", "PATCH", "DELETE"})
 
 
 async def database_context(app: web.Application) -> AsyncIterator[None]:
-    engine = create_engine(app[settings_key].database_url)
+    settings = app[settings_key]
+    engine = create_engine(settings.database_url, settings.database_timeouts)
     app[engine_key] = engine
     app[sessionmaker_key] = make_sessionmaker(engine)
     yield
