@@ -51,7 +51,14 @@ NETWORK_ERRNOS = frozenset(
 @dataclass(frozen=True, slots=True)
 class DatabaseFault:
     busy: bool
-    cause: str  # a short phrase and the driver's own words, for the log
+    phrase: str  # what happened, in a few words
+    detail: str  # the driver's own words: its error type and the first line of its message
+    sqlstate: str | None = None  # PostgreSQL's error code, when the server sent one
+
+    @property
+    def cause(self) -> str:
+        """For the log: ``statement timeout (QueryCanceledError: canceling statement ...)``."""
+        return f"{self.phrase} ({self.detail})"
 
 
 def database_fault(error: BaseException) -> DatabaseFault | None:
@@ -65,33 +72,33 @@ def database_fault(error: BaseException) -> DatabaseFault | None:
 
 def _classify(error: BaseException) -> DatabaseFault | None:
     if isinstance(error, PoolTimeoutError):
-        return DatabaseFault(True, _named("no pooled connection free within the timeout", error))
+        return DatabaseFault(True, "no pooled connection free within the timeout", _detail(error))
     if isinstance(error, TimeoutError):
-        return DatabaseFault(True, _named("no answer within the timeout", error))
+        return DatabaseFault(True, "no answer within the timeout", _detail(error))
     sqlstate = getattr(error, "sqlstate", None) or getattr(error, "pgcode", None)
     if isinstance(sqlstate, str):
         if sqlstate in BUSY_SQLSTATES:
-            return DatabaseFault(True, _named(BUSY_SQLSTATES[sqlstate], error))
+            return DatabaseFault(True, BUSY_SQLSTATES[sqlstate], _detail(error), sqlstate)
         for prefix, phrase in UNAVAILABLE_SQLSTATE_PREFIXES.items():
             if sqlstate.startswith(prefix):
-                return DatabaseFault(False, _named(phrase, error))
+                return DatabaseFault(False, phrase, _detail(error), sqlstate)
     if isinstance(error, DBAPIError):
         return _classify_dbapi(error)
     if isinstance(error, ConnectionError | socket.gaierror) or (
         isinstance(error, OSError) and error.errno in NETWORK_ERRNOS
     ):
-        return DatabaseFault(False, _named("cannot reach the database", error))
+        return DatabaseFault(False, "cannot reach the database", _detail(error))
     return None
 
 
 def _classify_dbapi(error: DBAPIError) -> DatabaseFault | None:
     message = str(error.orig or error).lower()
     if any(text in message for text in SQLITE_BUSY_MESSAGES):
-        return DatabaseFault(True, _named("SQLite lock wait exceeded the busy timeout", error))
+        return DatabaseFault(True, "SQLite lock wait exceeded the busy timeout", _detail(error))
     if error.connection_invalidated or isinstance(error, InterfaceError):
-        return DatabaseFault(False, _named("connection lost", error))
+        return DatabaseFault(False, "connection lost", _detail(error))
     if isinstance(error, OperationalError):
-        return DatabaseFault(False, _named("database failure", error))
+        return DatabaseFault(False, "database failure", _detail(error))
     return None  # the wrapped driver error may still say more (see database_fault's chain)
 
 
@@ -110,6 +117,7 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
         pending += [link.__cause__, link.__context__]
 
 
-def _named(phrase: str, error: BaseException) -> str:
-    detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-    return f"{phrase} ({type(error).__name__}{': ' + detail if detail else ''})"
+def _detail(error: BaseException) -> str:
+    text = str(error).strip()
+    first = text.splitlines()[0][:200] if text else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
