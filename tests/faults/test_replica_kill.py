@@ -9,6 +9,7 @@ in flight is failed as interrupted, while ``b``'s rows are left alone and finish
 from __future__ import annotations
 
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -44,8 +45,8 @@ def test_a_killed_replica_fails_only_its_own_jobs_on_restart(
     servers, postgres_test_url, owners
 ) -> None:
     one_worker = {"KVROUTE_TRANSFER_WORKERS": "1"}
-    a = servers(postgres_test_url, name="a", **one_worker)
-    b = servers(postgres_test_url, name="b", **one_worker)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two starts at once: half the wait
+        a, b = pool.map(lambda name: servers(postgres_test_url, name=name, **one_worker), "ab")
     # 32 layers of 128 KiB: 4 MiB slots, 64 MiB per 16-block job.
     register_world(a.url, owners, num_layers=32, head_dim=1024, num_slots=16)
 
