@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvroute.cli.common import CommandError
 from kvroute.client import KvrouteClient, KvrouteError, TransferStatus
 
 if TYPE_CHECKING:
@@ -249,8 +250,15 @@ def summary_table(
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.cli import demo_workers as demo  # torch is imported only when the demo runs
-
+    try:
+        from kvroute.cli import demo_workers as demo  # torch is imported only when the demo runs
+    except ModuleNotFoundError as missing:
+        if missing.name != "torch":
+            raise
+        raise CommandError(
+            "kvroute demo moves bytes with torch, which is not installed: "
+            "pip install 'kvroute[server,transfer]'"
+        ) from None
     model = demo.SMALL if args.small else demo.FULL
     with (
         tempfile.TemporaryDirectory(prefix="kvroute-demo-") as directory,
