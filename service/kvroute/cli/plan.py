@@ -27,7 +27,8 @@ from typing import Any
 from rich.console import Console
 
 from kvroute.geometry import GeometryError, RankRegistration, build_plan, check_registration
-from kvroute.render import plan_svg, plan_text
+from kvroute.pictures import plan_svg
+from kvroute.render import plan_text
 
 FETCH_TIMEOUT_SECONDS = 30.0
 # The server's own variables; plans need the worker scope, which the admin token also grants.
