@@ -46,6 +46,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", DEPLOYMENT + "/plan-sets", plans.get_plan_set, Scope.WORKER),
     Endpoint("GET", DEPLOYMENT + "/compatibility", compatibility.get_compatibility, Scope.ADMIN),
     Endpoint("POST", DEPLOYMENT + "/transfers", transfers.post_transfer, Scope.WORKER),
+    Endpoint("GET", DEPLOYMENT + "/transfers", transfers.list_transfers, Scope.ADMIN),
     Endpoint("GET", TRANSFER, transfers.get_transfer, Scope.WORKER),
     Endpoint("DELETE", TRANSFER, transfers.delete_transfer, Scope.WORKER),
     Endpoint("GET", "/healthz", ops.healthz, Scope.PUBLIC),
