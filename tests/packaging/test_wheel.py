@@ -160,12 +160,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     return Installed(work, _build_wheel(work))
 
 
-def test_the_wheel_carries_the_migrations_and_the_spec(installed: Installed) -> None:
+def test_the_wheel_carries_the_migrations_the_spec_and_the_console(installed: Installed) -> None:
     names = set(zipfile.ZipFile(installed.wheel).namelist())
     versions = sorted(p.name for p in (REPO_ROOT / "migrations" / "versions").glob("*.py"))
     assert {f"kvroute/migrations/versions/{name}" for name in versions} <= names
     assert {"kvroute/migrations/env.py", "kvroute/migrations/script.py.mako"} <= names
     assert "kvroute/api/openapi.yaml" in names
+    ui = sorted(p.name for p in (REPO_ROOT / "service" / "kvroute" / "ui").iterdir())
+    assert {f"kvroute/ui/{name}" for name in ui} <= names
 
 
 def test_base_requirements_are_the_client_set_and_server_is_an_extra(installed: Installed) -> None:
@@ -197,6 +199,8 @@ def test_serve_on_embedded_sqlite_from_any_directory(installed: Installed, tmp_p
     with LiveServer(tmp_path, command=[str(installed.kvroute)]) as server:
         with urllib.request.urlopen(server.url + "/v1/openapi.yaml", timeout=10) as answer:
             assert answer.read().startswith(b"openapi: 3.1.0")
+        with urllib.request.urlopen(server.url + "/ui/", timeout=10) as answer:
+            assert b"<title>kvroute console</title>" in answer.read()
         with urllib.request.urlopen(server.url + "/v1/deployments", timeout=10) as answer:
             assert answer.status == 200
     assert (tmp_path / "kvroute.db").is_file()

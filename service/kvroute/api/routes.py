@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from kvroute.api import compatibility, inventory, ops, plans, registration, transfers
+from kvroute.api import compatibility, console, inventory, ops, plans, registration, transfers
 from kvroute.api.keys import route_scopes_key
 from kvroute.api.scopes import Scope
 
@@ -53,6 +53,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/readyz", ops.readyz, Scope.PUBLIC),
     Endpoint("GET", "/metrics", ops.metrics, Scope.PUBLIC),
     Endpoint("GET", "/v1/openapi.yaml", ops.openapi_spec, Scope.PUBLIC),
+    # The console's static files; the data they show comes from the admin-scoped API.
+    Endpoint("GET", "/", console.root, Scope.PUBLIC),
+    Endpoint("GET", "/ui/", console.index, Scope.PUBLIC),
+    Endpoint("GET", "/ui/{asset}", console.console_file, Scope.PUBLIC),
 )
 
 
