@@ -57,6 +57,11 @@ class LeaseKeeper:
     def generation(self) -> int | None:
         return None if self.registered is None else self.registered.generation
 
+    @property
+    def running(self) -> bool:
+        """True while the heartbeat task runs (between ``start`` and ``stop``)."""
+        return self._task is not None and not self._task.done()
+
     async def start(self) -> Registered:
         """Registers (raising a refusal as ``KvrouteError``), then heartbeats in the background."""
         await self._register()
