@@ -14,11 +14,13 @@ import contextlib
 import logging
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-from kvroute.client.aio import AsyncKvrouteClient
 from kvroute.client.errors import KvrouteError
 from kvroute.client.models import Registered
+
+if TYPE_CHECKING:  # the client creates keepers; a keeper only calls it
+    from kvroute.client.aio import AsyncKvrouteClient
 
 log = logging.getLogger(__name__)
 
