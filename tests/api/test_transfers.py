@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from kvroute.api import create_app
-from kvroute.api.keys import copy_engine_key, sessionmaker_key
+from kvroute.api.keys import copy_engine_key, sessionmaker_key, transfer_service_key
 from kvroute.store import jobs
 from kvroute.store.engine import create_engine, make_sessionmaker
 from kvroute.store.jobs import INTERRUPTED
@@ -312,7 +312,8 @@ async def test_restart_fails_the_jobs_of_the_previous_process(start, segment) ->
 
     second = await start()  # a new process on the same database
     engine.gate.set()  # the first process's late result must not revive its job
-    await asyncio.sleep(0.1)
+    async with asyncio.timeout(GATE_S):
+        await first.app[transfer_service_key].settled(running["id"])
 
     for job in (running, queued):
         seen = await state_of(second, job["id"])

@@ -21,8 +21,8 @@ import pytest
 from kvroute.client import KvrouteClient, KvrouteError
 from kvroute.geometry import RankRegistration
 from kvroute.live import LiveServer
-from kvroute.store import ranks as repo
-from kvroute.store.engine import create_engine, make_sessionmaker
+from kvroute.store.admission import write_admitted
+from kvroute.store.engine import create_engine, dispose
 from tests.client.live import ADMIN_TOKEN, WORKER_TOKEN
 from tests.documents import rank_document
 from tests.transfer.conftest import Owners
@@ -61,11 +61,10 @@ def _admit_without_checks(url: str, instance: str, document: dict[str, Any]) -> 
                 document, deployment="llama", instance=instance, rank=0
             )
             now = datetime.now(UTC)
-            async with make_sessionmaker(engine).begin() as session:
-                await repo.upsert_instance(session, reg, now)
-                await repo.write_rank(session, reg, generation=1, at=now, existing=None)
+            async with engine.begin() as connection:
+                await write_admitted(connection, reg, now, existing=None)
         finally:
-            await engine.dispose()
+            await dispose(engine)
 
     asyncio.run(write())
 

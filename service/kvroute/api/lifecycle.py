@@ -28,8 +28,8 @@ from kvroute.api.keys import (
 )
 from kvroute.api.problems import Problem, ProblemError
 from kvroute.api.registration import utcnow
-from kvroute.store import leases, registry
-from kvroute.store.engine import create_engine, make_sessionmaker
+from kvroute.store import lease_watch, registry
+from kvroute.store.engine import create_engine, dispose, make_sessionmaker
 from kvroute.store.records import RankName
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ async def database_context(app: web.Application) -> AsyncIterator[None]:
     app[engine_key] = engine
     app[sessionmaker_key] = make_sessionmaker(engine)
     yield
-    await engine.dispose()
+    await dispose(engine)
 
 
 async def reaper_context(app: web.Application) -> AsyncIterator[None]:
@@ -75,9 +75,9 @@ async def _reap_round(
 ) -> None:
     """Reports the leases that ended since the last round, removes the long-expired ranks."""
     sessionmaker, metrics = app[sessionmaker_key], app[metrics_key]
-    expired = await leases.expired_between(sessionmaker, after=since, until=now)
+    expired = await lease_watch.expired_between(sessionmaker, after=since, until=now)
     reaped = await registry.reap_expired(sessionmaker, now=now, grace=grace)
-    counts = await leases.rank_counts(sessionmaker, now=now)
+    counts = await lease_watch.rank_counts(sessionmaker, now=now)
     metrics.database_up.set(1)
     metrics.count_expired(expired)
     metrics.set_rank_counts(counts)

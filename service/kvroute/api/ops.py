@@ -18,7 +18,7 @@ from kvroute.api.keys import (
 )
 from kvroute.api.registration import utcnow
 from kvroute.api.transfers import transfer_checks
-from kvroute.store import leases
+from kvroute.store import lease_watch
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ async def metrics(request: web.Request) -> web.Response:
     gauges = app[metrics_key]
     try:
         async with asyncio.timeout(app[settings_key].readiness_timeout_seconds):
-            counts = await leases.rank_counts(app[sessionmaker_key], now=utcnow())
+            counts = await lease_watch.rank_counts(app[sessionmaker_key], now=utcnow())
     except Exception:
         # A scrape must not fail with the database; the rank gauges keep their last values.
         log.warning("could not refresh the rank gauges", exc_info=True)

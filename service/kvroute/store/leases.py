@@ -1,53 +1,71 @@
-"""Lease observations for operators: rank counts per instance, and which leases just ended.
+"""Lease renewal: the heartbeat path, the most frequent write a fleet sends.
 
-Read-only and approximate by design: they judge leases against the caller's clock (not a
-deployment's last admission, as admissions do), which is what a metric or a log line needs.
+A lease is judged at ``max(now, deployments.checked_at)`` and renewed only while it is live there
+and the rank is not fenced (``kvroute.store.admission`` fences the ranks an admission judged
+expired). On PostgreSQL that is one conditional UPDATE in autocommit mode, without the deployment
+lock: a heartbeat never waits for an admission elsewhere in the deployment (only for one fencing
+this very rank, which is then expired anyway). SQLite has a single writer: there the same check and
+write run in one short write transaction.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from sqlalchemy import case, func, select
+from sqlalchemy import and_, bindparam, func, select, update
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from kvroute.store.engine import SessionMaker, reading
-from kvroute.store.models import Rank
-from kvroute.store.records import RankName
+from kvroute.store.engine import autocommit_connection, retry_disconnect
+from kvroute.store.models import Deployment, Rank, UTCDateTime
+
+RANKS = Rank.__table__
 
 
-async def rank_counts(
-    sessionmaker: SessionMaker, *, now: datetime
-) -> dict[tuple[str, str], tuple[int, int]]:
-    """(deployment, instance) -> (live, expired) ranks; an instance without ranks is absent."""
-    live = func.sum(case((Rank.lease_expires_at > now, 1), else_=0))
-    async with reading(sessionmaker) as session:
-        rows = await session.execute(
-            select(Rank.deployment, Rank.instance, live, func.count()).group_by(
-                Rank.deployment, Rank.instance
+async def renew(
+    engine: AsyncEngine, deployment: str, instance: str, rank: int, now: datetime
+) -> datetime | None:
+    """The renewed expiry, or None when the rank is unknown, expired or fenced."""
+    key = and_(RANKS.c.deployment == deployment, RANKS.c.instance == instance, RANKS.c.rank == rank)
+    renew_in = (
+        _renew_in_one_statement if engine.dialect.name == "postgresql" else _renew_in_a_transaction
+    )
+    return await retry_disconnect(lambda: renew_in(engine, deployment, key, now))
+
+
+async def _renew_in_one_statement(
+    engine: AsyncEngine, deployment: str, key: object, now: datetime
+) -> datetime | None:
+    checked_at = (
+        select(Deployment.checked_at).where(Deployment.name == deployment).scalar_subquery()
+    )
+    judged = func.greatest(bindparam("now", now, type_=UTCDateTime()), checked_at)
+    lease = func.make_interval(0, 0, 0, 0, 0, 0, RANKS.c.lease_seconds)
+    statement = (
+        update(RANKS)
+        .where(key, RANKS.c.fenced_at.is_(None), RANKS.c.lease_expires_at > judged)
+        .values(lease_expires_at=judged + lease)
+        .returning(RANKS.c.lease_expires_at)
+    )
+    async with autocommit_connection(engine) as connection:
+        return (await connection.execute(statement)).scalar_one_or_none()
+
+
+async def _renew_in_a_transaction(
+    engine: AsyncEngine, deployment: str, key: object, now: datetime
+) -> datetime | None:
+    async with engine.begin() as connection:
+        row = (
+            await connection.execute(
+                select(RANKS.c.lease_seconds, RANKS.c.lease_expires_at, Deployment.checked_at)
+                .join(Deployment.__table__, Deployment.name == RANKS.c.deployment)
+                .where(key, RANKS.c.fenced_at.is_(None))
             )
-        )
-        return {
-            (deployment, instance): (int(alive), int(total) - int(alive))
-            for deployment, instance, alive, total in rows
-        }
-
-
-async def expired_between(
-    sessionmaker: SessionMaker, *, after: datetime, until: datetime
-) -> list[tuple[RankName, datetime]]:
-    """Ranks whose lease ended in ``(after, until]``, with when, oldest first.
-
-    Consecutive windows report every expiry once (a rank that renews and expires again is
-    reported again); a rank re-registered before a window is read is not reported.
-    """
-    window = (Rank.lease_expires_at > after, Rank.lease_expires_at <= until)
-    async with reading(sessionmaker) as session:
-        rows = await session.execute(
-            select(Rank.deployment, Rank.instance, Rank.rank, Rank.lease_expires_at)
-            .where(*window)
-            .order_by(Rank.lease_expires_at, Rank.deployment, Rank.instance, Rank.rank)
-        )
-        return [
-            (RankName(deployment, instance, rank), ended)
-            for deployment, instance, rank, ended in rows
-        ]
+        ).first()
+        if row is None:
+            return None
+        judged = max(now, row.checked_at)
+        if row.lease_expires_at <= judged:
+            return None
+        renewed = judged + timedelta(seconds=row.lease_seconds)
+        await connection.execute(update(RANKS).where(key).values(lease_expires_at=renewed))
+        return renewed
