@@ -97,13 +97,14 @@ async def test_access_line_of_a_refusal_names_its_code_and_field(client, caplog)
     assert (await register(client, "gen0", 0, rank_document(role="generation", head_dim=32)))[
         0
     ] == 409
-    refused = [r.http for r in caplog.records if r.name == "kvroute.access"][-1]
+    record = [r for r in caplog.records if r.name == "kvroute.access"][-1]
+    refused = record.http
     assert (refused["status"], refused["code"], refused["field"]) == (
         409,
         "head_dim_mismatch",
         "attention.head_dim",
     )
-    line = JsonFormatter().format(caplog.records[-1])
+    line = JsonFormatter().format(record)
     assert '"code": "head_dim_mismatch", "field": "attention.head_dim"' in line
 
 
