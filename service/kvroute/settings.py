@@ -38,12 +38,15 @@ MIN_TOKEN_LENGTH = 16
 # KVROUTE_* variables that are not settings: read by kvroute's own tools, never by the server.
 TOOLING_VARIABLES = frozenset(
     {
-        "KVROUTE_MIGRATIONS_DIR",  # kvroute.store.migrate: where the Alembic scripts live
-        "KVROUTE_TOKEN",  # kvroute plan --url: the bearer token it sends
         "KVROUTE_TEST_POSTGRES_URL",  # the test suite's PostgreSQL database
         "KVROUTE_PROPERTY_EXAMPLES",  # the test suite's Hypothesis example count
     }
 )
+
+
+def effective_uid() -> tuple[int, ...]:
+    """The default shm owner: the uid kvroute itself runs as."""
+    return (os.geteuid(),)
 
 
 class SettingsError(ValueError):
@@ -69,24 +72,40 @@ class Settings(BaseSettings):
     readiness_timeout_seconds: float = Field(default=2.0, gt=0, le=60)
     # How long shutdown waits for in-flight requests after readiness flipped to 503.
     shutdown_timeout_seconds: float = Field(default=30.0, gt=0, le=600)
-    # On SIGTERM readiness turns 503 at once and requests are still served this long, so load
-    # balancers stop routing here before the listener closes; then in-flight work gets
-    # shutdown_timeout_seconds.
-    drain_seconds: float = Field(default=5.0, ge=0, le=600)
+    drain_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        le=600,
+        description="on SIGTERM, readiness is 503 and requests are still served this long",
+    )
     # Database bounds: a frozen or unreachable database answers 503 within these, never hangs.
-    database_statement_timeout_seconds: float = Field(default=5.0, gt=0, le=600)
-    database_lock_timeout_seconds: float = Field(default=3.0, gt=0, le=600)
-    database_connect_timeout_seconds: float = Field(default=5.0, gt=0, le=600)
-    sqlite_busy_timeout_seconds: float = Field(default=5.0, gt=0, le=600)
+    database_statement_timeout_seconds: float = Field(
+        default=5.0, gt=0, le=600, description="PostgreSQL statement_timeout (and client bound)"
+    )
+    database_lock_timeout_seconds: float = Field(
+        default=3.0, gt=0, le=600, description="PostgreSQL lock_timeout (registration lock too)"
+    )
+    database_connect_timeout_seconds: float = Field(
+        default=5.0, gt=0, le=600, description="connecting, and waiting for a pooled connection"
+    )
+    sqlite_busy_timeout_seconds: float = Field(
+        default=5.0, gt=0, le=600, description="SQLite's wait for its write lock"
+    )
     transfer_workers: int = Field(default=2, ge=1, le=64)
     transfer_queue_size: int = Field(default=256, ge=1, le=100_000)
     # Names this process among replicas sharing one database: a restart fails only the transfer
     # jobs its own previous incarnation left in flight. Must be stable across restarts (a pod name).
     replica_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128)
     # Which shared-memory segments a job may open (see the module docstring).
-    shm_name_prefix: str = Field(default="kvroute-", max_length=128, pattern=r"^[A-Za-z0-9._-]*$")
+    shm_name_prefix: str = Field(
+        default="kvroute-",
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._-]*$",
+        description="shm segments are opened only under this name prefix",
+    )
     shm_owner_uids: Annotated[tuple[int, ...], NoDecode] = Field(
-        default_factory=lambda: (os.geteuid(),)
+        default_factory=effective_uid,
+        description="comma-separated uids whose shm segments are opened (default: kvroute's own)",
     )
 
     @field_validator("shm_owner_uids", mode="before")

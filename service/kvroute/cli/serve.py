@@ -24,6 +24,7 @@ import signal
 import socket
 
 from kvroute.cli.common import CommandError, database_errors
+from kvroute.cli.variables import settings_epilog
 from kvroute.settings import Settings, load_settings
 
 log = logging.getLogger("kvroute.cli")
@@ -132,7 +133,12 @@ def prepare_schema(settings: Settings) -> None:
 
 
 def add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = commands.add_parser("serve", help="run the REST service")
+    parser = commands.add_parser(
+        "serve",
+        help="run the REST service",
+        epilog=settings_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--host", help="bind address (default: KVROUTE_HOST or 127.0.0.1)")
     parser.add_argument("--port", type=int, help="TCP port (default: KVROUTE_PORT or 8080)")
     parser.set_defaults(run=_serve)

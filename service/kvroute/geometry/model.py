@@ -171,6 +171,13 @@ class RankRegistration:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
 
     @cached_property
+    def canonical_digest(self) -> str:
+        """sha256 of ``canonical()``: equal digests mean an identical registration."""
+        import hashlib
+
+        return hashlib.sha256(self.canonical().encode()).hexdigest()
+
+    @cached_property
     def geometry_digest(self) -> str:
         """sha256 of what can change a plan: the document less lease, memory and endpoints."""
         import hashlib
@@ -184,6 +191,13 @@ class RankRegistration:
         }
         canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+    @cached_property
+    def class_digest(self) -> str:
+        """sha256 of the geometry peer checks see: ranks of one PP stage of an instance share it."""
+        from kvroute.geometry.classes import class_digest
+
+        return class_digest(self)
 
     @property
     def key(self) -> tuple[str, int]:

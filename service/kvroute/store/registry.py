@@ -14,16 +14,24 @@ several kvroute processes over one database:
 
 from __future__ import annotations
 
-import asyncio
 from datetime import datetime, timedelta
 
 from sqlalchemy import ColumnElement, case, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute
 
-from kvroute.geometry import GeometryError, RankRegistration, check_registration
+from kvroute.geometry import GeometryError, RankRegistration
+from kvroute.geometry.classes import VerdictMemo
+from kvroute.store import leases
 from kvroute.store import ranks as repo
-from kvroute.store.engine import SessionMaker, affected_rows, reading
+from kvroute.store.admission import admit
+from kvroute.store.engine import (
+    SessionMaker,
+    affected_rows,
+    autocommit_connection,
+    engine_of,
+    reading,
+)
 from kvroute.store.errors import LeaseExpired, NotFound
 from kvroute.store.models import Deployment, Instance, Rank
 from kvroute.store.records import (
@@ -31,12 +39,14 @@ from kvroute.store.records import (
     DeploymentSummary,
     InstanceRecord,
     InstanceSummary,
+    RankName,
     RankRecord,
     RankSummary,
     RegisterOutcome,
     RejectionRecord,
     lease_state,
 )
+from kvroute.store.registrations import RegistrationCache
 from kvroute.store.rejections import (
     DEFAULT_LOG_SIZE,
     insert_rejection,
@@ -51,17 +61,25 @@ async def register_rank(
     *,
     now: datetime,
     rejection_log_size: int = DEFAULT_LOG_SIZE,
+    registrations: RegistrationCache | None = None,
+    verdicts: VerdictMemo | None = None,
 ) -> RegisterOutcome:
     """Admits, renews or re-registers a rank, or refuses it without changing any registry row.
 
     An identical document keeps its generation and only renews the lease; a changed document gets
     the next generation; a rank without a row is created (a first registration gets generation 1,
     one registering again after a delete continues its old sequence). A refusal raises the
-    ``GeometryError`` after recording it in the bounded rejection log.
+    ``GeometryError`` after recording it in the bounded rejection log. ``registrations`` and
+    ``verdicts`` are the process's caches (see ``kvroute.store.admission``); fresh ones by default.
     """
     try:
-        async with sessionmaker.begin() as session:
-            return await _admit(session, reg, now)
+        return await admit(
+            sessionmaker,
+            reg,
+            now=now,
+            registrations=registrations or RegistrationCache(sessionmaker),
+            verdicts={} if verdicts is None else verdicts,
+        )
     except GeometryError as error:
         await record_rejection(
             sessionmaker,
@@ -73,30 +91,6 @@ async def register_rank(
             keep=rejection_log_size,
         )
         raise
-
-
-async def _admit(session: AsyncSession, reg: RankRegistration, now: datetime) -> RegisterOutcome:
-    await repo.lock_deployment(session, reg.deployment)
-    deployment = await repo.ensure_deployment(session, reg.deployment, now)
-    at = repo.judged_at(deployment, now)
-    members = await repo.live_registrations(session, reg.deployment, at, instance=reg.instance)
-    peers = await repo.live_registrations(session, reg.deployment, at, role=reg.role.opposite)
-    # Checking against a large deployment is CPU work (milliseconds per peer): off the event loop.
-    await asyncio.to_thread(
-        check_registration,
-        reg,
-        [member for member, _ in members if member.rank != reg.rank],
-        [p for p, _ in peers],
-    )
-    deployment.checked_at = at
-    await repo.upsert_instance(session, reg, now)
-    existing = await session.get(Rank, (reg.deployment, reg.instance, reg.rank))
-    if existing is not None and existing.canonical_sha256 == repo.canonical_digest(reg):
-        existing.lease_expires_at = at + timedelta(seconds=reg.lease_seconds)
-        return RegisterOutcome(existing.generation, existing.lease_expires_at, created=False)
-    generation = await repo.next_generation(session, reg)
-    row = await repo.write_rank(session, reg, generation=generation, at=at, existing=existing)
-    return RegisterOutcome(generation, row.lease_expires_at, created=existing is None)
 
 
 async def record_rejection(
@@ -130,25 +124,28 @@ async def heartbeat(
 ) -> datetime:
     """Renews a live rank's lease by its ``lease_seconds`` and returns the new expiry.
 
-    Raises ``NotFound`` for an unknown rank and ``LeaseExpired`` (a ``NotFound``) for an expired
-    one, whatever the grace period: the worker must register again (see the module docstring).
+    One conditional UPDATE, without the deployment lock: it renews only an unfenced rank whose lease
+    is live at ``max(now, checked_at)``, so it never waits for an admission and never revives a rank
+    an admission skipped (see ``kvroute.store.admission``). Raises ``NotFound`` for an unknown rank
+    and ``LeaseExpired`` (a ``NotFound``) for an expired or fenced one, whatever the grace period:
+    the worker must register again.
     """
-    async with sessionmaker.begin() as session:
-        await repo.lock_deployment(session, deployment)
-        row = await session.get(Rank, (deployment, instance, rank))
-        owner = await session.get(Deployment, deployment)
-        if row is None or owner is None:
-            raise NotFound(
-                f"rank {rank} of instance {instance!r} in {deployment!r} is not registered"
+    engine = engine_of(sessionmaker)
+    renewed = await leases.renew(engine, deployment, instance, rank, now)
+    if renewed is not None:
+        return renewed
+    async with autocommit_connection(engine) as connection:
+        found = await connection.scalar(
+            select(Rank.lease_expires_at).where(
+                Rank.deployment == deployment, Rank.instance == instance, Rank.rank == rank
             )
-        at = repo.judged_at(owner, now)
-        if row.lease_expires_at <= at:
-            raise LeaseExpired(
-                f"the lease of rank {rank} of instance {instance!r} in {deployment!r} expired at "
-                f"{row.lease_expires_at.isoformat()}; register the rank again"
-            )
-        row.lease_expires_at = at + timedelta(seconds=row.lease_seconds)
-        return row.lease_expires_at
+        )
+    if found is None:
+        raise NotFound(f"rank {rank} of instance {instance!r} in {deployment!r} is not registered")
+    raise LeaseExpired(
+        f"the lease of rank {rank} of instance {instance!r} in {deployment!r} expired at "
+        f"{found.isoformat()}; register the rank again"
+    )
 
 
 async def get_rank(
@@ -203,22 +200,6 @@ async def delete_instance(sessionmaker: SessionMaker, deployment: str, instance:
             raise NotFound(f"instance {instance!r} of deployment {deployment!r} does not exist")
 
 
-async def live_ranks(
-    sessionmaker: SessionMaker, deployment: str, instance: str, *, now: datetime
-) -> list[tuple[RankRegistration, int]]:
-    """The instance's live ranks with their generations, ordered by rank (input to plans).
-
-    Raises ``NotFound`` when the instance does not exist; an instance whose ranks all expired
-    answers an empty list.
-    """
-    async with reading(sessionmaker) as session:
-        owner = await session.get(Deployment, deployment)
-        if owner is None or await session.get(Instance, (deployment, instance)) is None:
-            raise NotFound(f"instance {instance!r} of deployment {deployment!r} does not exist")
-        at = repo.judged_at(owner, now)
-        return await repo.live_registrations(session, deployment, at, instance=instance)
-
-
 async def count_live_ranks(sessionmaker: SessionMaker, *, now: datetime) -> int:
     async with reading(sessionmaker) as session:
         count = await session.scalar(
@@ -227,11 +208,13 @@ async def count_live_ranks(sessionmaker: SessionMaker, *, now: datetime) -> int:
     return count or 0
 
 
-async def reap_expired(sessionmaker: SessionMaker, *, now: datetime, grace: timedelta) -> int:
-    """Deletes ranks whose lease ended more than ``grace`` ago; returns how many were deleted.
+async def reap_expired(
+    sessionmaker: SessionMaker, *, now: datetime, grace: timedelta
+) -> list[RankName]:
+    """Deletes ranks whose lease ended more than ``grace`` ago; returns them, in order.
 
     One transaction per deployment, under its lock, so reaping never races a registration that
-    is re-creating the same instance.
+    is re-creating the same instance (and the ranks read are exactly the ranks deleted).
     """
     cutoff = now - grace
     async with reading(sessionmaker) as session:
@@ -240,14 +223,14 @@ async def reap_expired(sessionmaker: SessionMaker, *, now: datetime, grace: time
                 select(Rank.deployment).where(Rank.lease_expires_at < cutoff).distinct()
             )
         )
-    reaped = 0
+    reaped: list[RankName] = []
     for deployment in sorted(deployments):
         async with sessionmaker.begin() as session:
             await repo.lock_deployment(session, deployment)
-            reaped += await affected_rows(
-                session,
-                delete(Rank).where(Rank.deployment == deployment, Rank.lease_expires_at < cutoff),
-            )
+            doomed = (Rank.deployment == deployment, Rank.lease_expires_at < cutoff)
+            rows = await session.execute(select(Rank.instance, Rank.rank).where(*doomed))
+            reaped += sorted(RankName(deployment, instance, rank) for instance, rank in rows)
+            await session.execute(delete(Rank).where(*doomed))
             await repo.delete_empty_instances(session, deployment)
     return reaped
 
