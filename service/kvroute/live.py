@@ -69,6 +69,8 @@ class LiveServer:
             KVROUTE_DATABASE_URL=self.database_url,
             KVROUTE_LOG_LEVEL="WARNING",
             KVROUTE_SHUTDOWN_TIMEOUT_SECONDS="2",
+            # Nothing routes to a test server through a load balancer: stop without a drain.
+            KVROUTE_DRAIN_SECONDS="0",
         )
         if self.tokens is not None:
             env.update(KVROUTE_WORKER_TOKEN=self.tokens[0], KVROUTE_ADMIN_TOKEN=self.tokens[1])

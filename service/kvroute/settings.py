@@ -3,25 +3,50 @@
 Everything that varies between deployments lives here (12-factor), is validated when the
 process starts, and is handed to ``create_app(settings)`` explicitly: no module reads the
 environment on its own. A bad value stops startup with the variable name and the reason,
-never a silent fallback to a default.
+never a silent fallback to a default; so does a ``KVROUTE_*`` variable that names no setting (a
+misspelt ``KVROUTE_ADMIN_TOKNE`` would otherwise leave the default in force). The variables of
+kvroute's own tooling (``TOOLING_VARIABLES``) are not settings and are let through.
+
+Shared-memory pools: kvroute cannot see which process registered a pool (registrations arrive
+over HTTP), so "the worker's segment" is decided by two rules, both checked every time a job opens
+a segment: its name starts with ``KVROUTE_SHM_NAME_PREFIX`` (default ``kvroute-``, so PostgreSQL's
+``PostgreSQL.*`` segments and other software's are never candidates), and its owner is one of
+``KVROUTE_SHM_OWNER_UIDS`` (comma-separated uids; default: the uid kvroute runs as, i.e. workers
+running as the same user). A segment owned by anyone else is refused even when kvroute could open it.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
+
+from kvroute.store.engine import DatabaseTimeouts
 
 ENV_PREFIX = "KVROUTE_"
 # The async drivers the store supports; anything else would fail much later, at first query.
 SUPPORTED_DRIVERS = frozenset({"sqlite+aiosqlite", "postgresql+asyncpg"})
 # Shorter bearer tokens are guessable; refuse them rather than run with weak auth.
 MIN_TOKEN_LENGTH = 16
+# KVROUTE_* variables that are not settings: read by kvroute's own tools, never by the server.
+TOOLING_VARIABLES = frozenset(
+    {
+        "KVROUTE_TEST_POSTGRES_URL",  # the test suite's PostgreSQL database
+        "KVROUTE_PROPERTY_EXAMPLES",  # the test suite's Hypothesis example count
+    }
+)
+
+
+def effective_uid() -> tuple[int, ...]:
+    """The default shm owner: the uid kvroute itself runs as."""
+    return (os.geteuid(),)
 
 
 class SettingsError(ValueError):
@@ -47,11 +72,51 @@ class Settings(BaseSettings):
     readiness_timeout_seconds: float = Field(default=2.0, gt=0, le=60)
     # How long shutdown waits for in-flight requests after readiness flipped to 503.
     shutdown_timeout_seconds: float = Field(default=30.0, gt=0, le=600)
+    drain_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        le=600,
+        description="on SIGTERM, readiness is 503 and requests are still served this long",
+    )
+    # Database bounds: a frozen or unreachable database answers 503 within these, never hangs.
+    database_statement_timeout_seconds: float = Field(
+        default=5.0, gt=0, le=600, description="PostgreSQL statement_timeout (and client bound)"
+    )
+    database_lock_timeout_seconds: float = Field(
+        default=3.0, gt=0, le=600, description="PostgreSQL lock_timeout (registration lock too)"
+    )
+    database_connect_timeout_seconds: float = Field(
+        default=5.0, gt=0, le=600, description="connecting, and waiting for a pooled connection"
+    )
+    sqlite_busy_timeout_seconds: float = Field(
+        default=5.0, gt=0, le=600, description="SQLite's wait for its write lock"
+    )
     transfer_workers: int = Field(default=2, ge=1, le=64)
     transfer_queue_size: int = Field(default=256, ge=1, le=100_000)
     # Names this process among replicas sharing one database: a restart fails only the transfer
     # jobs its own previous incarnation left in flight. Must be stable across restarts (a pod name).
     replica_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128)
+    # Which shared-memory segments a job may open (see the module docstring).
+    shm_name_prefix: str = Field(
+        default="kvroute-",
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._-]*$",
+        description="shm segments are opened only under this name prefix",
+    )
+    shm_owner_uids: Annotated[tuple[int, ...], NoDecode] = Field(
+        default_factory=effective_uid,
+        description="comma-separated uids whose shm segments are opened (default: kvroute's own)",
+    )
+
+    @field_validator("shm_owner_uids", mode="before")
+    @classmethod
+    def _uid_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            parts = [part.strip() for part in value.split(",")]
+            if not all(part.isascii() and part.isdigit() for part in parts):
+                raise ValueError("must be a comma-separated list of numeric uids")
+            return tuple(int(part) for part in parts)
+        return value
 
     @field_validator("database_url")
     @classmethod
@@ -69,7 +134,15 @@ class Settings(BaseSettings):
     @field_validator("worker_token", "admin_token")
     @classmethod
     def _strong_token(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and len(value.get_secret_value()) < MIN_TOKEN_LENGTH:
+        if value is None:
+            return value
+        token = value.get_secret_value()
+        if not token.strip():
+            raise ValueError("is blank; set a real token or unset the variable")
+        if not all("!" <= char <= "~" for char in token):
+            # A bearer token travels in a header: spaces and controls could never be presented.
+            raise ValueError("must be printable ASCII without spaces")
+        if len(token) < MIN_TOKEN_LENGTH:
             raise ValueError(f"tokens must be at least {MIN_TOKEN_LENGTH} characters")
         return value
 
@@ -86,6 +159,11 @@ class Settings(BaseSettings):
             and self.worker_token.get_secret_value() == self.admin_token.get_secret_value()
         ):
             raise ValueError("the worker and admin tokens must differ, or scopes mean nothing")
+        if self.database_lock_timeout_seconds > self.database_statement_timeout_seconds:
+            raise ValueError(
+                f"{ENV_PREFIX}DATABASE_LOCK_TIMEOUT_SECONDS must not exceed "
+                f"{ENV_PREFIX}DATABASE_STATEMENT_TIMEOUT_SECONDS (a lock wait is part of a statement)"
+            )
         if not self.auth_enabled and not is_loopback(self.host):
             raise ValueError(
                 f"{ENV_PREFIX}HOST={self.host} is not loopback and no tokens are configured; "
@@ -96,6 +174,15 @@ class Settings(BaseSettings):
     @property
     def auth_enabled(self) -> bool:
         return self.admin_token is not None
+
+    @property
+    def database_timeouts(self) -> DatabaseTimeouts:
+        return DatabaseTimeouts(
+            statement_seconds=self.database_statement_timeout_seconds,
+            lock_seconds=self.database_lock_timeout_seconds,
+            connect_seconds=self.database_connect_timeout_seconds,
+            sqlite_busy_seconds=self.sqlite_busy_timeout_seconds,
+        )
 
     @property
     def is_sqlite(self) -> bool:
@@ -115,12 +202,33 @@ def is_loopback(host: str) -> bool:
 def load_settings(**overrides: Any) -> Settings:
     """Build ``Settings`` from the environment plus explicit overrides (e.g. CLI flags).
 
-    Raises ``SettingsError`` naming each offending ``KVROUTE_*`` variable.
+    Raises ``SettingsError`` naming each offending ``KVROUTE_*`` variable, unknown ones included.
     """
+    unknown = unknown_variables(os.environ)
+    if unknown:
+        raise SettingsError(
+            f"unknown configuration variable{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(unknown)}: not a kvroute setting (misspelt?); "
+            f"the settings are {', '.join(sorted(known_variables()))}"
+        )
     try:
         return Settings(**overrides)
     except ValidationError as exc:
         raise SettingsError(_describe(exc)) from None
+
+
+def known_variables() -> frozenset[str]:
+    return frozenset(f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields)
+
+
+def unknown_variables(environment: Mapping[str, str]) -> list[str]:
+    """``KVROUTE_*`` names in ``environment`` that are neither a setting nor a tooling variable."""
+    allowed = known_variables() | TOOLING_VARIABLES
+    return sorted(
+        name
+        for name in environment
+        if name.upper().startswith(ENV_PREFIX) and name.upper() not in allowed
+    )
 
 
 def _describe(exc: ValidationError) -> str:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from kvroute.settings import SettingsError, load_settings
+from kvroute.settings import TOOLING_VARIABLES, SettingsError, load_settings
 
 TOKEN = "t" * 16
 
 
 @pytest.fixture(autouse=True)
 def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("HOST", "PORT", "DATABASE_URL", "WORKER_TOKEN", "ADMIN_TOKEN", "LOG_FORMAT"):
-        monkeypatch.delenv(f"KVROUTE_{name}", raising=False)
+    for name in os.environ:
+        if name.startswith("KVROUTE_"):
+            monkeypatch.delenv(name)
 
 
 def test_defaults_bind_loopback_with_embedded_sqlite():
@@ -60,3 +63,41 @@ def test_worker_token_needs_a_distinct_admin_token():
         load_settings(worker_token=TOKEN)
     with pytest.raises(SettingsError, match="must differ"):
         load_settings(worker_token=TOKEN, admin_token=TOKEN)
+
+
+@pytest.mark.parametrize("token", [" " * 16, "\t" * 20, " " * 8 + "x" * 16, "x" * 16 + "\n"])
+def test_a_blank_or_spaced_token_is_refused(monkeypatch, token):
+    monkeypatch.setenv("KVROUTE_ADMIN_TOKEN", token)
+    with pytest.raises(
+        SettingsError, match=r"KVROUTE_ADMIN_TOKEN=<secret>: (is blank|must be printable)"
+    ):
+        load_settings(host="0.0.0.0")
+    monkeypatch.setenv("KVROUTE_ADMIN_TOKEN", TOKEN)
+    monkeypatch.setenv("KVROUTE_WORKER_TOKEN", token)
+    with pytest.raises(SettingsError, match="KVROUTE_WORKER_TOKEN=<secret>"):
+        load_settings()
+
+
+def test_an_unknown_kvroute_variable_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("KVROUTE_ADMIN_TOKNE", TOKEN)
+    with pytest.raises(SettingsError, match="unknown configuration variable KVROUTE_ADMIN_TOKNE"):
+        load_settings()
+
+
+def test_the_tooling_variables_are_not_settings_but_are_allowed(monkeypatch):
+    for name in TOOLING_VARIABLES:
+        monkeypatch.setenv(name, "x")
+    assert load_settings().port == 8080
+
+
+def test_shm_owner_uids_are_a_comma_separated_list(monkeypatch):
+    monkeypatch.setenv("KVROUTE_SHM_OWNER_UIDS", "1000, 1001")
+    assert load_settings().shm_owner_uids == (1000, 1001)
+    monkeypatch.setenv("KVROUTE_SHM_OWNER_UIDS", "root")
+    with pytest.raises(SettingsError, match="KVROUTE_SHM_OWNER_UIDS='root'"):
+        load_settings()
+
+
+def test_a_lock_timeout_longer_than_the_statement_timeout_is_refused():
+    with pytest.raises(SettingsError, match="LOCK_TIMEOUT_SECONDS must not exceed"):
+        load_settings(database_lock_timeout_seconds=10, database_statement_timeout_seconds=5)

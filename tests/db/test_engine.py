@@ -12,13 +12,19 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import selectinload
 
 from kvroute.store import registry
-from kvroute.store.engine import READ_ONLY, SessionMaker, create_engine, reading
+from kvroute.store.engine import (
+    READ_ONLY,
+    DatabaseTimeouts,
+    SessionMaker,
+    create_engine,
+    reading,
+)
 from kvroute.store.models import Deployment, Rank
 from tests.db.documents import T0, registration
 
 
 async def test_sqlite_connections_enforce_foreign_keys_and_use_wal(sqlite_url: str) -> None:
-    engine = create_engine(sqlite_url)
+    engine = create_engine(sqlite_url, DatabaseTimeouts(sqlite_busy_seconds=1.5))
     try:
         async with engine.connect() as connection:
             pragmas = [
@@ -27,7 +33,25 @@ async def test_sqlite_connections_enforce_foreign_keys_and_use_wal(sqlite_url: s
             ]
     finally:
         await engine.dispose()
-    assert pragmas == [1, "wal", 30_000]
+    assert pragmas == [1, "wal", 1500]
+
+
+@pytest.mark.postgres
+async def test_postgres_connections_carry_statement_and_lock_timeouts(
+    postgres_test_url: str,
+) -> None:
+    engine = create_engine(
+        postgres_test_url, DatabaseTimeouts(statement_seconds=4.0, lock_seconds=1.5)
+    )
+    try:
+        async with engine.connect() as connection:
+            settings = [
+                await connection.scalar(text(f"SHOW {name}"))
+                for name in ("statement_timeout", "lock_timeout")
+            ]
+    finally:
+        await engine.dispose()
+    assert settings == ["4s", "1500ms"]
 
 
 async def test_sqlite_writers_serialize_and_readers_do_not_wait(sqlite_url: str) -> None:

@@ -51,6 +51,9 @@ class Owners:
         reply = self._call(owner, "digest", name)
         return str(reply[1])
 
+    def truncate(self, owner: str, name: str, size: int) -> None:
+        assert self._call(owner, "truncate", name, size) == ("truncated", name)
+
     def unlink(self, owner: str, name: str) -> None:
         assert self._call(owner, "unlink", name) == ("unlinked", name)
 

@@ -7,6 +7,7 @@ its segments when told to stop (and reports a segment's digest, to show kvroute'
 from __future__ import annotations
 
 import hashlib
+import os
 from multiprocessing.queues import Queue
 from multiprocessing.shared_memory import SharedMemory
 
@@ -26,6 +27,11 @@ def serve(commands: Queue, replies: Queue) -> None:
         elif command == "digest":
             (name,) = args
             replies.put(("digest", hashlib.sha256(owned[name].buf).hexdigest()))
+        elif command == "truncate":
+            # The worker shrinks its own segment (same file, same name) under kvroute's mapping.
+            name, size = args
+            os.truncate(f"/dev/shm/{name}", size)
+            replies.put(("truncated", name))
         elif command == "unlink":
             (name,) = args
             segment = owned.pop(name)

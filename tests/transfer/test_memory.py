@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -10,17 +11,22 @@ import torch
 
 from kvroute.geometry import Pool
 from kvroute.transfer import (
+    CopyPlan,
     CudaIpcBackend,
     LocalBackend,
     PoolMemory,
     PoolMemoryCache,
     PoolMemoryError,
     ShmBackend,
+    TransferJob,
+    TransferLeg,
 )
 from tests.transfer.conftest import Owners
-from tests.transfer.layouts import seeded_bytes
+from tests.transfer.layouts import HeadCopy, ViewLayout, plan_document, seeded_bytes
 
 POOL = Pool(pool_id=3, slot_bytes=96, slot_stride=128, num_slots=8)  # 1024 bytes
+TINY_VIEW = ViewLayout("hnd", layers=1, heads=1, tokens=2, head_bytes=4)  # 16 bytes of a slot
+HEAD = HeadCopy(TINY_VIEW, TINY_VIEW, 0, 0, 1)
 
 
 def test_shm_maps_exactly_the_pool_after_the_offset(owners: Owners) -> None:
@@ -169,3 +175,64 @@ def test_a_vanished_segment_is_refused_instead_of_reused(tmp_path: Path) -> None
         (tmp_path / "kvroute-gone").unlink()
         with pytest.raises(PoolMemoryError, match="no shared memory segment"):
             cache.open_pool(descriptor, POOL)
+
+
+def test_a_cached_segment_that_shrank_is_refused_not_reused(tmp_path: Path) -> None:
+    """The issue's crash: a cached mapping of a truncated segment must never be handed out again."""
+    descriptor = {"backend": "shm", "name": "kvroute-shrinks"}
+    with PoolMemoryCache([ShmBackend(root=tmp_path)]) as cache:
+        _segment(tmp_path, "kvroute-shrinks", 1)
+        cache.open_pool(descriptor, POOL)
+        os.truncate(tmp_path / "kvroute-shrinks", 0)  # same file, same name: only the size changed
+        with pytest.raises(PoolMemoryError, match=r"'kvroute-shrinks': mapping is 0 bytes"):
+            cache.open_pool(descriptor, POOL)
+        os.truncate(tmp_path / "kvroute-shrinks", POOL.size_bytes)  # grown back: usable again
+        assert cache.open_pool(descriptor, POOL).tensor.numel() == POOL.size_bytes
+
+
+def test_a_job_rechecks_its_pools_and_names_the_side(tmp_path: Path) -> None:
+    backend = ShmBackend(root=tmp_path)
+    _segment(tmp_path, "kvroute-src", 1)
+    _segment(tmp_path, "kvroute-dst", 2)
+    src = backend.open({"backend": "shm", "name": "kvroute-src"}, POOL)
+    dst = backend.open({"backend": "shm", "name": "kvroute-dst"}, POOL)
+    plan = CopyPlan.from_json(plan_document("one", {0: [(3, 3, HEAD)]}, ()))
+    job = TransferJob([TransferLeg(plan, {(0, 3): src}, {3: dst})], [0], [0])
+    job.verify_memory()
+    os.truncate(tmp_path / "kvroute-dst", 100)
+    with pytest.raises(PoolMemoryError, match=r"receiver: segment 'kvroute-dst': mapping is 100"):
+        job.verify_memory()
+
+
+def test_a_segment_of_an_untrusted_owner_is_refused(tmp_path: Path) -> None:
+    _segment(tmp_path, "kvroute-foreign", 0)
+    stranger = os.geteuid() + 1
+    with pytest.raises(PoolMemoryError, match=f"owned by uid {os.geteuid()}, not by a worker uid"):
+        ShmBackend(root=tmp_path, owners={stranger}).open(
+            {"backend": "shm", "name": "kvroute-foreign"}, POOL
+        )
+    # The default trusts the uid kvroute runs as.
+    assert ShmBackend(root=tmp_path).open({"backend": "shm", "name": "kvroute-foreign"}, POOL)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating another user's file needs root")
+def test_a_file_of_another_user_is_refused_even_when_kvroute_could_open_it(tmp_path: Path) -> None:
+    """The issue's case: kvroute as root wrote into a 0600 file owned by uid 65534."""
+    _segment(tmp_path, "kvroute-nobody", 0)
+    os.chown(tmp_path / "kvroute-nobody", 65534, 65534)
+    os.chmod(tmp_path / "kvroute-nobody", 0o600)
+    with pytest.raises(PoolMemoryError, match="owned by uid 65534"):
+        ShmBackend(root=tmp_path).open({"backend": "shm", "name": "kvroute-nobody"}, POOL)
+
+
+@pytest.mark.parametrize("name", ["PostgreSQL.1234", "other-kvroute-x"])
+def test_a_segment_outside_the_name_prefix_is_refused(tmp_path: Path, name: str) -> None:
+    _segment(tmp_path, name, 0)
+    with pytest.raises(PoolMemoryError, match="does not start with 'kvroute-'"):
+        ShmBackend(root=tmp_path).open({"backend": "shm", "name": name}, POOL)
+    assert ShmBackend(root=tmp_path, name_prefix="").open({"backend": "shm", "name": name}, POOL)
+
+
+def test_a_trailing_newline_is_not_a_segment_name(tmp_path: Path) -> None:
+    with pytest.raises(PoolMemoryError, match="must match"):
+        ShmBackend(root=tmp_path).open({"backend": "shm", "name": "kvroute-x\n"}, POOL)

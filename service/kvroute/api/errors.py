@@ -1,7 +1,10 @@
 """The error boundary: domain and library exceptions become problem+json in exactly one place.
 
 Handlers and the other middlewares raise (``GeometryError``, the store's ``NotFound``,
-``ProblemError``, aiohttp's ``HTTPException``); this middleware maps each through one table.
+``ProblemError``, aiohttp's ``HTTPException``, a driver's error); this middleware maps each through
+one table. Database outages are 503 with their own codes: ``database_busy`` when the database
+answered too slowly (statement or lock timeout, SQLite lock starvation), ``database_unavailable``
+when it could not be reached; the log line names the cause. Every 503 carries ``Retry-After``.
 Anything unmapped is a bug: it is logged with the request id and answered 500 without a
 traceback, so bad input can never surface as a 500 unless the code is wrong.
 """
@@ -14,13 +17,14 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from kvroute.api.keys import problem_key, request_id_key
 from kvroute.api.problems import Problem, ProblemError
 from kvroute.geometry import GeometryError
 from kvroute.store.errors import Conflict, NotFound
+from kvroute.store.faults import database_fault
 
 log = logging.getLogger(__name__)
 
@@ -80,32 +84,51 @@ def _conflict(exc: Exception) -> Problem:
     return Problem(status=409, title="Conflict", detail=str(exc), code="conflict")
 
 
-def _database_unavailable(exc: Exception) -> Problem:
-    log.warning("database unavailable: %s", exc.__class__.__name__)
+# Seconds a client should wait: a slow database recovers sooner than an unreachable one.
+BUSY_RETRY_AFTER_S = 1
+UNAVAILABLE_RETRY_AFTER_S = 2
+
+
+def _database_problem(exc: Exception) -> Problem | None:
+    fault = database_fault(exc)
+    if fault is None:
+        return None  # a driver error that is not an outage (integrity, syntax): a bug, 500
+    if fault.busy:
+        log.warning("database busy: %s", fault.cause)
+        return Problem(
+            status=503,
+            title="Service Unavailable",
+            detail="the database did not answer in time (busy or locked); retry shortly",
+            code="database_busy",
+            headers={"Retry-After": str(BUSY_RETRY_AFTER_S)},
+        )
+    log.warning("database unavailable: %s", fault.cause)
     return Problem(
         status=503,
         title="Service Unavailable",
         detail="the database is unreachable; retry later",
         code="database_unavailable",
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
     )
 
 
-# Checked in order; the first matching entry renders the answer.
+# Checked in order; the first entry whose type matches and whose renderer answers (a renderer
+# may decline with None) renders the answer.
 PROBLEM_TABLE: tuple[
-    tuple[type[Exception] | tuple[type[Exception], ...], Callable[[Any], Problem]], ...
+    tuple[type[Exception] | tuple[type[Exception], ...], Callable[[Any], Problem | None]], ...
 ] = (
     (ProblemError, lambda exc: exc.problem),
     (GeometryError, geometry_problem),
     (NotFound, _not_found),
     (Conflict, _conflict),
-    ((OperationalError, PoolTimeoutError, ConnectionError), _database_unavailable),
+    ((DBAPIError, PoolTimeoutError, TimeoutError, OSError), _database_problem),
 )
 
 
 def to_problem(exc: Exception) -> Problem | None:
     for kinds, render in PROBLEM_TABLE:
-        if isinstance(exc, kinds):
-            return render(exc)
+        if isinstance(exc, kinds) and (problem := render(exc)) is not None:
+            return problem
     return None
 
 

@@ -30,9 +30,15 @@ if TYPE_CHECKING:  # the data plane imports torch, which the control plane may l
 
 @dataclass
 class Lifecycle:
-    """Mutable process state that outlives a request: set once shutdown starts."""
+    """Mutable process state that outlives a request, moved forward once shutdown starts.
+
+    ``draining``: readiness answers 503 so load balancers stop routing here, while every request
+    is still served. ``stopping``: the listener is closing; mutating requests that still arrive
+    on open connections are refused with 503 ``draining``.
+    """
 
     draining: bool = False
+    stopping: bool = False
 
 
 settings_key = web.AppKey("settings", Settings)

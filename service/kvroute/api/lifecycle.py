@@ -2,9 +2,11 @@
 
 One cleanup context per resource: each creates its resource, stores it under its key,
 yields, and tears it down; aiohttp runs a teardown only when that resource's startup
-succeeded. Shutdown first flips ``draining`` (readiness answers 503 and mutating requests
-are refused), then aiohttp waits for in-flight handlers, then the contexts unwind in
-reverse: the reaper stops before the engine is disposed.
+succeeded. Shutdown (``kvroute serve`` on SIGTERM, see ``cli/serve``) first sets ``draining``:
+readiness answers 503 while requests are still served for ``KVROUTE_DRAIN_SECONDS``. Then the
+listener closes and ``stopping`` refuses mutations still arriving on open connections, aiohttp waits
+for in-flight handlers, and the contexts unwind in reverse: the transfer pool finishes or fails its
+jobs, the reaper stops, the engine is disposed.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ MUTATING_METHODS = frozenset({"PUT", "POST", "PATCH", "DELETE"})
 
 
 async def database_context(app: web.Application) -> AsyncIterator[None]:
-    engine = create_engine(app[settings_key].database_url)
+    settings = app[settings_key]
+    engine = create_engine(settings.database_url, settings.database_timeouts)
     app[engine_key] = engine
     app[sessionmaker_key] = make_sessionmaker(engine)
     yield
@@ -103,14 +106,15 @@ def _rank_fields(name: RankName) -> dict[str, str | int]:
 
 
 async def start_draining(app: web.Application) -> None:
-    """``on_shutdown``: stop taking work before in-flight requests are awaited."""
-    app[lifecycle_key].draining = True
-    log.info("draining: readiness is 503 and mutating requests are refused")
+    """``on_shutdown``: the listener is closed; stop taking work before in-flight requests end."""
+    lifecycle = app[lifecycle_key]
+    lifecycle.draining = lifecycle.stopping = True
+    log.info("stopping: mutating requests are refused; waiting for in-flight requests")
 
 
 @web.middleware
 async def drain_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.method in MUTATING_METHODS and request.app[lifecycle_key].draining:
+    if request.method in MUTATING_METHODS and request.app[lifecycle_key].stopping:
         raise ProblemError(
             Problem(
                 503,

@@ -16,6 +16,7 @@ from kvroute.api.keys import (
     settings_key,
     spec_text_key,
 )
+from kvroute.api.problems import DEFAULT_RETRY_AFTER_S
 from kvroute.api.registration import utcnow
 from kvroute.api.transfers import transfer_checks
 from kvroute.store import lease_watch
@@ -39,6 +40,7 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(
         {"status": "ready" if ready else "unready", "checks": checks},
         status=200 if ready else 503,
+        headers={} if ready else {"Retry-After": str(DEFAULT_RETRY_AFTER_S)},
     )
 
 

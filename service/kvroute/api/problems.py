@@ -10,6 +10,9 @@ from aiohttp import web
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 PROBLEM_BASE = "https://kvroute.dev/problems/"
+# A 503 is always temporary for kvroute (draining, database trouble, a replica without the data
+# plane): clients back off this long unless the problem says otherwise.
+DEFAULT_RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)
@@ -37,11 +40,14 @@ class Problem:
         return body
 
     def to_response(self, *, request_id: str | None) -> web.Response:
+        headers = dict(self.headers)
+        if self.status == 503:
+            headers.setdefault("Retry-After", str(DEFAULT_RETRY_AFTER_S))
         return web.json_response(
             self.to_json(request_id=request_id),
             status=self.status,
             content_type=PROBLEM_CONTENT_TYPE,
-            headers=dict(self.headers),
+            headers=headers,
         )
 
 

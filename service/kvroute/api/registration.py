@@ -7,6 +7,7 @@ Handlers only translate: the validated request becomes a ``RankRegistration`` an
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
@@ -54,8 +55,13 @@ async def _parse(
 ) -> RankRegistration:
     """The typed registration; a malformed document is logged as a refusal like any other."""
     try:
-        return RankRegistration.from_json(
-            request[validated_key].body, deployment=deployment, instance=instance, rank=rank
+        # Milliseconds for the largest documents the limits allow: not on the event loop.
+        return await asyncio.to_thread(
+            RankRegistration.from_json,
+            request[validated_key].body,
+            deployment=deployment,
+            instance=instance,
+            rank=rank,
         )
     except GeometryError as error:
         await request.app[registry_key].refuse(

@@ -7,7 +7,7 @@ wheel), so an editable checkout and a container image load the same document.
 
 from __future__ import annotations
 
-import json
+import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,12 +19,15 @@ from aiohttp import web
 from openapi_core import OpenAPI
 from openapi_core.contrib.aiohttp import AIOHTTPOpenAPIWebRequest
 from openapi_core.unmarshalling.request.unmarshallers import V31RequestParametersUnmarshaller
-from openapi_core.validation.request.validators import V31RequestBodyValidator
+
+from kvroute.api.bodies import body_rules
 
 SPEC_RESOURCE = ("kvroute.api", "openapi.yaml")
 # Parameter results remembered per (operation, path, query): hot reads (plans, heartbeats) repeat
 # the same URL, and openapi-core spends ~2 ms per parameter resolving its schema again.
 PARAMETER_CACHE_SIZE = 4096
+# How an integer parameter is spelled: int() would also take "١", "+1", " 1", "1_0" and "01".
+CANONICAL_INTEGER = re.compile(r"0|-?[1-9][0-9]{0,17}", re.ASCII)
 
 
 def spec_bytes() -> bytes:
@@ -55,8 +58,36 @@ class UnknownQueryParameter(Exception):
         self.name = name
 
 
+class AliasedParameter(Exception):
+    """A parameter spelled in a way that would alias another value (``١`` for 1, ``a\\nb``)."""
+
+    def __init__(self, location: str, name: str, value: str, expected: str, *, malformed: bool):
+        super().__init__(f"{location} parameter {name!r}: {value!r} is not {expected}")
+        self.location = location
+        self.name = name
+        self.malformed = malformed  # unparseable (400) rather than out of the schema (422)
+
+
+@dataclass(frozen=True)
+class StrictParameter:
+    """How one path or query parameter's raw text must be spelled before it is parsed."""
+
+    location: str
+    name: str
+    integer: bool
+    pattern: re.Pattern[str] | None
+
+    def check(self, value: str) -> None:
+        if self.integer and not CANONICAL_INTEGER.fullmatch(value):
+            expected = "a decimal integer (ASCII digits, no leading zeros)"
+            raise AliasedParameter(self.location, self.name, value, expected, malformed=True)
+        if self.pattern is not None and not self.pattern.fullmatch(value):
+            expected = f"matched by {self.pattern.pattern}"
+            raise AliasedParameter(self.location, self.name, value, expected, malformed=False)
+
+
 class SpecValidator:
-    """Parameter and body unmarshallers for one spec, built once per app.
+    """Parameter unmarshallers and body rules for one spec, built once per app.
 
     Security requirements are deliberately not checked here: auth is its own middleware
     and is off on a loopback-only server.
@@ -64,60 +95,84 @@ class SpecValidator:
 
     def __init__(self, spec: OpenAPI, document: Mapping[str, Any]) -> None:
         self._parameters = V31RequestParametersUnmarshaller(spec.spec)
-        # Validate-only for bodies: unmarshalling a registration document node by node costs
-        # ~15x more than validating it, and the JSON is the document the handler needs anyway.
-        self._body = V31RequestBodyValidator(spec.spec)
         self._query_names = declared_query_parameters(document)
+        self._strict = strict_parameters(document)
         self._url_only = url_only_operations(document)
         self._parameters_seen: OrderedDict[tuple[str, ...], ValidatedRequest] = OrderedDict()
-        self._with_body = {
-            (method, path)
-            for method, path in spec_operations(document)
-            if "requestBody" in document["paths"][path][method.lower()]
-        }
+        self.bodies = body_rules(document)
 
-    def unmarshal(
-        self, request: web.Request, body: bytes | None
-    ) -> tuple[Sequence[Exception], ValidatedRequest]:
+    def parameters(self, request: web.Request) -> tuple[Sequence[Exception], ValidatedRequest]:
+        """Path and query parameters, spelled strictly, then unmarshalled by the spec."""
         resource = request.match_info.route.resource
         operation = (request.method, resource.canonical if resource else "")
         allowed = self._query_names.get(operation, frozenset())
         unknown = sorted(set(request.query) - allowed)
         if unknown:
             return [UnknownQueryParameter(unknown[0])], ValidatedRequest({}, {}, None)
-        if operation not in self._with_body and operation in self._url_only:
-            # The URL alone decides the result: no body to check, no header parameters.
-            key = (*operation, request.path, request.query_string)
-            seen = self._parameters_seen.get(key)
-            if seen is None:
-                errors, seen = self._unmarshal(request, operation, None)
-                if errors:
-                    return errors, seen
-                self._parameters_seen[key] = seen
-                if len(self._parameters_seen) > PARAMETER_CACHE_SIZE:
-                    self._parameters_seen.popitem(last=False)
-            return [], seen
-        return self._unmarshal(request, operation, body)
+        try:
+            self._check_spelling(request, operation)
+        except AliasedParameter as error:
+            return [error], ValidatedRequest({}, {}, None)
+        if operation not in self._url_only:
+            return self._unmarshal(request)
+        # The URL alone decides the result: remember it (hot reads repeat the same URL).
+        key = (*operation, request.path, request.query_string)
+        seen = self._parameters_seen.get(key)
+        if seen is None:
+            errors, seen = self._unmarshal(request)
+            if errors:
+                return errors, seen
+            self._parameters_seen[key] = seen
+            if len(self._parameters_seen) > PARAMETER_CACHE_SIZE:
+                self._parameters_seen.popitem(last=False)
+        return [], seen
 
-    def _unmarshal(
-        self, request: web.Request, operation: tuple[str, str], body: bytes | None
-    ) -> tuple[Sequence[Exception], ValidatedRequest]:
-        adapted = AIOHTTPOpenAPIWebRequest(request, body=body)
-        parameters = self._parameters.unmarshal(adapted)
+    def _check_spelling(self, request: web.Request, operation: tuple[str, str]) -> None:
+        for parameter in self._strict.get(operation, ()):
+            if parameter.location == "path":
+                values = [request.match_info.get(parameter.name, "")]
+            else:
+                values = request.query.getall(parameter.name, [])
+                if len(values) > 1:
+                    raise AliasedParameter(
+                        "query", parameter.name, values[1], "given once", malformed=True
+                    )
+            for value in values:
+                parameter.check(value)
+
+    def _unmarshal(self, request: web.Request) -> tuple[Sequence[Exception], ValidatedRequest]:
+        parameters = self._parameters.unmarshal(AIOHTTPOpenAPIWebRequest(request, body=None))
         if parameters.errors:
             return parameters.errors, ValidatedRequest({}, {}, None)
-        if operation not in self._with_body:
-            # An operation without a requestBody ignores whatever body was sent.
-            return [], ValidatedRequest(
-                parameters.parameters.path, parameters.parameters.query, None
-            )
-        errors = list(self._body.iter_errors(adapted))
-        validated = ValidatedRequest(
-            path=parameters.parameters.path,
-            query=parameters.parameters.query,
-            body=json.loads(body) if body and not errors else None,
-        )
-        return errors, validated
+        return [], ValidatedRequest(parameters.parameters.path, parameters.parameters.query, None)
+
+
+def strict_parameters(
+    spec: Mapping[str, Any],
+) -> dict[tuple[str, str], tuple[StrictParameter, ...]]:
+    """(METHOD, path template) -> the spelling rules of its integer and patterned parameters."""
+    rules = {}
+    for method, path in spec_operations(spec):
+        item = spec["paths"][path]
+        parameters = [*item.get("parameters", []), *item[method.lower()].get("parameters", [])]
+        found = []
+        for parameter in (_resolve(spec, node) for node in parameters):
+            schema = _resolve(spec, parameter.get("schema", {}))
+            pattern = schema.get("pattern")
+            if parameter["in"] not in ("path", "query"):
+                continue
+            if schema.get("type") == "integer" or pattern is not None:
+                found.append(
+                    StrictParameter(
+                        parameter["in"],
+                        parameter["name"],
+                        schema.get("type") == "integer",
+                        # ECMA-262 semantics: ASCII classes, and "$" only at the very end.
+                        re.compile(pattern, re.ASCII) if pattern is not None else None,
+                    )
+                )
+        rules[(method, path)] = tuple(found)
+    return rules
 
 
 def spec_operations(spec: Mapping[str, Any]) -> set[tuple[str, str]]:

@@ -45,6 +45,7 @@ async def transfer_context(app: web.Application) -> AsyncIterator[None]:
     """Start the worker pool; on shutdown (readiness is already 503) drain it, then unmap pools."""
     try:
         from kvroute.control.transfers import TransferService
+        from kvroute.transfer.memory import PoolMemoryCache, default_backends
     except ImportError as error:
         log.warning("transfer endpoints disabled: %s (%s)", NO_DATA_PLANE, error)
         yield
@@ -57,6 +58,11 @@ async def transfer_context(app: web.Application) -> AsyncIterator[None]:
         queue_size=settings.transfer_queue_size,
         registry=app[metrics_key].registry,
         engine=app.get(copy_engine_key),
+        memories=PoolMemoryCache(
+            default_backends(
+                shm_name_prefix=settings.shm_name_prefix, shm_owners=settings.shm_owner_uids
+            )
+        ),
         replica=settings.replica_id,
     )
     await service.start(now=utcnow())

@@ -17,6 +17,7 @@ SERVER_MODULES = frozenset(
         "aiosqlite",
         "asyncpg",
         "cachetools",
+        "jsonschema_rs",
         "openapi_core",
         "prometheus_client",
         "pydantic",

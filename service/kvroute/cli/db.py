@@ -6,14 +6,19 @@ import argparse
 
 from sqlalchemy.engine import make_url
 
-from kvroute.cli.common import CommandError
+from kvroute.cli.common import CommandError, database_errors
 from kvroute.settings import load_settings
 
 
 def _db(args: argparse.Namespace) -> int:
+    url = load_settings().database_url
+    with database_errors(url):
+        return _act(args, url)
+
+
+def _act(args: argparse.Namespace, url: str) -> int:
     from kvroute.store import migrate
 
-    url = load_settings().database_url
     if args.action in ("upgrade", "downgrade"):
         before = migrate.current(url)
         move = migrate.upgrade if args.action == "upgrade" else migrate.downgrade

@@ -1,21 +1,37 @@
-"""``kvroute serve``: the REST service on the configured database."""
+"""``kvroute serve``: the REST service on the configured database, with a graceful drain.
+
+The listening socket is bound before anything starts, so a port in use is one line and exit 2
+(and "listening" is only logged once the app serves on it); so is a database that cannot be
+reached or does not exist. On SIGTERM (or SIGINT):
+
+1. readiness answers 503 at once while every request is still served, for
+   ``KVROUTE_DRAIN_SECONDS`` (load balancers and Kubernetes endpoints stop routing here; a second
+   signal cuts the drain short);
+2. the listener closes, mutations still arriving on open connections answer 503 ``draining``,
+   and in-flight requests get up to ``KVROUTE_SHUTDOWN_TIMEOUT_SECONDS``;
+3. the transfer pool cancels what is queued and waits the same timeout for running copies (jobs
+   still running then are stored failed), the engine is disposed, and the process exits 0.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import errno
 import logging
+import signal
+import socket
 
-from kvroute.cli.common import CommandError
+from kvroute.cli.common import CommandError, database_errors
 from kvroute.cli.variables import settings_epilog
 from kvroute.settings import Settings, load_settings
 
 log = logging.getLogger("kvroute.cli")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
-    from kvroute.api import create_app
     from kvroute.api.access import configure_logging
 
     overrides = {
@@ -23,17 +39,83 @@ def _serve(args: argparse.Namespace) -> int:
     }
     settings = load_settings(**overrides)
     configure_logging(log_format=settings.log_format, level=settings.log_level)
-    prepare_schema(settings)
-    log.info("kvroute listening on %s:%d", settings.host, settings.port)
-    web.run_app(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
+    # Bound first: a port in use is refused before any migration runs or anything is logged.
+    listener = bind(settings.host, settings.port)
+    with contextlib.closing(listener):
+        with database_errors(settings.database_url):
+            prepare_schema(settings)
+        asyncio.run(serve(settings, listener))
+    return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, or a ``CommandError`` that says why it cannot be had."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError as error:
+        raise CommandError(f"cannot listen on {host}:{port}: {error}; check KVROUTE_HOST") from None
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as error:
+        listener.close()
+        hint = {
+            errno.EADDRINUSE: "another process listens there; stop it or choose another "
+            "KVROUTE_PORT (--port)",
+            errno.EACCES: "ports below 1024 need privileges; choose another KVROUTE_PORT (--port)",
+            errno.EADDRNOTAVAIL: "no interface of this host has that address; check KVROUTE_HOST",
+        }.get(error.errno or 0, "check KVROUTE_HOST and KVROUTE_PORT")
+        raise CommandError(f"cannot listen on {host}:{port}: {error.strerror}; {hint}") from None
+    listener.setblocking(False)
+    return listener
+
+
+async def serve(settings: Settings, listener: socket.socket) -> None:
+    """Serve on ``listener`` until a stop signal, then drain (see the module docstring)."""
+    from aiohttp import web
+
+    from kvroute.api import create_app
+    from kvroute.api.keys import lifecycle_key
+
+    app = create_app(settings)
+    runner = web.AppRunner(
+        app,
         access_log=None,  # kvroute's access middleware writes the one line per request
-        print=None,
         shutdown_timeout=settings.shutdown_timeout_seconds,
     )
-    return 0
+    stops = _stop_signals()
+    await runner.setup()
+    try:
+        await web.SockSite(runner, listener).start()
+        host, port = listener.getsockname()[:2]
+        log.info("kvroute listening on %s:%d", host, port)
+        await stops.get()
+        app[lifecycle_key].draining = True
+        log.info(
+            "draining for %gs: readiness is 503, requests are still served",
+            settings.drain_seconds,
+        )
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(settings.drain_seconds):
+                await stops.get()  # a second signal ends the drain early
+                log.info("second stop signal: ending the drain now")
+    finally:
+        await runner.cleanup()
+        for stop in STOP_SIGNALS:
+            asyncio.get_running_loop().remove_signal_handler(stop)
+    log.info("kvroute stopped")
+
+
+def _stop_signals() -> asyncio.Queue[int]:
+    stops: asyncio.Queue[int] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    for stop in STOP_SIGNALS:
+        loop.add_signal_handler(stop, stops.put_nowait, stop)
+    return stops
 
 
 def prepare_schema(settings: Settings) -> None:

@@ -20,8 +20,11 @@ from typing import Any
 from kvroute.geometry import GeometryError, RankRegistration, check_peers
 from kvroute.geometry.classes import VerdictMemo, check_peers_by_class, representatives
 from kvroute.store.engine import SessionMaker
-from kvroute.store.registrations import RegistrationCache
+from kvroute.store.registrations import RegistrationCache, RegistrationMoved
 from kvroute.store.snapshots import deployment_states
+
+# Reads of the generations and documents before a matrix gives up on a deployment in churn.
+MATRIX_READS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +126,16 @@ async def deployment_matrix(
     now: datetime,
 ) -> dict[str, Any]:
     """The matrix of the deployment's live registrations; ``NotFound`` for an unknown one."""
-    states = await deployment_states(sessionmaker, deployment, now=now)
-    wanted = [(s.instance, rank, gen) for s in states for rank, gen in s.live.items()]
-    live = await registrations.at(deployment, wanted)
+    for attempt in range(1, MATRIX_READS + 1):
+        states = await deployment_states(sessionmaker, deployment, now=now)
+        wanted = [(s.instance, rank, gen) for s in states for rank, gen in s.live.items()]
+        try:
+            live = await registrations.at(deployment, wanted)
+            break
+        except RegistrationMoved:
+            # A rank re-registered between the two reads: a read-only view just reads again.
+            if attempt == MATRIX_READS:
+                raise
     instances = [
         InstanceRanks(
             state.instance,

@@ -12,6 +12,12 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from kvroute.geometry.errors import GeometryError
+from kvroute.geometry.limits import (
+    ARRAY_BOUNDS,
+    INTEGER_BOUNDS,
+    MAX_LAYER_SLOTS,
+    STRING_BOUNDS,
+)
 from kvroute.geometry.model import (
     DTYPE_BITS,
     Attention,
@@ -24,14 +30,9 @@ from kvroute.geometry.model import (
     View,
 )
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-ROLE_NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
-MAX_INT = 2**62  # beyond any real byte offset; keeps arithmetic in 64-bit range for databases
-MAX_LAYERS = 4096
-MAX_VIEWS = 256
-MAX_POOLS = 64
-MAX_PARALLEL = 1024
-MAX_ROLES = 16
+# Matched whole (``fullmatch``): a trailing newline is part of the value, never an alias of it.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", re.ASCII)
+ROLE_NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,62}", re.ASCII)
 
 E = TypeVar("E")
 
@@ -43,13 +44,17 @@ def _invalid(field: str, detail: str, value: Any = None) -> GeometryError:
 
 
 class _Reader:
-    """Reads one JSON object, remembering the path so every error names its field."""
+    """Reads one JSON object of spec schema ``schema``, naming every error's field by its path.
 
-    def __init__(self, obj: Any, path: str) -> None:
+    Integer, array and string bounds are looked up as ``"<schema>.<key>"`` in ``limits``.
+    """
+
+    def __init__(self, obj: Any, path: str, schema: str) -> None:
         if not isinstance(obj, Mapping):
             raise _invalid(path or "document", "must be an object", _short(obj))
         self.obj = obj
         self.path = path
+        self.schema = schema
 
     def _field(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
@@ -57,23 +62,18 @@ class _Reader:
     def has(self, key: str) -> bool:
         return self.obj.get(key) is not None
 
-    def int(
-        self, key: str, *, low: int = 0, high: int = MAX_INT, default: int | None = None
-    ) -> int:
+    def int(self, key: str, *, default: int | None = None) -> int:
+        low, high = INTEGER_BOUNDS[f"{self.schema}.{key}"]
         value = self.obj.get(key)
         field = self._field(key)
         if value is None:
             if default is None:
                 raise _invalid(field, "is required")
             return default
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _invalid(field, f"must be an integer, got {_short(value)}", _short(value))
-        if not low <= value <= high:
-            raise _invalid(field, f"must be in [{low}, {high}], got {value}", value)
-        return value
+        return _bounded_int(field, value, low, high)
 
-    def opt_int(self, key: str, *, low: int = 0, high: int = MAX_INT) -> int | None:
-        return self.int(key, low=low, high=high) if self.has(key) else None
+    def opt_int(self, key: str) -> int | None:
+        return self.int(key) if self.has(key) else None
 
     def bool(self, key: str, *, default: bool | None = None) -> bool:
         value = self.obj.get(key)
@@ -90,7 +90,8 @@ class _Reader:
         field = self._field(key)
         if not isinstance(value, str):
             raise _invalid(field, f"must be a string, got {_short(value)}", _short(value))
-        if len(value) > max_len or (pattern is not None and not pattern.match(value)):
+        low, high = STRING_BOUNDS.get(f"{self.schema}.{key}", (0, max_len))
+        if not low <= len(value) <= high or (pattern is not None and not pattern.fullmatch(value)):
             raise _invalid(field, f"is not a valid value: {_short(value)}", _short(value))
         return value
 
@@ -115,25 +116,35 @@ class _Reader:
             )
         return value
 
-    def list(self, key: str, *, max_items: int, min_items: int = 0) -> list[Any]:
+    def list(self, key: str, *, min_items: int | None = None) -> list[Any]:
+        low, high = ARRAY_BOUNDS[f"{self.schema}.{key}"]
+        low = low if min_items is None else min_items
         value = self.obj.get(key)
         field = self._field(key)
         if not isinstance(value, list):
             raise _invalid(field, f"must be an array, got {_short(value)}", _short(value))
-        if not min_items <= len(value) <= max_items:
-            raise _invalid(
-                field, f"must have {min_items}..{max_items} items, got {len(value)}", len(value)
-            )
+        if not low <= len(value) <= high:
+            raise _invalid(field, f"must have {low}..{high} items, got {len(value)}", len(value))
         return value
 
-    def child(self, key: str) -> _Reader:
-        return _Reader(self.obj.get(key), self._field(key))
+    def child(self, key: str, schema: str) -> _Reader:
+        return _Reader(self.obj.get(key), self._field(key), schema)
 
-    def item(self, key: str, index: int) -> _Reader:
-        return _Reader(self.obj[key][index], f"{self._field(key)}[{index}]")
+    def item(self, key: str, index: int, schema: str) -> _Reader:
+        return _Reader(self.obj[key][index], f"{self._field(key)}[{index}]", schema)
+
+
+def _bounded_int(field: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(field, f"must be an integer, got {_short(value)}", _short(value))
+    if not low <= value <= high:
+        raise _invalid(field, f"must be in [{low}, {high}], got {value}", value)
+    return value
 
 
 def _short(value: Any) -> Any:
+    if isinstance(value, list | dict) and len(value) > 8:
+        return f"<{type(value).__name__} of {len(value)} items>"  # never repr a huge container
     text = repr(value)
     return (
         value
@@ -143,53 +154,70 @@ def _short(value: Any) -> Any:
 
 
 def _parse_pool(r: _Reader) -> Pool:
-    slot_bytes = r.int("slot_bytes", low=1)
+    slot_bytes = r.int("slot_bytes")
     memory = r.obj.get("memory")
     if memory is not None and not isinstance(memory, Mapping):
         raise _invalid(r._field("memory"), "must be an object", _short(memory))
     return Pool(
-        pool_id=r.int("pool_id", high=MAX_POOLS * 16),
+        pool_id=r.int("pool_id"),
         slot_bytes=slot_bytes,
-        slot_stride=r.int("slot_stride", low=1, default=slot_bytes),
-        num_slots=r.int("num_slots", low=1, high=2**40),
+        slot_stride=r.int("slot_stride", default=slot_bytes),
+        num_slots=r.int("num_slots"),
         memory=dict(memory) if memory is not None else None,
     )
 
 
 def _parse_view(r: _Reader) -> View:
-    roles = r.list("roles", min_items=1, max_items=MAX_ROLES)
+    roles = r.list("roles")
     for index, role in enumerate(roles):
-        if not isinstance(role, str) or not ROLE_NAME_PATTERN.match(role):
+        if not isinstance(role, str) or not ROLE_NAME_PATTERN.fullmatch(role):
             raise _invalid(
                 f"{r._field('roles')}[{index}]", f"is not a role name: {_short(role)}", _short(role)
             )
     layers = []
-    for index in range(len(r.list("layers", min_items=1, max_items=MAX_LAYERS))):
-        slot = r.item("layers", index)
-        layers.append(LayerSlot(slot.int("layer", high=MAX_LAYERS * 4), slot.int("offset")))
+    for index in range(len(r.list("layers"))):
+        slot = r.item("layers", index, "View.layers[]")
+        layers.append(LayerSlot(slot.int("layer"), slot.int("offset")))
     return View(
-        view_id=r.int("view_id", high=MAX_VIEWS * 16),
-        pool_id=r.int("pool_id", high=MAX_POOLS * 16),
+        view_id=r.int("view_id"),
+        pool_id=r.int("pool_id"),
         kind=r.enum("kind", Kind),
         roles=frozenset(roles),
         owner=r.enum("owner", Owner),
         layers=tuple(layers),
-        buffers_per_layer=r.int("buffers_per_layer", low=1, high=64),
-        bytes_per_layer=r.int("bytes_per_layer", low=1),
-        num_kv_heads=r.opt_int("num_kv_heads", low=1, high=4096),
-        total_kv_heads=r.opt_int("total_kv_heads", low=1, high=4096),
-        tokens_per_block=r.opt_int("tokens_per_block", low=1, high=2**20),
+        buffers_per_layer=r.int("buffers_per_layer"),
+        bytes_per_layer=r.int("bytes_per_layer"),
+        num_kv_heads=r.opt_int("num_kv_heads"),
+        total_kv_heads=r.opt_int("total_kv_heads"),
+        tokens_per_block=r.opt_int("tokens_per_block"),
         dtype=r.dtype("dtype") if r.has("dtype") else None,
     )
 
 
 def _parse_attention(r: _Reader) -> Attention:
     return Attention(
-        num_kv_heads=r.int("num_kv_heads", high=4096),
-        head_dim=r.int("head_dim", low=1, high=2**16),
+        num_kv_heads=r.int("num_kv_heads"),
+        head_dim=r.int("head_dim"),
         dtype=r.dtype("dtype"),
         is_mla=r.bool("is_mla", default=False),
     )
+
+
+def _parse_views(r: _Reader) -> tuple[View, ...]:
+    """The views, after a cheap count of their layer slots (a hostile document stops here)."""
+    views = r.list("views", min_items=0)
+    slots = sum(
+        len(v["layers"])
+        for v in views
+        if isinstance(v, Mapping) and isinstance(v.get("layers"), list)
+    )
+    if slots > MAX_LAYER_SLOTS:
+        raise _invalid(
+            "views",
+            f"hold {slots} layer slots in all; a rank lists at most {MAX_LAYER_SLOTS}",
+            slots,
+        )
+    return tuple(_parse_view(r.item("views", i, "View")) for i in range(len(views)))
 
 
 def parse_registration(
@@ -197,46 +225,35 @@ def parse_registration(
 ) -> RankRegistration:
     """Builds a RankRegistration from an API.md document; raises ``invalid_document`` on bad input."""
     for field, name in (("deployment", deployment), ("instance", instance)):
-        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise _invalid(field, f"is not a valid name: {_short(name)}", _short(name))
-    r = _Reader(doc, "")
-    pp_size = r.int("pp_size", low=1, high=MAX_PARALLEL)
-    stages = r.list("layers_per_stage", min_items=1, max_items=MAX_PARALLEL)
+    r = _Reader(doc, "", "RegistrationDocument")
+    stages = r.list("layers_per_stage")
+    low, high = INTEGER_BOUNDS["RegistrationDocument.layers_per_stage[]"]
     for index, count in enumerate(stages):
-        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_LAYERS:
-            raise _invalid(
-                f"layers_per_stage[{index}]",
-                f"must be an integer in [0, {MAX_LAYERS}]",
-                _short(count),
-            )
+        _bounded_int(f"layers_per_stage[{index}]", count, low, high)
     return RankRegistration(
         deployment=deployment,
         instance=instance,
         rank=rank,
         role=r.enum("role", Role),
-        tp_size=r.int("tp_size", low=1, high=MAX_PARALLEL),
-        tp_rank=r.int("tp_rank", high=MAX_PARALLEL),
-        pp_size=pp_size,
-        pp_rank=r.int("pp_rank", high=MAX_PARALLEL),
+        tp_size=r.int("tp_size"),
+        tp_rank=r.int("tp_rank"),
+        pp_size=r.int("pp_size"),
+        pp_rank=r.int("pp_rank"),
         attention_dp=r.bool("attention_dp", default=False),
-        dp_size=r.int("dp_size", low=1, high=MAX_PARALLEL, default=1),
-        dp_rank=r.int("dp_rank", high=MAX_PARALLEL, default=0),
-        cp_size=r.int("cp_size", low=1, high=MAX_PARALLEL, default=1),
+        dp_size=r.int("dp_size", default=1),
+        dp_rank=r.int("dp_rank", default=0),
+        cp_size=r.int("cp_size", default=1),
         layers_per_stage=tuple(stages),
-        num_draft_layers=r.int("num_draft_layers", high=MAX_LAYERS, default=0),
-        tokens_per_block=r.int("tokens_per_block", low=1, high=2**20),
-        attention=_parse_attention(r.child("attention")),
-        pools=tuple(
-            _parse_pool(r.item("pools", i))
-            for i in range(len(r.list("pools", min_items=1, max_items=MAX_POOLS)))
-        ),
-        views=tuple(
-            _parse_view(r.item("views", i))
-            for i in range(len(r.list("views", max_items=MAX_VIEWS)))
-        ),
-        lease_seconds=r.int("lease_seconds", low=1, high=86_400, default=30),
-        endpoint=r.opt_str("endpoint", max_len=512),
-        nixl_agent_metadata=r.opt_str("nixl_agent_metadata", max_len=1 << 20),
+        num_draft_layers=r.int("num_draft_layers", default=0),
+        tokens_per_block=r.int("tokens_per_block"),
+        attention=_parse_attention(r.child("attention", "Attention")),
+        pools=tuple(_parse_pool(r.item("pools", i, "Pool")) for i in range(len(r.list("pools")))),
+        views=_parse_views(r),
+        lease_seconds=r.int("lease_seconds", default=30),
+        endpoint=r.opt_str("endpoint"),
+        nixl_agent_metadata=r.opt_str("nixl_agent_metadata"),
     )
 
 

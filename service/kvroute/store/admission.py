@@ -22,6 +22,7 @@ Every statement is SQLAlchemy Core on one connection: this is the path a fleet c
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -51,13 +52,19 @@ async def admit(
     verdicts: VerdictMemo,
 ) -> RegisterOutcome:
     """Admits, renews or re-registers ``reg``; raises its ``GeometryError`` changing nothing."""
-    check_self(reg)  # the document alone: no lock needed to refuse it
-    _ = reg.class_digest, reg.canonical_digest  # computed before the lock, not under it
+    # The document alone (no lock needed to refuse it), and the digests computed before the lock,
+    # not under it: milliseconds for the largest documents, so not on the event loop either.
+    await asyncio.to_thread(_check_and_digest, reg)
     outcome = await retry_disconnect(
         lambda: _admit(engine_of(sessionmaker), reg, now, registrations, verdicts)
     )
     registrations.remember(reg, outcome.generation)
     return outcome
+
+
+def _check_and_digest(reg: RankRegistration) -> None:
+    check_self(reg)
+    _ = reg.class_digest, reg.canonical_digest
 
 
 async def _admit(

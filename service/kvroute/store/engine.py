@@ -2,7 +2,8 @@
 
 SQLite (the embedded default) needs three things switched on per connection: foreign keys (off by
 default, and the pool/view tables rely on ON DELETE CASCADE), WAL (readers keep reading while one
-writer commits) and a busy timeout (writers wait instead of failing). Its driver's legacy
+writer commits) and a bounded busy timeout (writers wait for the lock a while, then fail with
+"database is locked", which the API answers as 503 ``database_busy``). Its driver's legacy
 transaction handling is replaced by explicit ``BEGIN IMMEDIATE``, so every transaction that may
 write takes the database write lock up front: registrations of one deployment then serialize across
 processes exactly like PostgreSQL's advisory lock makes them, and no transaction ever has to
@@ -10,6 +11,11 @@ upgrade a read lock (which SQLite answers with an immediate "database is locked"
 
 Read-only work opts into a deferred ``BEGIN`` through :func:`reading`, so reads never queue behind
 writers.
+
+PostgreSQL gets a server-side ``statement_timeout`` and ``lock_timeout`` (the registration advisory
+lock included) and, because a frozen server or a silent network enforces nothing, client-side
+bounds too: asyncpg's connect timeout and per-statement ``command_timeout``, and the pool's wait for
+a connection. No database call can then hang a request for longer than its timeouts.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from sqlalchemy import event
@@ -31,32 +38,64 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.sql import Executable
 
-SQLITE_BUSY_TIMEOUT_MS = 30_000
 # Enough connections for the concurrent requests of one process without churn: an overflow
 # connection is closed on return, and opening one costs several round trips (and TLS probing).
 POOL_SIZE = 24
 POOL_OVERFLOW = 16
 # Execution option naming a transaction that will not write (SQLite then begins it deferred).
 READ_ONLY = "kvroute_read_only"
+# The client gives the server this long past its own statement_timeout to report it first.
+CLIENT_TIMEOUT_MARGIN_S = 1.0
 
 SessionMaker = async_sessionmaker[AsyncSession]
 _AUTOCOMMIT: weakref.WeakKeyDictionary[AsyncEngine, AsyncEngine] = weakref.WeakKeyDictionary()
+# Each engine's timeouts, so its autocommit companion is bounded exactly like it.
+_TIMEOUTS: weakref.WeakKeyDictionary[AsyncEngine, DatabaseTimeouts] = weakref.WeakKeyDictionary()
 T = TypeVar("T")
 
 
-def create_engine(url: str, **engine_kwargs: Any) -> AsyncEngine:
+@dataclass(frozen=True, slots=True)
+class DatabaseTimeouts:
+    """How long one database call may take; ``Settings`` carries the configured values."""
+
+    statement_seconds: float = 5.0
+    lock_seconds: float = 3.0
+    connect_seconds: float = 5.0
+    sqlite_busy_seconds: float = 5.0
+
+
+def create_engine(
+    url: str, timeouts: DatabaseTimeouts | None = None, **engine_kwargs: Any
+) -> AsyncEngine:
     """An async engine for a ``sqlite+aiosqlite`` or ``postgresql+asyncpg`` URL."""
+    timeouts = timeouts or DatabaseTimeouts()
     parsed = make_url(url)
+    engine_kwargs.setdefault("pool_timeout", timeouts.connect_seconds)
     if parsed.get_backend_name() == "sqlite":
         engine = create_async_engine(parsed, **engine_kwargs)
-        _configure_sqlite(engine)
+        _configure_sqlite(engine, busy_ms=round(timeouts.sqlite_busy_seconds * 1000))
+        _TIMEOUTS[engine] = timeouts
         return engine
     # No pre-ping: it costs a BEGIN/ROLLBACK round trip on every checkout of the hot paths. A
     # connection a PostgreSQL restart left dead fails its first statement instead; SQLAlchemy then
     # invalidates the whole pool and ``retry_disconnect`` runs the unit of work once more.
     engine_kwargs.setdefault("pool_size", POOL_SIZE)
     engine_kwargs.setdefault("max_overflow", POOL_OVERFLOW)
-    return create_async_engine(parsed, **engine_kwargs)
+    engine_kwargs.setdefault("connect_args", _postgres_connect_args(timeouts))
+    engine = create_async_engine(parsed, **engine_kwargs)
+    _TIMEOUTS[engine] = timeouts
+    return engine
+
+
+def _postgres_connect_args(timeouts: DatabaseTimeouts) -> dict[str, Any]:
+    return {
+        "timeout": timeouts.connect_seconds,
+        "command_timeout": timeouts.statement_seconds + CLIENT_TIMEOUT_MARGIN_S,
+        "server_settings": {
+            "statement_timeout": str(round(timeouts.statement_seconds * 1000)),
+            "lock_timeout": str(round(timeouts.lock_seconds * 1000)),
+        },
+    }
 
 
 async def retry_disconnect(work: Callable[[], Awaitable[T]]) -> T:
@@ -111,7 +150,9 @@ def autocommit_engine(engine: AsyncEngine) -> AsyncEngine:
     companion = _AUTOCOMMIT.get(engine)
     if companion is None:
         companion = create_engine(
-            engine.url.render_as_string(hide_password=False), isolation_level="AUTOCOMMIT"
+            engine.url.render_as_string(hide_password=False),
+            _TIMEOUTS.get(engine),
+            isolation_level="AUTOCOMMIT",
         )
         _AUTOCOMMIT[engine] = companion
     return companion
@@ -131,7 +172,7 @@ async def affected_rows(session: AsyncSession, statement: Executable) -> int:
     return cast("CursorResult[Any]", result).rowcount
 
 
-def _configure_sqlite(engine: AsyncEngine) -> None:
+def _configure_sqlite(engine: AsyncEngine, *, busy_ms: int) -> None:
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Hand transaction control to the "begin" hook below instead of the driver.
@@ -140,7 +181,7 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
         try:
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
         finally:
             cursor.close()
 

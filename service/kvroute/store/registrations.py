@@ -9,7 +9,8 @@ parsed are read, all in one query.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cachetools import LRUCache
@@ -51,18 +52,18 @@ class RegistrationCache:
             if (reg := self._parsed.get((deployment, *key))) is not None:
                 parsed[key] = reg
         missing = [key for key in wanted if key not in parsed]
-        documents = await self._documents(deployment, missing, connection)
-        for instance, rank, generation in missing:
-            document = documents.get((instance, rank))
-            if document is None:
-                raise RegistrationMoved(
-                    f"{instance} rank {rank} re-registered or left while it was read; retry"
-                )
-            reg = RankRegistration.from_json(
-                document, deployment=deployment, instance=instance, rank=rank
-            )
-            parsed[instance, rank, generation] = reg
-            self._parsed[deployment, instance, rank, generation] = reg
+        if missing:
+            documents = await self._documents(deployment, missing, connection)
+            for instance, rank, _ in missing:
+                if (instance, rank) not in documents:
+                    raise RegistrationMoved(
+                        f"{instance} rank {rank} re-registered or left while it was read; retry"
+                    )
+            # Many large documents take a while to parse: not on the event loop.
+            fresh = await asyncio.to_thread(_parse_all, deployment, missing, documents)
+            for key, reg in zip(missing, fresh, strict=True):
+                parsed[key] = reg
+                self._parsed[deployment, *key] = reg
         return [parsed[key] for key in wanted]
 
     def remember(self, reg: RankRegistration, generation: int) -> None:
@@ -88,3 +89,14 @@ class RegistrationCache:
 
             rows = await retry_disconnect(read)
         return {(instance, rank): document for instance, rank, document in rows}
+
+
+def _parse_all(
+    deployment: str, wanted: Sequence[RankAt], documents: Mapping[tuple[str, int], Any]
+) -> list[RankRegistration]:
+    return [
+        RankRegistration.from_json(
+            documents[instance, rank], deployment=deployment, instance=instance, rank=rank
+        )
+        for instance, rank, _ in wanted
+    ]

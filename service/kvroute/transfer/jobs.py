@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvroute.job_state import JobState
-from kvroute.transfer.errors import TransferValidationError
+from kvroute.transfer.errors import PoolMemoryError, TransferValidationError
 from kvroute.transfer.memory import PoolMemory
 from kvroute.transfer.plan import CopyPlan
 
@@ -69,6 +69,27 @@ class TransferJob:
     @property
     def num_blocks(self) -> int:
         return len(self.src_blocks)
+
+    def verify_memory(self) -> None:
+        """Re-checks every pool the job touches; the worker calls it right before copying.
+
+        Raises ``PoolMemoryError`` naming the side and the pool (a segment that shrank, changed
+        owner or was replaced since the job was accepted), so the job fails instead of the process.
+        """
+        for leg in self.legs:
+            for (rank, _), memory in leg.src_pools.items():
+                _verify(memory, f"sender rank {rank}")
+            for memory in leg.dst_pools.values():
+                _verify(memory, "receiver")
+
+
+def _verify(memory: PoolMemory, side: str) -> None:
+    try:
+        memory.verify()
+    except PoolMemoryError as error:
+        raise PoolMemoryError(
+            error.pool_id, error.backend, f"{side}: {error.reason} (checked as the job started)"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)

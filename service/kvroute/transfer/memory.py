@@ -26,9 +26,13 @@ Descriptor = Mapping[str, Any]
 
 
 class PoolMemory:
-    """An opened pool: ``tensor`` is its flat uint8 bytes; ``close()`` releases the mapping."""
+    """An opened pool: ``tensor`` is its flat uint8 bytes; ``close()`` releases the mapping.
 
-    __slots__ = ("_current", "_release", "_tensor", "backend", "pool")
+    ``verify`` (from the backend) raises ``PoolMemoryError`` once the memory behind the tensor can
+    no longer be used safely: a shared-memory segment that shrank, changed owner or was replaced.
+    """
+
+    __slots__ = ("_release", "_tensor", "_verify", "backend", "pool")
 
     def __init__(
         self,
@@ -36,7 +40,7 @@ class PoolMemory:
         backend: str,
         tensor: torch.Tensor,
         release: Callable[[], None] | None = None,
-        current: Callable[[], bool] | None = None,
+        verify: Callable[[], None] | None = None,
     ) -> None:
         if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
             raise PoolMemoryError(
@@ -52,7 +56,7 @@ class PoolMemory:
         self.backend = backend
         self._tensor: torch.Tensor | None = tensor
         self._release = release
-        self._current = current
+        self._verify = verify
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -68,9 +72,12 @@ class PoolMemory:
     def closed(self) -> bool:
         return self._tensor is None
 
-    def is_current(self) -> bool:
-        """False once the memory behind the name was replaced (a restarted worker's new segment)."""
-        return not self.closed and (self._current is None or self._current())
+    def verify(self) -> None:
+        """Raises ``PoolMemoryError`` unless the memory is still safe to copy through right now."""
+        if self._tensor is None:
+            raise PoolMemoryError(self.pool.pool_id, self.backend, "memory was closed")
+        if self._verify is not None:
+            self._verify()
 
     def close(self) -> None:
         """Drop the tensor, then release the mapping (idempotent)."""
@@ -183,11 +190,17 @@ class PoolMemoryCache:
         key = _cache_key(descriptor, pool)
         with self._lock:
             memory = self._open.get(key)
-            if memory is None or not memory.is_current():
-                # A stale mapping is dropped, not closed: a running copy may still hold it, and
-                # the mapping is released when its last view goes.
-                memory = backend.open(descriptor, pool)
-                self._open[key] = memory
+            if memory is not None:
+                try:
+                    memory.verify()  # every job re-checks what it opens, cached or not
+                    return memory
+                except PoolMemoryError:
+                    # A stale mapping is dropped, not closed: a running copy may still hold it,
+                    # and the mapping is released when its last view goes. Opening again below
+                    # checks the segment from scratch and names what is wrong with it.
+                    del self._open[key]
+            memory = backend.open(descriptor, pool)
+            self._open[key] = memory
             return memory
 
     def close(self) -> None:
@@ -210,9 +223,12 @@ class PoolMemoryCache:
         self.close()
 
 
-def default_backends() -> list[MemoryBackend]:
+def default_backends(
+    *, shm_name_prefix: str | None = None, shm_owners: Sequence[int] | None = None
+) -> list[MemoryBackend]:
     """The backends a kvroute server opens: shared memory and CUDA IPC."""
     from kvroute.transfer.cuda_ipc import CudaIpcBackend
-    from kvroute.transfer.shm import ShmBackend
+    from kvroute.transfer.shm import DEFAULT_NAME_PREFIX, ShmBackend
 
-    return [ShmBackend(), CudaIpcBackend()]
+    prefix = DEFAULT_NAME_PREFIX if shm_name_prefix is None else shm_name_prefix
+    return [ShmBackend(name_prefix=prefix, owners=shm_owners), CudaIpcBackend()]

@@ -242,6 +242,9 @@ class WorkerPool:
         return entry
 
     def _execute(self, job: TransferJob, streams: dict[int, torch.cuda.Stream]) -> CopyResult:
+        # A job may have waited in the queue: its pools are checked again here, on this thread,
+        # right before the copy touches them (a shrunk segment must fail the job, not SIGBUS us).
+        job.verify_memory()
         cuda = sorted(
             device.index or 0 for device in self.engine.devices(job) if device.type == "cuda"
         )

@@ -1,0 +1,79 @@
+"""A context rank and a generation rank whose pools are shm segments of a separate worker process."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from tests.documents import rank_document
+from tests.faults.conftest import WORKER
+from tests.transfer.conftest import Owners
+
+POLL_S = 0.05
+JOB_WAIT_S = 60.0
+TRANSFERS = "/v1/deployments/llama/transfers"
+
+
+def call(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+    """One request with the worker token: (status, JSON body); no retries, unlike the client."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers=dict(WORKER))
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"null")
+
+
+@dataclass(frozen=True)
+class World:
+    """What was registered: the segment of each instance and its size."""
+
+    segments: dict[str, str]
+    pool_bytes: int
+
+
+def register_world(
+    base: str, owners: Owners, *, num_layers: int = 4, head_dim: int = 16, num_slots: int = 8
+) -> World:
+    """ctx0 and gen0 (TP1 each, identical geometry): every block copies one whole slot."""
+    segments = {}
+    size = 0
+    for role, instance in (("context", "ctx0"), ("generation", "gen0")):
+        document = rank_document(
+            role=role, num_layers=num_layers, head_dim=head_dim, num_slots=num_slots
+        )
+        pool = document["pools"][0]
+        size = pool["slot_stride"] * pool["num_slots"]
+        segments[instance] = owners.create("workers", size, seed=len(segments))
+        pool["memory"] = {"backend": "shm", "name": segments[instance]}
+        path = f"/v1/deployments/llama/instances/{instance}/ranks/0"
+        status, answer = call("PUT", base + path, document)
+        assert status == 201, answer
+    return World(segments, size)
+
+
+def submit(base: str, blocks: list[int]) -> tuple[int, Any]:
+    body = {
+        "sender": "ctx0",
+        "receiver": "gen0",
+        "receiver_ranks": [0],
+        "src_blocks": blocks,
+        "dst_blocks": blocks,
+    }
+    return call("POST", base + TRANSFERS, body)
+
+
+def wait_final(base: str, job_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + JOB_WAIT_S
+    while time.monotonic() < deadline:
+        _, job = call("GET", f"{base}/v1/transfers/{job_id}")
+        if job["state"] in ("succeeded", "failed", "cancelled"):
+            return dict(job)
+        time.sleep(POLL_S)
+    raise AssertionError(f"job {job_id} did not finish within {JOB_WAIT_S} s")
