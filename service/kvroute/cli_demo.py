@@ -141,12 +141,13 @@ class Workers:
 
 
 def refuse_incompatible(client: KvrouteClient, model: demo.Model) -> KvrouteError | None:
-    """A generation instance whose blocks hold half the tokens: kvroute must refuse it."""
+    """A generation instance whose heads are half as wide: kvroute must refuse it (blocks of
+    another size would be fine: plans re-cut them)."""
     from kvroute import demo
     from kvroute.client.pools import Parallel, SharedKvPool, rank_document
 
     halved = [
-        replace(layout, tokens_per_block=layout.tokens_per_block // 2)
+        replace(layout, head_dim=layout.head_dim // 2)
         for layout in model.layouts(model.generation_tp)
     ]
     pool = replace(SharedKvPool.carve(halved, 1).describe(), num_slots=4)

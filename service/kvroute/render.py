@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from html import escape
+from itertools import pairwise
 from typing import Any
 
 PALETTE = (
@@ -28,6 +29,7 @@ PALETTE = (
     "#499894",
     "#f1ce63",
 )
+STRIP_WIDTH = 384  # pixels for one period of tokens in the SVG
 COLUMNS = (
     "sender",
     "sends",
@@ -104,8 +106,34 @@ def plan_text(plan: dict[str, Any]) -> str:
         )
         if index == 0:
             lines.append("  ".join("-" * w for w in widths))
+    lines += period_lines(plan)
     lines += [f"warning: {w}" for w in plan.get("warnings", [])]
     return "\n".join(lines) + "\n"
+
+
+def period_pieces(view: dict[str, Any]) -> list[tuple[int, int, int, int]]:
+    """(sender block, receiver block, first token, end token) of each cut of a view pair's period."""
+    period = view["period_tokens"]
+    src = period // view["src_blocks_per_period"]
+    dst = period // view["dst_blocks_per_period"]
+    cuts = sorted({*range(0, period, src), *range(0, period, dst), period})
+    return [(a // src, a // dst, a, b) for a, b in pairwise(cuts)]
+
+
+def period_lines(plan: dict[str, Any], limit: int = 12) -> list[str]:
+    """One line per receiver view planned by period: which sender block fills which receiver block."""
+    lines = []
+    views = {v["dst_view"]: v for p in plan["peers"] for v in p["views"] if "period_tokens" in v}
+    for view_id, view in sorted(views.items()):
+        period = view["period_tokens"]
+        src, dst = view["src_blocks_per_period"], view["dst_blocks_per_period"]
+        pieces = [f"sb{s}->rb{d} [{a},{b})" for s, d, a, b in period_pieces(view)]
+        shown = "  ".join(pieces[:limit]) + ("  ..." if len(pieces) > limit else "")
+        lines.append(
+            f"period view {view_id}: {period} tokens = {src} sender blocks of {period // src} -> "
+            f"{dst} receiver blocks of {period // dst}; {shown}"
+        )
+    return lines
 
 
 def _bands(
@@ -147,6 +175,9 @@ def plan_svg(plan: dict[str, Any]) -> str:
         title_lengths.append(len(title))
         parts.append(f'<text x="10" y="{y}" font-weight="bold">{escape(title)}</text>')
         y += 8
+        if "period_tokens" in sample:
+            y = _period_strip(sample, y, STRIP_WIDTH, parts)
+            grid = max(grid, label_width + STRIP_WIDTH + 20)
         for column, head in enumerate(heads):
             name = "all" if sample["mapper"] == "replicated" else f"h{head}"
             parts.append(
@@ -180,3 +211,34 @@ def plan_svg(plan: dict[str, Any]) -> str:
         f'<rect width="100%" height="100%" fill="#fafafa"/>'
         f'<text x="10" y="24" font-size="14">{escape(header)}</text>{"".join(parts)}</svg>\n'
     )
+
+
+def _period_strip(view: dict[str, Any], y: int, width: int, parts: list[str]) -> int:
+    """Two bars over one period of tokens, sender blocks above receiver blocks, cut where either
+    side's block ends; each cut is titled with the blocks and tokens it moves. Returns the next y."""
+    period, x0, row = view["period_tokens"], 120, 18
+    scale = width / period
+    for line, (label, blocks) in enumerate(
+        (("sender", view["src_blocks_per_period"]), ("receiver", view["dst_blocks_per_period"]))
+    ):
+        top = y + 4 + line * row
+        parts.append(f'<text x="10" y="{top + 13}" font-size="11">{label} blocks</text>')
+        size = period // blocks
+        for block in range(blocks):
+            x, w = x0 + block * size * scale, size * scale
+            parts.append(
+                f'<rect x="{x:.1f}" y="{top}" width="{w - 1:.1f}" height="{row - 2}" '
+                f'fill="{PALETTE[block % len(PALETTE)]}" fill-opacity="0.35" stroke="#333"/>'
+            )
+            parts.append(
+                f'<text x="{x + 3:.1f}" y="{top + 13}" font-size="11">{label[0]}b{block}</text>'
+            )
+    for src, dst, a, b in period_pieces(view):
+        parts.append(
+            f'<line x1="{x0 + a * scale:.1f}" y1="{y + 4}" x2="{x0 + a * scale:.1f}" '
+            f'y2="{y + 4 + 2 * row}" stroke="#000" stroke-dasharray="2,2">'
+            f"<title>tokens [{a}, {b}): sender block {src} -> receiver block {dst}</title></line>"
+        )
+    note = f"{period} tokens per period, {view['descriptors_per_period']} fragments"
+    parts.append(f'<text x="{x0}" y="{y + 2 * row + 18}" font-size="11">{escape(note)}</text>')
+    return y + 2 * row + 28

@@ -27,8 +27,7 @@ def test_small_demo_moves_and_verifies_every_byte() -> None:
     assert "registered ctx0: context, TP4, 4 live ranks" in output
     assert "registered gen0: generation, TP2, 2 live ranks" in output
     assert (
-        "refused gen-bad: 409 tokens_per_block_mismatch field=tokens_per_block local=2 peer=4"
-        in output
+        "refused gen-bad: 409 head_dim_mismatch field=attention.head_dim local=8 peer=16" in output
     )
     assert output.count("succeeded") == 3
     verified = re.search(r"verified\s*│\s*ok\s*│.*?([\d,]+) checked\s*│\s*0 wrong", output)

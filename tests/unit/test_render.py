@@ -75,3 +75,34 @@ def test_svg_draws_target_and_draft_views_separately() -> None:
         "head 1, layers 0-1: sender rank 1",
         "head 0, layers 0: sender rank 0",
     ]
+
+
+def _sixteen_to_sixty_four() -> dict:
+    ctx = instance("context", tp=2, views=lambda t, p: [view(0, [0, 1], 512)])
+    gen = instance("generation", tp=2, tpb=64, views=lambda t, p: [view(0, [0, 1], 2048)])
+    return build_plan(ctx, gen[0]).to_json()
+
+
+def test_text_names_each_cut_of_a_period() -> None:
+    text = plan_text(_sixteen_to_sixty_four())
+    assert (
+        "period view 0: 64 tokens = 4 sender blocks of 16 -> 1 receiver blocks of 64; "
+        "sb0->rb0 [0,16)  sb1->rb0 [16,32)  sb2->rb0 [32,48)  sb3->rb0 [48,64)"
+    ) in text
+    assert plan_rows(_sixteen_to_sixty_four()) == [
+        ("0", "yes", "0->0", "target", "key+value", "intact", "0-1", "0-1", "4096", "32")
+    ]
+
+
+def test_svg_draws_the_period_under_its_view() -> None:
+    svg = plan_svg(_sixteen_to_sixty_four())
+    root = ET.fromstring(svg)
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    assert [t for t in texts if t.startswith(("sb", "rb"))] == ["sb0", "sb1", "sb2", "sb3", "rb0"]
+    cuts = [line.find(f"{SVG}title").text for line in root.iter(f"{SVG}line")]
+    assert cuts == [
+        f"tokens [{a}, {a + 16}): sender block {a // 16} -> receiver block 0"
+        for a in (0, 16, 32, 48)
+    ]
+    assert "64 tokens per period, 32 fragments" in texts
+    assert float(root.get("width")) >= 120 + 384
