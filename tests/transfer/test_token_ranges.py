@@ -196,7 +196,7 @@ def test_a_gap_is_refused_before_anything_is_copied() -> None:
         assert np.array_equal(memory.tensor.numpy(), before[pool_id].astype(np.uint8))
 
 
-def test_whole_periods_copy_as_passes_and_only_cut_blocks_as_pieces() -> None:
+def test_a_cut_range_costs_the_fragments_of_its_blocks() -> None:
     b = bench("hnd 2 -> 8, TP2 -> TP1, indexer")
     plan = CopyPlan.from_plan(build_plan(b.ctx, b.gen[0]))
     engine = CopyEngine()

@@ -1,11 +1,11 @@
 """The copy engine: executes a transfer job's fragments with a handful of tensor operations.
 
 For every sending rank and view of every leg the engine splits the job into passes (paired block
-lists for one fragment set: the job's block pairs, or one block pair of every whole period of a token
-range) and pieces (the blocks a token range cuts; see ``passes``), compiles each pass's fragments once
-(cached by plan fingerprint, see ``program``), checks them and the job's block ids against the
-concrete pools, then copies each pass with one of three strategies over a strided view of each pool
-whose first dimension is the slot:
+lists for one fragment set: the job's block pairs, one block pair of a period in every period of a
+token range, or the few copies of the blocks a range cuts; see ``passes``), compiles each pass's
+fragments once (cached by plan fingerprint, see ``program``), checks them and the job's block ids
+against the concrete pools, then copies each pass with one of three strategies over a strided view
+of each pool whose first dimension is the slot:
 
 - ``blockwise``: per run of consecutive block pairs, one strided ``copy_`` of a whole slot region.
   No index tensors and no staging copy, so it runs near memcpy speed on the CPU (the default there).
@@ -15,9 +15,8 @@ whose first dimension is the slot:
   widened per job by the block bases: one gather and one scatter in total, for irregular plans
   that compile to many runs.
 
-Pieces run as one indexed gather per view. ``bench/transfer_bench.py`` measures all three
-strategies against a raw contiguous copy and a naive per-fragment loop; the defaults follow its
-numbers.
+``bench/transfer_bench.py`` measures all three strategies against a raw contiguous copy and a
+naive per-fragment loop; the defaults follow its numbers.
 """
 
 from __future__ import annotations
@@ -81,7 +80,8 @@ class _LruCache(OrderedDict[K, V]):
 class _Pass:
     """A compiled fragment set and the block pairs it is applied to."""
 
-    cache_key: tuple[object, ...]  # plan fingerprint, sender rank, view index (, period blocks)
+    # plan fingerprint, sender rank, view index (, period block pair); None: compiled for one job
+    cache_key: tuple[object, ...] | None
     program: CopyProgram
     src_blocks: np.ndarray
     dst_blocks: np.ndarray
@@ -97,24 +97,23 @@ class _ViewTask:
 
     group: tuple[int, int, int, int]  # leg, sender rank, src pool, dst pool
     passes: tuple[_Pass, ...]
-    pieces: np.ndarray  # (n, 5) src block, src offset, dst block, dst offset, length
     src: PoolMemory
     dst: PoolMemory
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.passes) + int(self.pieces[:, 4].sum())
+        return sum(p.nbytes for p in self.passes)
 
     @property
     def fragments(self) -> int:
-        return sum(p.program.fragments * len(p.src_blocks) for p in self.passes) + len(self.pieces)
+        return sum(p.program.fragments * len(p.src_blocks) for p in self.passes)
 
 
 class CopyEngine:
     """Validates and executes transfer jobs; caches compiled plans. Safe to share between threads."""
 
     def __init__(self, *, cache_size: int = 1024, strategy: Strategy | None = None) -> None:
-        self._programs: _LruCache[tuple[str, int, int], CopyProgram] = _LruCache(cache_size)
+        self._programs: _LruCache[tuple[object, ...], CopyProgram] = _LruCache(cache_size)
         self._elements: _LruCache[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = (
             _LruCache(64)
         )
@@ -139,8 +138,6 @@ class CopyEngine:
                 for task in group:
                     for part in task.passes:
                         copy_pass(part, task)
-            for task in group:
-                _copy_pieces(task)
         return self.totals(job, tasks)
 
     def totals(self, job: TransferJob, tasks: list[_ViewTask] | None = None) -> CopyResult:
@@ -199,19 +196,19 @@ class CopyEngine:
         _check_blocks(job.src_blocks, src, "src_blocks", f"{where} pool {view.src_pool}")
         _check_blocks(job.dst_blocks, dst, "dst_blocks", f"receiver pool {view.dst_pool}")
         key = (leg.plan.fingerprint, rank, index)
-        work = view_work(view, key, job, f"legs[{leg_index}].{where}.views[{index}]")
         passes = tuple(
             _Pass(
-                part.key,
-                self._programs.get_or_compute(part.key, partial(compile_fragments, part.fragments)),
-                part.src_blocks,
-                part.dst_blocks,
+                part.key, self._program(part.key, part.fragments), part.src_blocks, part.dst_blocks
             )
-            for part in work.passes
-            if len(part.src_blocks)
+            for part in view_work(view, key, job, f"legs[{leg_index}].{where}.views[{index}]")
         )
         group = (leg_index, rank, view.src_pool, view.dst_pool)
-        return _ViewTask(group, passes, work.pieces, src, dst)
+        return _ViewTask(group, passes, src, dst)
+
+    def _program(self, key: tuple[object, ...] | None, fragments: np.ndarray) -> CopyProgram:
+        if key is None:
+            return compile_fragments(fragments)
+        return self._programs.get_or_compute(key, partial(compile_fragments, fragments))
 
 
 def _check_unique(dst_blocks: np.ndarray) -> None:
@@ -340,29 +337,13 @@ def _relative_elements(
                 torch.cuda.current_stream(tensor.device).synchronize()
         return src_rel, dst_rel
 
-    key = (*part.cache_key, width, src.device, dst.device)
-    src_rel, dst_rel = cache.get_or_compute(key, expand)
+    if part.cache_key is None:
+        src_rel, dst_rel = expand()
+    else:
+        key = (*part.cache_key, width, src.device, dst.device)
+        src_rel, dst_rel = cache.get_or_compute(key, expand)
     for tensor in (src_rel, dst_rel):
         if tensor.is_cuda:
             # the cache may evict and free these while this stream still reads them
             tensor.record_stream(torch.cuda.current_stream(tensor.device))
     return src_rel, dst_rel
-
-
-def _copy_pieces(task: _ViewTask) -> None:
-    """The copies of cut blocks, irregular and few: one gather and one scatter of elements."""
-    pieces = task.pieces
-    if not len(pieces):
-        return
-    width = _width([], task.src, task.dst, *np.unique(pieces[:, (1, 3, 4)]).tolist())
-    lengths = pieces[:, 4] // width
-    inner = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(
-        np.cumsum(lengths) - lengths, lengths
-    )
-    src_start = (pieces[:, 0] * task.src.pool.slot_stride + pieces[:, 1]) // width
-    dst_start = (pieces[:, 2] * task.dst.pool.slot_stride + pieces[:, 3]) // width
-    src_index = torch.from_numpy(np.repeat(src_start, lengths) + inner).to(task.src.device)
-    dst_index = torch.from_numpy(np.repeat(dst_start, lengths) + inner).to(task.dst.device)
-    src_flat = task.src.tensor.view(_DTYPE_BY_WIDTH[width])
-    dst_flat = task.dst.tensor.view(_DTYPE_BY_WIDTH[width])
-    dst_flat.index_copy_(0, dst_index, src_flat.index_select(0, src_index).to(task.dst.device))

@@ -1,56 +1,44 @@
-"""One view's share of a job: passes over paired blocks, and the pieces of blocks a range cuts.
+"""One view's share of a job as passes: fragment sets applied to paired block id arrays.
 
-A *pass* is one fragment set applied to two paired block id arrays: the plan's block fragments for
-the job's block pairs, or, for a view planned by period, the fragments of one (sender block, receiver
-block) pair of the period applied to that pair in every whole period of the token range. The engine
-compiles each pass once (cached by its key) and copies it with its fused strategies, so whole
-periods cost what whole blocks cost.
+A token range splits at the block boundaries of either side into pieces that each lie in one sender
+block and one receiver block (``geometry.periods``). Between the first and the last such boundary
+inside the range, every piece is whole: it moves with the fragments of its (sender block, receiver
+block) pair of the period, the same in every period, so each pair becomes one pass over all the
+periods where it lies inside (with equal block sizes, the plan's block fragments over the whole
+blocks). The engine compiles each such pass once, cached by its key, and copies it with its fused
+strategies, so a range costs what its whole blocks cost.
 
-*Pieces* are the concrete copies, from ``geometry.range_copies``, of the at most two partial periods
-at the ends of a range (a receiver's cached prefix ending mid-block, a chunk boundary). They are few
-and irregular, so they run as one indexed gather.
+Only the tokens before the first boundary and after the last (fewer than one block of either side
+at each end: a receiver's cached prefix ending mid-block, a chunk boundary) are cut by arithmetic
+(``geometry.range_copies``); they form one small pass per block pair, compiled for the job alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvroute.geometry import (
-    BlockList,
-    PeriodMap,
-    TokenRange,
-    first_gap,
-    full_periods,
-    range_copies,
-)
+from kvroute.geometry import BlockList, TokenRange, first_gap, range_copies
 from kvroute.transfer.errors import TransferValidationError
 from kvroute.transfer.jobs import TokenWindow, TransferJob
 from kvroute.transfer.plan import ViewCopy
-
-NO_PIECES = np.empty((0, 5), dtype=np.int64)
-NO_PIECES.setflags(write=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Pass:
     """``fragments`` copied from each ``src_blocks[i]`` to ``dst_blocks[i]``."""
 
-    key: tuple[Hashable, ...]  # names ``fragments`` in the engine's compiled-program cache
+    key: tuple[Hashable, ...] | None  # names ``fragments`` in the engine's cache; None: this job's
     fragments: np.ndarray  # (n, 3) src_offset, dst_offset, length; sorted by dst_offset
     src_blocks: np.ndarray
     dst_blocks: np.ndarray
 
 
-@dataclass(frozen=True, slots=True)
-class ViewWork:
-    passes: tuple[Pass, ...]
-    pieces: np.ndarray  # (n, 5) src block id, src offset, dst block id, dst offset, length
-
-
-def view_work(view: ViewCopy, key: tuple[Hashable, ...], job: TransferJob, where: str) -> ViewWork:
+def view_work(
+    view: ViewCopy, key: tuple[Hashable, ...], job: TransferJob, where: str
+) -> tuple[Pass, ...]:
     """What ``job`` copies of ``view``; raises ``TransferValidationError`` naming a gap."""
     if job.window is None and not view.periodic:
         src, dst = job.src_blocks, job.dst_blocks
@@ -58,7 +46,7 @@ def view_work(view: ViewCopy, key: tuple[Hashable, ...], job: TransferJob, where
             raise TransferValidationError(
                 "dst_blocks", f"has {len(dst)} ids but src_blocks has {len(src)}; they pair up"
             )
-        return ViewWork((Pass(key, view.fragments, src, dst),), NO_PIECES)
+        return (Pass(key, view.fragments, src, dst),)
     period = view.period
     if period is None:
         raise TransferValidationError(
@@ -73,52 +61,61 @@ def view_work(view: ViewCopy, key: tuple[Hashable, ...], job: TransferJob, where
     gap = first_gap(tokens, src, dst)
     if gap is not None:
         raise TransferValidationError(gap.field, gap.detail, code=gap.code, extras=gap.extras)
-    whole = full_periods(tokens, period.period_tokens)
-    passes = _whole_passes(view, period, key, whole, job, src, dst)
-    cuts = [tokens]
-    if whole:
-        start, stop = whole.start * period.period_tokens, whole.stop * period.period_tokens
-        ends = ((tokens.start, start), (stop, tokens.end))
-        cuts = [TokenRange(a, b) for a, b in ends if a < b]
-    copies = [copy for cut in cuts for copy in range_copies(period, cut, src, dst)]
-    pieces = np.array(copies, dtype=np.int64).reshape(-1, 5) if copies else NO_PIECES
-    return ViewWork(passes, pieces)
-
-
-def _whole_passes(
-    view: ViewCopy,
-    period: PeriodMap,
-    key: tuple[Hashable, ...],
-    whole: range,
-    job: TransferJob,
-    src: BlockList,
-    dst: BlockList,
-) -> tuple[Pass, ...]:
-    if not whole:
-        return ()
-    index = np.arange(whole.start, whole.stop, dtype=np.int64)
-    if not view.periodic:  # equal block sizes: a period is one block, moved by block fragments
-        src_ids = job.src_blocks[index - src.first_block]
-        return (Pass(key, view.fragments, src_ids, job.dst_blocks[index - dst.first_block]),)
-    src_step, dst_step = period.src_blocks_per_period, period.dst_blocks_per_period
-    passes = []
-    for (src_block, dst_block), fragments in period_groups(period).items():
-        src_ids = job.src_blocks[index * src_step + src_block - src.first_block]
-        dst_ids = job.dst_blocks[index * dst_step + dst_block - dst.first_block]
-        passes.append(Pass((*key, src_block, dst_block), fragments, src_ids, dst_ids))
+    inner = _whole_pieces(tokens, src.tokens_per_block, dst.tokens_per_block)
+    if inner is None:
+        return tuple(_cut_passes(view, tokens, src, dst))
+    passes = list(_inner_passes(view, key, inner, job, src, dst))
+    for start, end in ((tokens.start, inner.start), (inner.end, tokens.end)):
+        if start < end:
+            passes += _cut_passes(view, TokenRange(start, end), src, dst)
     return tuple(passes)
 
 
-def period_groups(period: PeriodMap) -> dict[tuple[int, int], np.ndarray]:
-    """The period's fragments per (sender block, receiver block) pair, as block fragments."""
-    spans = np.array(period.spans, dtype=np.int64).reshape(-1, 7)
-    order = np.lexsort((spans[:, 3], spans[:, 2], spans[:, 0]))
-    spans = spans[order]
-    pairs = spans[:, (0, 2)]
-    breaks = np.flatnonzero(np.any(pairs[1:] != pairs[:-1], axis=1)) + 1
-    groups = {}
-    for part in np.split(spans, breaks):
+def _whole_pieces(tokens: TokenRange, src_tokens: int, dst_tokens: int) -> TokenRange | None:
+    """The range from its first block boundary (either side) to its last, if they differ."""
+    start = min(-(-tokens.start // size) * size for size in (src_tokens, dst_tokens))
+    end = max(tokens.end // size * size for size in (src_tokens, dst_tokens))
+    return TokenRange(start, end) if start < end else None
+
+
+def _inner_passes(
+    view: ViewCopy,
+    key: tuple[Hashable, ...],
+    inner: TokenRange,
+    job: TransferJob,
+    src: BlockList,
+    dst: BlockList,
+) -> Iterator[Pass]:
+    if not view.periodic:  # equal block sizes: whole blocks, by the plan's block fragments
+        size = src.tokens_per_block
+        blocks = np.arange(inner.start // size, inner.end // size, dtype=np.int64)
+        src_ids = job.src_blocks[blocks - src.first_block]
+        yield Pass(key, view.fragments, src_ids, job.dst_blocks[blocks - dst.first_block])
+        return
+    assert view.period is not None
+    length = view.period.period_tokens
+    src_step, dst_step = view.period.src_blocks_per_period, view.period.dst_blocks_per_period
+    for group in view.groups:
+        # periods p whose [p*L + first, p*L + end) lies inside the whole pieces
+        low = -(-(inner.start - group.first_token) // length)
+        high = (inner.end - group.end_token) // length
+        periods = np.arange(low, high + 1, dtype=np.int64)
+        if not len(periods):
+            continue
+        src_ids = job.src_blocks[periods * src_step + group.src_block - src.first_block]
+        dst_ids = job.dst_blocks[periods * dst_step + group.dst_block - dst.first_block]
+        pair = (*key, group.src_block, group.dst_block)
+        yield Pass(pair, group.fragments, src_ids, dst_ids)
+
+
+def _cut_passes(view: ViewCopy, tokens: TokenRange, src: BlockList, dst: BlockList) -> list[Pass]:
+    """The copies of a range inside one piece per period end, one pass per block pair."""
+    assert view.period is not None
+    copies = np.array(range_copies(view.period, tokens, src, dst), dtype=np.int64).reshape(-1, 5)
+    copies = copies[np.lexsort((copies[:, 3], copies[:, 2], copies[:, 0]))]
+    breaks = np.flatnonzero(np.any(copies[1:, (0, 2)] != copies[:-1, (0, 2)], axis=1)) + 1
+    passes = []
+    for part in np.split(copies, breaks) if len(copies) else []:
         fragments = np.ascontiguousarray(part[:, (1, 3, 4)])
-        fragments.setflags(write=False)
-        groups[int(part[0, 0]), int(part[0, 2])] = fragments
-    return groups
+        passes.append(Pass(None, fragments, part[:1, 0].copy(), part[:1, 2].copy()))
+    return passes

@@ -28,6 +28,32 @@ SRC, DST, LENGTH = 0, 1, 2  # columns of a fragment array
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class PeriodGroup:
+    """A period's fragments between one sender block and one receiver block: tokens [first, end)."""
+
+    src_block: int
+    dst_block: int
+    first_token: int
+    end_token: int
+    fragments: np.ndarray = field(repr=False)  # (n, 3) src_offset, dst_offset, length; by dst
+
+
+def period_groups(period: PeriodMap) -> tuple[PeriodGroup, ...]:
+    """Every (sender block, receiver block) pair of a period that moves bytes, with its fragments."""
+    spans = np.array(period.spans, dtype=np.int64).reshape(-1, 7)
+    spans = spans[np.lexsort((spans[:, 3], spans[:, 2], spans[:, 0]))]
+    pairs = spans[:, (0, 2)]
+    breaks = np.flatnonzero(np.any(pairs[1:] != pairs[:-1], axis=1)) + 1
+    groups = []
+    for part in np.split(spans, breaks) if len(spans) else []:
+        fragments = np.ascontiguousarray(part[:, (1, 3, 4)])
+        fragments.setflags(write=False)
+        first, end = int(part[:, 5].min()), int((part[:, 5] + part[:, 6]).max())
+        groups.append(PeriodGroup(int(part[0, 0]), int(part[0, 2]), first, end, fragments))
+    return tuple(groups)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class ViewCopy:
     """One matched view pair of one sender rank: fragments relative to a slot start."""
 
@@ -38,6 +64,7 @@ class ViewCopy:
     mapper: str
     fragments: np.ndarray = field(repr=False)  # (n, 3) int64: src_offset, dst_offset, length
     period: PeriodMap | None = field(default=None, repr=False)
+    groups: tuple[PeriodGroup, ...] = field(default=(), repr=False)  # of ``period``
 
     @property
     def periodic(self) -> bool:
@@ -172,6 +199,7 @@ def _parse_view(doc: Any, path: str) -> ViewCopy:
         mapper=mapper if isinstance(mapper, str) else "",
         fragments=_parse_fragments(fragments, f"{path}.fragments"),
         period=period,
+        groups=period_groups(period) if period is not None else (),
     )
 
 
