@@ -73,20 +73,21 @@ class Bench:
     sender_order: list[int]
     backend: LocalBackend
     cache: PoolMemoryCache
+    device: str = "cpu"
 
 
-def _open(bench_backend, cache, name: str, layout, arrays: dict[int, np.ndarray]) -> dict:
+def _open(b: Bench, cache, name: str, layout, arrays: dict[int, np.ndarray]) -> dict:
+    """Registers ``arrays`` (low byte of each id) as pools on the bench's device; opens them."""
     pools = {}
     for pool_id, (slot_bytes, stride, slots) in layout.pools.items():
-        bench_backend.register(
-            f"{name}-{pool_id}", torch.from_numpy(arrays[pool_id].astype(np.uint8))
-        )
+        tensor = torch.from_numpy(arrays[pool_id].astype(np.uint8)).to(b.device)
+        b.backend.register(f"{name}-{pool_id}", tensor)
         descriptor = {"backend": "local", "name": f"{name}-{pool_id}"}
         pools[pool_id] = cache.open_pool(descriptor, Pool(pool_id, slot_bytes, stride, slots))
     return pools
 
 
-def _bench(name: str) -> Bench:
+def _bench(name: str, device: str) -> Bench:
     classes, ctx_side, gen_side = WORLDS[name]
     ctx, ctx_layouts = instance(ctx_side, classes, "ctx")
     gen, gen_layouts = instance(gen_side, classes, "gen")
@@ -95,24 +96,24 @@ def _bench(name: str) -> Bench:
     placement = {slot: i * ctx_side.tokens_per_block for i, slot in enumerate(order)}
     backend = LocalBackend()
     cache = PoolMemoryCache([backend])
-    src_pools, arrays = {}, {}
-    for rank, layout in enumerate(ctx_layouts):
-        arrays[rank] = truth.place(ctx_side, layout, rank, placement)
-        for pool_id, memory in _open(backend, cache, f"ctx{rank}", layout, arrays[rank]).items():
-            src_pools[(rank, pool_id)] = memory
-    return Bench(
-        name, ctx, truth, ctx_side, gen_side, src_pools, gen, gen_layouts, ctx_layouts, arrays,
-        order, backend, cache,
+    b = Bench(
+        name, ctx, truth, ctx_side, gen_side, {}, gen, gen_layouts, ctx_layouts, {},
+        order, backend, cache, device,
     )  # fmt: skip
+    for rank, layout in enumerate(ctx_layouts):
+        b.sender_arrays[rank] = truth.place(ctx_side, layout, rank, placement)
+        for pool_id, memory in _open(b, cache, f"ctx{rank}", layout, b.sender_arrays[rank]).items():
+            b.src_pools[(rank, pool_id)] = memory
+    return b
 
 
-BENCHES: dict[str, Bench] = {}
+BENCHES: dict[tuple[str, str], Bench] = {}
 
 
-def bench(name: str) -> Bench:
-    if name not in BENCHES:
-        BENCHES[name] = _bench(name)
-    return BENCHES[name]
+def bench(name: str, device: str = "cpu") -> Bench:
+    if (name, device) not in BENCHES:
+        BENCHES[name, device] = _bench(name, device)
+    return BENCHES[name, device]
 
 
 def run_range(
@@ -127,11 +128,13 @@ def run_range(
     window = TokenWindow(span, 0 if named_src else None, dst_first)
     for receiver, layout in zip(b.gen, b.gen_layouts, strict=True):
         before = background(layout)
-        dst_pools = _open(b.backend, b.cache, f"gen{receiver.rank}-{next(NAMES)}", layout, before)
+        dst_pools = _open(b, b.cache, f"gen{receiver.rank}-{next(NAMES)}", layout, before)
         plan = build_plan(b.ctx, receiver)
         leg = TransferLeg(CopyPlan.from_plan(plan), b.src_pools, dst_pools)
         job = TransferJob([leg], src_blocks, dst_blocks, window=window)
         result = CopyEngine().copy(job, strategy=strategy)
+        if b.device != "cpu":
+            torch.cuda.synchronize()
         placement = {block: (dst_first // td + i) * td for i, block in enumerate(dst_blocks)}
         positions = range(span.start, span.end)
         want = b.truth.place(b.gen_side, layout, receiver.rank, placement, positions, before)
@@ -139,7 +142,9 @@ def run_range(
         assert result.bytes == moved
         for pool_id, memory in dst_pools.items():
             np.testing.assert_array_equal(
-                memory.tensor.numpy(), want[pool_id].astype(np.uint8), err_msg=f"pool {pool_id}"
+                memory.tensor.cpu().numpy(),
+                want[pool_id].astype(np.uint8),
+                err_msg=f"pool {pool_id}",
             )
         # the world's own executor of the period form agrees on the int64 ids, byte for byte
         out, writes = execute(
@@ -180,7 +185,7 @@ def test_random_ranges_move_exactly_their_tokens(
 def test_a_gap_is_refused_before_anything_is_copied() -> None:
     b = bench("hnd 2 -> 8, TP2 -> TP1, indexer")
     before = background(b.gen_layouts[0])
-    dst_pools = _open(b.backend, b.cache, "gen-gap", b.gen_layouts[0], before)
+    dst_pools = _open(b, b.cache, "gen-gap", b.gen_layouts[0], before)
     plan = CopyPlan.from_plan(build_plan(b.ctx, b.gen[0]))
     leg = TransferLeg(plan, b.src_pools, dst_pools)
     # the sender's list holds tokens [4, 12) (blocks of 2); the range needs [6, 14)
@@ -200,9 +205,7 @@ def test_a_cut_range_costs_the_fragments_of_its_blocks() -> None:
     b = bench("hnd 2 -> 8, TP2 -> TP1, indexer")
     plan = CopyPlan.from_plan(build_plan(b.ctx, b.gen[0]))
     engine = CopyEngine()
-    dst_pools = _open(
-        b.backend, b.cache, "gen-count", b.gen_layouts[0], background(b.gen_layouts[0])
-    )
+    dst_pools = _open(b, b.cache, "gen-count", b.gen_layouts[0], background(b.gen_layouts[0]))
     leg = TransferLeg(plan, b.src_pools, dst_pools)
     aligned = TransferJob([leg], b.sender_order[:8], [3, 4], window=TokenWindow(TokenRange(0, 16)))
     cut = TransferJob([leg], b.sender_order[:8], [3, 4], window=TokenWindow(TokenRange(1, 15)))
@@ -217,20 +220,23 @@ def test_a_cut_range_costs_the_fragments_of_its_blocks() -> None:
 def test_a_plan_with_block_fragments_only_cannot_cut_a_range() -> None:
     b = bench("hnd 4 -> 4 (equal), TP1 -> TP2")
     document = build_plan(b.ctx, b.gen[0]).to_json()
-    dst_pools = _open(
-        b.backend, b.cache, "gen-blocks", b.gen_layouts[0], background(b.gen_layouts[0])
-    )
+    dst_pools = _open(b, b.cache, "gen-blocks", b.gen_layouts[0], background(b.gen_layouts[0]))
     leg = TransferLeg(CopyPlan.from_json(document), b.src_pools, dst_pools)
     job = TransferJob([leg], [0, 1], [0, 1], window=TokenWindow(TokenRange(2, 8)))
     with pytest.raises(TransferValidationError, match="needs the plan's period form"):
         CopyEngine().validate(job)
-    # the same plan with its period form cuts the range
+    # the same plan in its period form cuts the range: 6 tokens of a 4-token-per-block world
     period = CopyPlan.from_json(build_plan(b.ctx, b.gen[0]).to_json(period=True))
-    CopyEngine().validate(
-        TransferJob(
-            [TransferLeg(period, b.src_pools, dst_pools)],
-            [0, 1],
-            [0, 1],
-            window=TokenWindow(TokenRange(2, 8)),
-        )
+    cut = TransferJob(
+        [TransferLeg(period, b.src_pools, dst_pools)], [0, 1], [0, 1], window=job.window
     )
+    assert CopyEngine().totals(cut).bytes == 6 * period.bytes_per_block // 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("strategy", list(Strategy))
+@pytest.mark.parametrize("name", ["hnd 2 -> 8, TP2 -> TP1, indexer", "nhd 3 -> 4, heads halved"])
+def test_cuda_pools_move_the_same_ranges(name: str, strategy: Strategy) -> None:
+    b = bench(name, "cuda:0")
+    run_range(b, TokenRange(5, 23), dst_first=3, strategy=strategy, named_src=False)
