@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.matching import match_view
 from kvroute.geometry.model import DTYPE_BITS, RankRegistration, View
-from kvroute.geometry.pairs import pair_geometry
+from kvroute.geometry.pairs import PairGeometry, pair_geometry
 from kvroute.geometry.validate import check_instance, check_self
 
 MatchedPair = tuple[RankRegistration, View, RankRegistration, View]
@@ -72,16 +72,23 @@ def matched_pairs(reg: RankRegistration, peer: RankRegistration) -> list[Matched
     return pairs
 
 
+def matched_geometries(reg: RankRegistration, peer: RankRegistration) -> list[PairGeometry]:
+    return [pair_geometry(*pair) for pair in matched_pairs(reg, peer)]
+
+
+# The peer checks in order; each raises the pair's first failure at its stage.
+PEER_STAGES: tuple[Callable[[RankRegistration, RankRegistration], object], ...] = (
+    check_rank_fields,
+    matched_pairs,
+    matched_geometries,
+)
+
+
 def check_peers(reg: RankRegistration, peers: Sequence[RankRegistration]) -> None:
     ordered = sorted(peers, key=lambda p: (p.instance, p.rank))
-    stages: list[Callable[[RankRegistration], object]] = [
-        lambda peer: check_rank_fields(reg, peer),
-        lambda peer: matched_pairs(reg, peer),
-        lambda peer: [pair_geometry(*pair) for pair in matched_pairs(reg, peer)],
-    ]
-    for stage in stages:
+    for stage in PEER_STAGES:
         for peer in ordered:
-            stage(peer)
+            stage(reg, peer)
 
 
 def check_registration(

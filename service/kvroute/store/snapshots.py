@@ -7,15 +7,14 @@ cache miss, and then only at the generations that were seen, so a plan never mix
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
-from sqlalchemy import select, tuple_
+from sqlalchemy import ColumnElement, select
 
 from kvroute.store import ranks as repo
-from kvroute.store.engine import SessionMaker, reading
+from kvroute.store.engine import SessionMaker, engine_of, read_connection
 from kvroute.store.errors import NotFound
 from kvroute.store.models import Deployment, Instance, Rank
 
@@ -40,10 +39,34 @@ async def instance_states(
 ) -> dict[str, InstanceState]:
     """Generations of the instances' live ranks and the numbers of their expired ones.
 
-    One session and three small queries for any number of instances: this runs on every plan
-    read, cache hits included.
+    One joined statement for any number of instances: this runs on every plan read, cache hits
+    included.
     """
-    # One joined statement: this runs on every plan read, cache hits included.
+    states = await _states(sessionmaker, deployment, now, Instance.name.in_(instances))
+    missing = [name for name in instances if name not in states]
+    if missing:
+        raise NotFound(f"instance {missing[0]!r} of deployment {deployment!r} does not exist")
+    return {name: states[name] for name in instances}
+
+
+async def deployment_states(
+    sessionmaker: SessionMaker, deployment: str, *, now: datetime
+) -> list[InstanceState]:
+    """Every instance of a deployment, by name; ``NotFound`` for an unknown deployment."""
+    states = await _states(sessionmaker, deployment, now)
+    if not states:
+        async with read_connection(engine_of(sessionmaker)) as connection:
+            found = await connection.scalar(
+                select(Deployment.name).where(Deployment.name == deployment)
+            )
+        if found is None:
+            raise NotFound(f"deployment {deployment!r} does not exist")
+    return [states[name] for name in sorted(states)]
+
+
+async def _states(
+    sessionmaker: SessionMaker, deployment: str, now: datetime, *where: ColumnElement[bool]
+) -> dict[str, InstanceState]:
     query = (
         select(
             Deployment.checked_at,
@@ -59,29 +82,32 @@ async def instance_states(
         .outerjoin(
             Rank, (Rank.deployment == Instance.deployment) & (Rank.instance == Instance.name)
         )
-        .where(Deployment.name == deployment, Instance.name.in_(instances))
+        .where(Deployment.name == deployment, *where)
     )
-    async with reading(sessionmaker) as session:
-        rows = (await session.execute(query)).all()
+    async with read_connection(engine_of(sessionmaker)) as connection:
+        rows = (await connection.execute(query)).all()
     layouts: dict[str, tuple[str, int, int]] = {}
-    live: dict[str, dict[int, int]] = {name: {} for name in instances}
-    expired: dict[str, list[int]] = {name: [] for name in instances}
+    live: dict[str, dict[int, int]] = {}
+    expired: dict[str, list[int]] = {}
     for checked_at, name, role, tp_size, pp_size, rank, generation, expires in rows:
         layouts[name] = (role, tp_size, pp_size)
+        live.setdefault(name, {})
+        expired.setdefault(name, [])
         if rank is None:
             continue
         if expires > repo.judged_at_time(checked_at, now):
             live[name][rank] = generation
         else:
             expired[name].append(rank)
-    missing = [name for name in instances if name not in layouts]
-    if missing:
-        raise NotFound(f"instance {missing[0]!r} of deployment {deployment!r} does not exist")
     return {
         name: InstanceState(
-            deployment, name, *layouts[name], live[name], tuple(sorted(expired[name]))
+            deployment,
+            name,
+            *layout,
+            dict(sorted(live[name].items())),
+            tuple(sorted(expired[name])),
         )
-        for name in instances
+        for name, layout in layouts.items()
     }
 
 
@@ -89,20 +115,3 @@ async def instance_state(
     sessionmaker: SessionMaker, deployment: str, instance: str, *, now: datetime
 ) -> InstanceState:
     return (await instance_states(sessionmaker, deployment, [instance], now=now))[instance]
-
-
-async def rank_documents(
-    sessionmaker: SessionMaker, deployment: str, wanted: Iterable[tuple[str, int, int]]
-) -> dict[tuple[str, int], dict[str, Any]]:
-    """Documents of (instance, rank, generation) triples; a rank that moved on is absent."""
-    keys = list(wanted)
-    if not keys:
-        return {}
-    async with reading(sessionmaker) as session:
-        rows = await session.execute(
-            select(Rank.instance, Rank.rank, Rank.document).where(
-                Rank.deployment == deployment,
-                tuple_(Rank.instance, Rank.rank, Rank.generation).in_(keys),
-            )
-        )
-        return {(instance, rank): document for instance, rank, document in rows}
