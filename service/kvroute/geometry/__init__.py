@@ -32,6 +32,7 @@ from kvroute.geometry.ranges import (
     first_gap,
     full_periods,
     range_copies,
+    resolve_lists,
 )
 
 __all__ = [
@@ -61,4 +62,5 @@ __all__ = [
     "first_gap",
     "full_periods",
     "range_copies",
+    "resolve_lists",
 ]

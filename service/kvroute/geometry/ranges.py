@@ -101,6 +101,37 @@ class BlockList:
         return self.blocks[block - self.first_block]
 
 
+def resolve_lists(
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    src_tokens_per_block: int,
+    dst_tokens_per_block: int,
+    *,
+    tokens: TokenRange | None = None,
+    src_first_token: int | None = None,
+    dst_first_token: int | None = None,
+) -> tuple[TokenRange, BlockList, BlockList]:
+    """A transfer request's range and lists for one view pair's block sizes.
+
+    A side's first token defaults to upstream's suffix rule against ``tokens.end``, or to 0 when no
+    range is named; the range defaults to every token either list holds, so lists that hold
+    different tokens leave a gap (and lists of one block size pair up one to one).
+    """
+    sides = []
+    for blocks, first, size, field in (
+        (src_blocks, src_first_token, src_tokens_per_block, "src_blocks"),
+        (dst_blocks, dst_first_token, dst_tokens_per_block, "dst_blocks"),
+    ):
+        if first is None and tokens is not None:
+            sides.append(BlockList.suffix(blocks, tokens.end, size, field))
+        else:
+            sides.append(BlockList(blocks, first or 0, size))
+    span = tokens or TokenRange(
+        min(side.first_token for side in sides), max(side.end_token for side in sides)
+    )
+    return span, sides[0], sides[1]
+
+
 def first_gap(tokens: TokenRange, src: BlockList, dst: BlockList) -> TokenGap | None:
     """The lowest token of the range either list lacks (the sender's list first on a tie)."""
     gaps = []

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvroute.geometry import BlockList, TokenRange, TokenRangeError
+from kvroute.geometry import BlockList, TokenRange, TokenRangeError, resolve_lists
 from kvroute.job_state import JobState
 from kvroute.transfer.errors import TransferValidationError
 from kvroute.transfer.memory import PoolMemory
@@ -63,23 +63,18 @@ class TokenWindow:
         self, src: np.ndarray, dst: np.ndarray, src_tokens: int, dst_tokens: int
     ) -> tuple[TokenRange, BlockList, BlockList]:
         """The range and both block lists for one view pair's block sizes."""
-        sides = []
-        for blocks, first, tokens, name in (
-            (src, self.src_first_token, src_tokens, "src_blocks"),
-            (dst, self.dst_first_token, dst_tokens, "dst_blocks"),
-        ):
-            ids = blocks.tolist()
-            if first is None and self.tokens is not None:
-                try:
-                    sides.append(BlockList.suffix(ids, self.tokens.end, tokens, name))
-                except TokenRangeError as error:
-                    raise TransferValidationError(error.field, error.detail) from error
-            else:
-                sides.append(BlockList(ids, first or 0, tokens))
-        span = self.tokens or TokenRange(
-            min(side.first_token for side in sides), max(side.end_token for side in sides)
-        )
-        return span, sides[0], sides[1]
+        try:
+            return resolve_lists(
+                src.tolist(),
+                dst.tolist(),
+                src_tokens,
+                dst_tokens,
+                tokens=self.tokens,
+                src_first_token=self.src_first_token,
+                dst_first_token=self.dst_first_token,
+            )
+        except TokenRangeError as error:
+            raise TransferValidationError(error.field, error.detail) from error
 
 
 @dataclass(frozen=True, slots=True, eq=False, init=False)
