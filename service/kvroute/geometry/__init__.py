@@ -31,8 +31,10 @@ from kvroute.geometry.ranges import (
     check_covered,
     first_gap,
     full_periods,
+    periods_inside,
     range_copies,
     resolve_lists,
+    whole_pieces,
 )
 
 __all__ = [
@@ -61,6 +63,8 @@ __all__ = [
     "check_registration",
     "first_gap",
     "full_periods",
+    "periods_inside",
     "range_copies",
     "resolve_lists",
+    "whole_pieces",
 ]

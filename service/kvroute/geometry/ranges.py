@@ -155,6 +155,26 @@ def full_periods(tokens: TokenRange, period_tokens: int) -> range:
     return range(-(-tokens.start // period_tokens), tokens.end // period_tokens)
 
 
+def whole_pieces(tokens: TokenRange, src_tokens: int, dst_tokens: int) -> TokenRange | None:
+    """The range from its first block boundary (of either side) to its last, if they differ.
+
+    Every token between them lies in a piece (the tokens one sender block and one receiver block
+    share) wholly inside the range, so data planes move it with the period's fragments as they
+    are; only the tokens before and after (fewer than a block of either side) need cutting.
+    """
+    start = min(-(-tokens.start // size) * size for size in (src_tokens, dst_tokens))
+    end = max(tokens.end // size * size for size in (src_tokens, dst_tokens))
+    return TokenRange(start, end) if start < end else None
+
+
+def periods_inside(
+    first_token: int, end_token: int, inner: TokenRange, period_tokens: int
+) -> range:
+    """The periods p whose tokens [p * L + first_token, p * L + end_token) lie inside ``inner``."""
+    low = -(-(inner.start - first_token) // period_tokens)
+    return range(low, (inner.end - end_token) // period_tokens + 1)
+
+
 def range_copies(
     period: PeriodMap, tokens: TokenRange, src: BlockList, dst: BlockList
 ) -> list[Copy]:

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvroute.geometry import BlockList, TokenRange, first_gap, range_copies
+from kvroute.geometry import (
+    BlockList,
+    TokenRange,
+    first_gap,
+    periods_inside,
+    range_copies,
+    whole_pieces,
+)
 from kvroute.transfer.errors import TransferValidationError
 from kvroute.transfer.jobs import TokenWindow, TransferJob
 from kvroute.transfer.plan import ViewCopy
@@ -61,7 +68,7 @@ def view_work(
     gap = first_gap(tokens, src, dst)
     if gap is not None:
         raise TransferValidationError(gap.field, gap.detail, code=gap.code, extras=gap.extras)
-    inner = _whole_pieces(tokens, src.tokens_per_block, dst.tokens_per_block)
+    inner = whole_pieces(tokens, src.tokens_per_block, dst.tokens_per_block)
     if inner is None:
         return tuple(_cut_passes(view, tokens, src, dst))
     passes = list(_inner_passes(view, key, inner, job, src, dst))
@@ -69,13 +76,6 @@ def view_work(
         if start < end:
             passes += _cut_passes(view, TokenRange(start, end), src, dst)
     return tuple(passes)
-
-
-def _whole_pieces(tokens: TokenRange, src_tokens: int, dst_tokens: int) -> TokenRange | None:
-    """The range from its first block boundary (either side) to its last, if they differ."""
-    start = min(-(-tokens.start // size) * size for size in (src_tokens, dst_tokens))
-    end = max(tokens.end // size * size for size in (src_tokens, dst_tokens))
-    return TokenRange(start, end) if start < end else None
 
 
 def _inner_passes(
@@ -96,12 +96,10 @@ def _inner_passes(
     length = view.period.period_tokens
     src_step, dst_step = view.period.src_blocks_per_period, view.period.dst_blocks_per_period
     for group in view.groups:
-        # periods p whose [p*L + first, p*L + end) lies inside the whole pieces
-        low = -(-(inner.start - group.first_token) // length)
-        high = (inner.end - group.end_token) // length
-        periods = np.arange(low, high + 1, dtype=np.int64)
-        if not len(periods):
+        inside = periods_inside(group.first_token, group.end_token, inner, length)
+        if not inside:
             continue
+        periods = np.arange(inside.start, inside.stop, dtype=np.int64)
         src_ids = job.src_blocks[periods * src_step + group.src_block - src.first_block]
         dst_ids = job.dst_blocks[periods * dst_step + group.dst_block - dst.first_block]
         pair = (*key, group.src_block, group.dst_block)
