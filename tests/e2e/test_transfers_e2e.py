@@ -295,18 +295,21 @@ async def test_a_mid_block_suffix_moves_between_block_sizes_and_nothing_else(
     assert response.status == 202, await response.text()
     job = await finished(client, (await response.json())["id"])
     assert job["state"] == "succeeded", job["error"]
-    written = 0
-    start = CACHED // td * td
-    for rank in receiver_ranks:
-        layout = gen.layouts[rank]
-        placement = {slot: start + i * td for i, slot in enumerate(dst)}
+    assert job["bytes"] == check_suffix(case, gen, truth, dst)
+
+
+def check_suffix(case: str, gen: Deployed, truth: Truth, dst: list[int]) -> int:
+    """Every receiver byte: the moved tokens hold their ids, the rest its seeded bytes; returns
+    the bytes the tokens take."""
+    written, td = 0, gen.side.tokens_per_block
+    for rank, layout in enumerate(gen.layouts):
+        placement = {slot: (CACHED // td + i) * td for i, slot in enumerate(dst)}
         ids = truth.place(gen.side, layout, rank, placement, range(CACHED, PROMPT[1]))
-        for pool in layout.pools:
-            _, stride, slots = layout.pools[pool]
+        for pool, (_, stride, slots) in layout.pools.items():
             want = seeded_bytes(gen.seeds[rank, pool], stride * slots)
             mask = ids[pool] != 0
             want[mask] = hashed(ids[pool][mask])
             got = np.array(segment(gen.segments[rank, pool]))
             np.testing.assert_array_equal(got, want, err_msg=f"{case}: gen rank {rank} pool {pool}")
             written += int(mask.sum())
-    assert job["bytes"] == written
+    return written

@@ -207,31 +207,35 @@ def _peer_range(
         )
         check_covered(tokens, src, dst)
         copies = _range_rows(period, tokens, src, dst, src_blocks, dst_blocks)
-        if not len(copies):
-            continue
-        src_pool = _pool(pools[1], int(view["src_pool"]), f"sender rank {rank}", copies[:, 0])
-        dst_pool = _pool(pools[0], int(view["dst_pool"]), "receiver", copies[:, 2])
-        for pool, column, side in ((src_pool, 1, "source"), (dst_pool, 3, "destination")):
-            if (copies[:, column] + copies[:, 4]).max() > pool.slot_stride:
-                raise ValueError(
-                    f"a {side} fragment of view {view['src_view']} exceeds the slot stride"
-                )
-        rows = np.empty((len(copies), 7), dtype=np.int64)
-        rows[:, 0] = src_pool.base + copies[:, 0] * src_pool.slot_stride + copies[:, 1]
-        rows[:, 1] = dst_pool.base + copies[:, 2] * dst_pool.slot_stride + copies[:, 3]
-        rows[:, 2] = copies[:, 4]
-        rows[:, 3:] = (
-            int(view["src_pool"]),
-            src_pool.device,
-            int(view["dst_pool"]),
-            dst_pool.device,
-        )
-        columns.append(rows)
+        if len(copies):
+            columns.append(_addressed(rank, view, pools, copies))
     if not columns:
         return PeerDescriptors(rank, (), (), 0)
     rows = np.concatenate(columns)
     rows = rows[np.lexsort((rows[:, 1], rows[:, 6], rows[:, 5]))]
     return _coalesce(rank, rows)
+
+
+def _addressed(
+    rank: int,
+    view: Mapping[str, Any],
+    pools: tuple[Mapping[int, PoolAddress], Mapping[int, PoolAddress]],
+    copies: np.ndarray,
+) -> np.ndarray:
+    """Copies (block, offset pairs) as descriptor rows: addresses, length and the pools' tags."""
+    src_pool = _pool(pools[1], int(view["src_pool"]), f"sender rank {rank}", copies[:, 0])
+    dst_pool = _pool(pools[0], int(view["dst_pool"]), "receiver", copies[:, 2])
+    for pool, column, side in ((src_pool, 1, "source"), (dst_pool, 3, "destination")):
+        if (copies[:, column] + copies[:, 4]).max() > pool.slot_stride:
+            raise ValueError(
+                f"a {side} fragment of view {view['src_view']} exceeds the slot stride"
+            )
+    rows = np.empty((len(copies), 7), dtype=np.int64)
+    rows[:, 0] = src_pool.base + copies[:, 0] * src_pool.slot_stride + copies[:, 1]
+    rows[:, 1] = dst_pool.base + copies[:, 2] * dst_pool.slot_stride + copies[:, 3]
+    rows[:, 2] = copies[:, 4]
+    rows[:, 3:] = (int(view["src_pool"]), src_pool.device, int(view["dst_pool"]), dst_pool.device)
+    return rows
 
 
 def _range_rows(
