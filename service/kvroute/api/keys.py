@@ -15,10 +15,12 @@ from openapi_core import OpenAPI
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from kvroute.api.metrics import Metrics
+from kvroute.api.problems import Problem
 from kvroute.api.scopes import Scope
 from kvroute.api.spec import SpecValidator, ValidatedRequest
 from kvroute.control.plan_answers import PlanAnswers
 from kvroute.control.plans import PlanService
+from kvroute.control.registry import Registry
 from kvroute.settings import Settings
 
 if TYPE_CHECKING:  # the data plane imports torch, which the control plane may lack
@@ -43,6 +45,7 @@ route_scopes_key = web.AppKey("route_scopes", dict[tuple[str, str], Scope])
 engine_key = web.AppKey("engine", AsyncEngine)
 sessionmaker_key = web.AppKey("sessionmaker", async_sessionmaker[AsyncSession])
 reaper_key = web.AppKey("reaper", asyncio.Task[None])
+registry_key = web.AppKey("registry", Registry)
 plan_service_key = web.AppKey("plan_service", PlanService)
 plan_answers_key = web.AppKey("plan_answers", PlanAnswers)
 transfer_service_key: web.AppKey[TransferService] = web.AppKey("transfer_service")
@@ -51,3 +54,5 @@ copy_engine_key: web.AppKey[CopyEngine] = web.AppKey("copy_engine")
 
 request_id_key = web.RequestKey("request_id", str)
 validated_key = web.RequestKey("validated", ValidatedRequest)
+# The error answered, for the access line (its code and field say why a 4xx happened).
+problem_key = web.RequestKey("problem", Problem)

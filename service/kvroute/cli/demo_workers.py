@@ -80,8 +80,8 @@ class Model:
 
 
 # A Llama-3-8B-like target (32 layers, 8 KV heads, head_dim 128) with a one-layer Eagle draft
-# holding 2 KV heads; 48 context slots of 16 tokens (12 generation slots of 64) keep all six
-# pools under 0.5 GiB.
+# holding 2 KV heads; a prompt of 1,536 tokens in 96 context slots of 16 tokens (24 generation
+# slots of 64) keeps all six pools under 0.5 GiB.
 FULL = Model(
     layers=32,
     kv_heads=8,
@@ -89,7 +89,7 @@ FULL = Model(
     tokens_per_block=16,
     generation_tokens_per_block=64,
     draft_kv_heads=2,
-    num_slots=48,
+    num_slots=96,
 )
 SMALL = Model(
     layers=4,

@@ -73,6 +73,8 @@ def build_plan(
         receiver_rank=receiver.rank,
         peers=peers,
         fingerprint=plan_fingerprint(senders, receiver, sender_dp_rank),
+        sender_parallel=(senders[0].tp_size, senders[0].pp_size),
+        receiver_parallel=(receiver.tp_size, receiver.pp_size),
         # Staging is split per receiver block; blocks of different sizes are not one unit on both
         # sides, so such a plan is never declared bounce safe (unsafe only costs the direct path).
         fanin_bounce_safe=not any(v.periodic for peer in peers for v in peer.views)

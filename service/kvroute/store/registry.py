@@ -25,7 +25,13 @@ from kvroute.geometry.classes import VerdictMemo
 from kvroute.store import leases
 from kvroute.store import ranks as repo
 from kvroute.store.admission import admit
-from kvroute.store.engine import SessionMaker, affected_rows, engine_of, read_connection, reading
+from kvroute.store.engine import (
+    SessionMaker,
+    affected_rows,
+    autocommit_connection,
+    engine_of,
+    reading,
+)
 from kvroute.store.errors import LeaseExpired, NotFound
 from kvroute.store.models import Deployment, Instance, Rank
 from kvroute.store.records import (
@@ -33,6 +39,7 @@ from kvroute.store.records import (
     DeploymentSummary,
     InstanceRecord,
     InstanceSummary,
+    RankName,
     RankRecord,
     RankSummary,
     RegisterOutcome,
@@ -127,7 +134,7 @@ async def heartbeat(
     renewed = await leases.renew(engine, deployment, instance, rank, now)
     if renewed is not None:
         return renewed
-    async with read_connection(engine) as connection:
+    async with autocommit_connection(engine) as connection:
         found = await connection.scalar(
             select(Rank.lease_expires_at).where(
                 Rank.deployment == deployment, Rank.instance == instance, Rank.rank == rank
@@ -201,11 +208,13 @@ async def count_live_ranks(sessionmaker: SessionMaker, *, now: datetime) -> int:
     return count or 0
 
 
-async def reap_expired(sessionmaker: SessionMaker, *, now: datetime, grace: timedelta) -> int:
-    """Deletes ranks whose lease ended more than ``grace`` ago; returns how many were deleted.
+async def reap_expired(
+    sessionmaker: SessionMaker, *, now: datetime, grace: timedelta
+) -> list[RankName]:
+    """Deletes ranks whose lease ended more than ``grace`` ago; returns them, in order.
 
     One transaction per deployment, under its lock, so reaping never races a registration that
-    is re-creating the same instance.
+    is re-creating the same instance (and the ranks read are exactly the ranks deleted).
     """
     cutoff = now - grace
     async with reading(sessionmaker) as session:
@@ -214,14 +223,14 @@ async def reap_expired(sessionmaker: SessionMaker, *, now: datetime, grace: time
                 select(Rank.deployment).where(Rank.lease_expires_at < cutoff).distinct()
             )
         )
-    reaped = 0
+    reaped: list[RankName] = []
     for deployment in sorted(deployments):
         async with sessionmaker.begin() as session:
             await repo.lock_deployment(session, deployment)
-            reaped += await affected_rows(
-                session,
-                delete(Rank).where(Rank.deployment == deployment, Rank.lease_expires_at < cutoff),
-            )
+            doomed = (Rank.deployment == deployment, Rank.lease_expires_at < cutoff)
+            rows = await session.execute(select(Rank.instance, Rank.rank).where(*doomed))
+            reaped += sorted(RankName(deployment, instance, rank) for instance, rank in rows)
+            await session.execute(delete(Rank).where(*doomed))
             await repo.delete_empty_instances(session, deployment)
     return reaped
 

@@ -262,7 +262,7 @@ def _slot_view(memory: PoolMemory, width: int, run: StridedRun, side: str) -> to
     )
 
 
-def _block_spans(src_blocks: np.ndarray, dst_blocks: np.ndarray) -> Iterator[tuple[int, int, int]]:
+def block_spans(src_blocks: np.ndarray, dst_blocks: np.ndarray) -> Iterator[tuple[int, int, int]]:
     """Maximal runs of block pairs consecutive on both sides: (src start, dst start, count)."""
     breaks = np.flatnonzero((np.diff(src_blocks) != 1) | (np.diff(dst_blocks) != 1)) + 1
     starts = np.concatenate(([0], breaks))
@@ -274,7 +274,7 @@ def _block_spans(src_blocks: np.ndarray, dst_blocks: np.ndarray) -> Iterator[tup
 
 def _copy_blockwise(part: _Pass, task: _ViewTask) -> None:
     width = _width([part], task.src, task.dst)
-    spans = list(_block_spans(part.src_blocks, part.dst_blocks))
+    spans = list(block_spans(part.src_blocks, part.dst_blocks))
     for run in part.program.runs:
         src = _slot_view(task.src, width, run, "src")
         dst = _slot_view(task.dst, width, run, "dst")
