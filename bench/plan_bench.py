@@ -1,9 +1,11 @@
 """Plan-building benchmark: how long kvroute takes to plan realistic deployments.
 
 For each deployment it prints the median time to build one receiver rank's plan and all of the
-receiver instance's plans, the fragments per block, and, as a ratio, the plan build time against two
-baselines measured in the same run on the same plans: validating the pair (check_peers, which every
-plan request repeats) and serialising the plan to JSON (which every HTTP answer pays anyway).
+receiver instance's plans, the fragments per (receiver) block and per token, and, as a ratio, the
+plan build time against two baselines measured in the same run on the same plans: validating the
+pair (check_peers, which every plan request repeats) and serialising the plan to JSON (which every
+HTTP answer pays anyway). Two deployments pair different tokens per block (16 -> 64, 64 -> 16), whose
+plans state a period of 64 tokens instead of block fragments.
 
     python bench/plan_bench.py [--repeat N]
 """
@@ -138,8 +140,32 @@ def median_seconds(action: Callable[[], object], repeat: int) -> float:
     return statistics.median(samples)
 
 
-CASES = [
+CASES: list[
+    tuple[str, Model, tuple[int, ...], tuple[int, ...]]
+    | tuple[str, Model, tuple[int, ...], tuple[int, ...], Model]
+] = [
     ("80L HND ctx TP8xPP2 -> gen TP4 (target+draft+indexer)", Model(80, 8, 4), (8, 2), (4, 1)),
+    (
+        "80L HND 16 -> 64 tokens/block, ctx TP8xPP2 -> gen TP4",
+        Model(80, 8, 4, tokens=16),
+        (8, 2),
+        (4, 1),
+        Model(80, 8, 4, tokens=64),
+    ),
+    (
+        "80L HND 64 -> 16 tokens/block, ctx TP4 -> gen TP8",
+        Model(80, 8, 4, tokens=64),
+        (4, 1),
+        (8, 1),
+        Model(80, 8, 4, tokens=16),
+    ),
+    (
+        "32L NHD 16 -> 64 tokens/block, heads halved ctx TP2 -> gen TP4",
+        Model(32, 8, 4, tokens=16, kind=Kind.NHD, indexer=False),
+        (2, 1),
+        (4, 1),
+        Model(32, 8, 4, tokens=64, kind=Kind.NHD, indexer=False),
+    ),
     (
         "80L NHD head mismatch ctx TP8xPP2 -> gen TP2",
         Model(80, 8, 4, kind=Kind.NHD, indexer=False),
@@ -165,6 +191,18 @@ def _serialise(plan: Plan) -> str:
     return json.dumps(plan.to_json())
 
 
+def fragments_per_token(plan: Plan) -> float:
+    """Fragments a receiver rank's plan needs per moved token, over its views."""
+    total = 0.0
+    for peer in plan.peers:
+        for view in peer.views:
+            if view.periodic:
+                total += len(view.period_map.spans) / view.period_map.period_tokens
+            elif view.axis is not None:
+                total += len(view.fragments) / view.axis.dst_tokens
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=30)
@@ -175,13 +213,14 @@ def main() -> None:
         "one plan ms",
         "all plans ms",
         "fragments/block",
+        "fragments/token",
         "vs check_peers",
         "vs json.dumps",
     ):
         table.add_column(column, justify="right" if column != "deployment" else "left")
-    for name, model, ctx_layout, gen_layout in CASES:
+    for name, model, ctx_layout, gen_layout, *receiving in CASES:
         ctx = instance(model, "context", "ctx", *ctx_layout)
-        gen = instance(model, "generation", "gen", *gen_layout)
+        gen = instance(receiving[0] if receiving else model, "generation", "gen", *gen_layout)
         receiver = gen[0]
         plan = build_plan(ctx, receiver)
         one = median_seconds(partial(build_plan, ctx, receiver), args.repeat)
@@ -193,10 +232,11 @@ def main() -> None:
             f"{one * 1e3:.2f}",
             f"{every * 1e3:.1f}",
             str(plan.fragments_per_block),
+            f"{fragments_per_token(plan):.1f}",
             f"{one / checks:.2f}x",
             f"{one / dumps:.2f}x",
         )
-    Console(width=160).print(table)
+    Console(width=170).print(table)
 
 
 if __name__ == "__main__":

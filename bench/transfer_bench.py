@@ -6,10 +6,15 @@ For each layout (HND head slicing, NHD head mismatch, a fragmented block list) a
 the same device, and the speed-up over one ``copy_`` per fragment. Every strategy's result is
 checked byte for byte against the naive loop's.
 
-    .venv/bin/python bench/transfer_bench.py [--blocks 64] [--device cpu|cuda|all]
+Then blocks of different sizes (16 -> 64 and 64 -> 16 tokens per block, planned by
+``kvroute.geometry.build_plan``): a ``--tokens`` token range, block aligned and cut mid-block at
+both ends, against the same contiguous copy and a naive loop over ``geometry.range_copies``.
+
+    .venv/bin/python bench/transfer_bench.py [--blocks 64] [--tokens 512] [--device cpu|cuda|all]
 
 Model: 32 layers x 2 buffers (K, V) x 8 KV heads x 32 tokens x 128 dims bf16 on the sender
-(4 MiB per block); the receiver holds half the heads (2 MiB per block).
+(4 MiB per block); the receiver holds half the heads (2 MiB per block). The re-blocking rows keep
+every head on both sides (128 KiB per token).
 """
 
 from __future__ import annotations
@@ -24,13 +29,20 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvroute.geometry import Pool
+from kvroute.geometry import (
+    Pool,
+    RankRegistration,
+    TokenRange,
+    build_plan,
+    range_copies,
+)
 from kvroute.transfer import (
     CopyEngine,
     CopyPlan,
     LocalBackend,
     PoolMemoryCache,
     Strategy,
+    TokenWindow,
     TransferJob,
     TransferLeg,
 )
@@ -166,21 +178,114 @@ def bench_device(device: torch.device, blocks: int, table: Table, verdicts: list
     cache.close()
 
 
+def rank_document(role: str, tokens: int, slots: int) -> RankRegistration:
+    """One TP1 rank holding every head, HND, ``tokens`` tokens per block."""
+    region = BUFFERS * HEADS * tokens * HEAD_BYTES
+    doc = {
+        "role": role, "tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0,
+        "layers_per_stage": [LAYERS], "tokens_per_block": tokens,
+        "attention": {"num_kv_heads": HEADS, "head_dim": HEAD_BYTES // 2, "dtype": "bfloat16"},
+        "pools": [{"pool_id": 0, "slot_bytes": LAYERS * region, "num_slots": slots}],
+        "views": [{
+            "view_id": 0, "pool_id": 0, "kind": "hnd", "roles": ["key", "value"],
+            "owner": "target", "num_kv_heads": HEADS, "buffers_per_layer": BUFFERS,
+            "bytes_per_layer": region,
+            "layers": [{"layer": layer, "offset": layer * region} for layer in range(LAYERS)],
+        }],
+    }  # fmt: skip
+    name = "ctx" if role == "context" else "gen"
+    return RankRegistration.from_json(doc, deployment="bench", instance=name, rank=0)
+
+
+def naive_range(leg: TransferLeg, job: TransferJob, span: TokenRange) -> None:
+    """One ``copy_`` per concrete copy of the range, from the geometry's reference cutter."""
+    view = leg.plan.senders[0].views[0]
+    period, window = view.period, job.window
+    assert period is not None
+    assert window is not None
+    _, src_list, dst_list = window.lists(
+        job.src_blocks, job.dst_blocks, period.src_tokens_per_block, period.dst_tokens_per_block
+    )
+    src, dst = leg.src_pools[(0, 0)], leg.dst_pools[0]
+    for sb, so, db, do, length in range_copies(period, span, src_list, dst_list):
+        s, d = sb * src.pool.slot_stride + so, db * dst.pool.slot_stride + do
+        dst.tensor[d : d + length].copy_(src.tensor[s : s + length])
+
+
+def bench_reblocking(device: torch.device, tokens: int, table: Table) -> None:
+    """16 -> 64 and 64 -> 16 tokens per block: a token range, aligned and cut at both ends."""
+    for src_tokens, dst_tokens in ((16, 64), (64, 16)):
+        src_slots, dst_slots = tokens // src_tokens + 2, tokens // dst_tokens + 2
+        sender = rank_document("context", src_tokens, src_slots)
+        receiver = rank_document("generation", dst_tokens, dst_slots)
+        plan = CopyPlan.from_plan(build_plan([sender], receiver))
+        backend = LocalBackend()
+        src_bytes, dst_bytes = sender.pools[0].size_bytes, receiver.pools[0].size_bytes
+        backend.register("src", torch.randint(0, 256, (src_bytes,), dtype=torch.uint8).to(device))
+        backend.register("dst", torch.zeros(dst_bytes, dtype=torch.uint8, device=device))
+        cache = PoolMemoryCache([backend])
+        leg = TransferLeg(
+            plan,
+            {(0, 0): cache.open_pool({"backend": "local", "name": "src"}, sender.pools[0])},
+            {0: cache.open_pool({"backend": "local", "name": "dst"}, receiver.pools[0])},
+        )
+        rng = np.random.default_rng(1)
+        src_blocks = rng.permutation(src_slots)[: tokens // src_tokens]
+        dst_blocks = rng.permutation(dst_slots)[: tokens // dst_tokens]
+        for span in (TokenRange(0, tokens), TokenRange(5, tokens - 3)):
+            label = f"{src_tokens} -> {dst_tokens} tokens/block, tokens [{span.start}, {span.end}) [{device.type}]"
+            job = TransferJob([leg], src_blocks, dst_blocks, window=TokenWindow(span, 0, 0))
+            _reblocking_rows(label, leg, job, span, device, table)
+        cache.close()
+
+
+def _reblocking_rows(
+    label: str, leg: TransferLeg, job: TransferJob, span: TokenRange, device: torch.device,
+    table: Table,
+) -> None:  # fmt: skip
+    engine, dst = CopyEngine(), leg.dst_pools[0]
+    totals = engine.totals(job)
+    per_token = f"{totals.fragments / (span.end - span.start):.0f} / token"
+    flat_src = torch.empty(totals.bytes, dtype=torch.uint8, device=device).fill_(1)
+    flat_dst = torch.empty_like(flat_src)
+    limit = timed(lambda: flat_dst.copy_(flat_src), device, 5)
+    dst.tensor.zero_()
+    naive = timed(lambda: naive_range(leg, job, span), device, 1)
+    reference = dst.tensor.clone()
+    table.add_row(
+        label, "contiguous copy", per_token, f"{totals.bytes / limit / 1e9:.2f}", "1.00", ""
+    )
+    table.add_row(
+        label, "naive loop", "", f"{totals.bytes / naive / 1e9:.2f}", f"{limit / naive:.2f}", "1.0x"
+    )
+    for strategy in Strategy:
+        dst.tensor.zero_()
+        seconds = timed(lambda s=strategy: engine.copy(job, strategy=s), device, 5)
+        if not torch.equal(dst.tensor, reference):
+            raise SystemExit(f"{strategy} copied wrong bytes for {label}")
+        table.add_row(label, str(strategy), "", f"{totals.bytes / seconds / 1e9:.2f}",
+                      f"{limit / seconds:.2f}", f"{naive / seconds:.1f}x")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
     args = parser.parse_args()
     devices = [torch.device("cpu")] if args.device != "cuda" else []
     if args.device != "cpu" and torch.cuda.is_available():
         devices.append(torch.device("cuda", 0))
-    table = Table(title=f"kvroute transfer engine, {args.blocks} blocks per job")
-    for column in ("case", "method", "fragments/block", "GB/s", "x contiguous", "x naive"):
+    table = Table(
+        title=f"kvroute transfer engine, {args.blocks} blocks per job; re-blocking {args.tokens} tokens"
+    )
+    for column in ("case", "method", "fragments", "GB/s", "x contiguous", "x naive"):
         table.add_column(column, justify="left" if column in {"case", "method"} else "right")
     verdicts: list[str] = []
     for device in devices:
         bench_device(device, args.blocks, table, verdicts)
-    console = Console(width=120)
+        bench_reblocking(device, args.tokens, table)
+    console = Console(width=140)
     console.print(table)
     console.print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
                   f"CUDA available: {torch.cuda.is_available()}")  # fmt: skip

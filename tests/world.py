@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvroute.geometry import RankRegistration
+from kvroute.geometry import BlockList, PeriodMap, RankRegistration, TokenRange, range_copies
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class Side:
     shared_pool: bool = True
     seed: int = 0
     draft_stage: int = -1  # the PP stage whose ranks declare the draft layers (-1: the last)
+    num_slots: int = 3
 
     @property
     def pp_size(self) -> int:
@@ -91,8 +92,11 @@ def layer_bytes(cls: ViewClass, side: Side) -> int:
     return cls.buffers * tokens * cls.unit * per_rank_heads(cls, side)
 
 
-def layout_rank(side: Side, classes: list[ViewClass], rank: int, num_slots: int = 3) -> Layout:
+def layout_rank(
+    side: Side, classes: list[ViewClass], rank: int, num_slots: int | None = None
+) -> Layout:
     """An API.md document for one rank, with layers placed in a shuffled order with gaps."""
+    num_slots = side.num_slots if num_slots is None else num_slots
     rng = random.Random(side.seed * 1000 + rank)
     tp_rank, pp_rank = rank % side.tp_size, rank // side.tp_size
     regions = [
@@ -182,57 +186,106 @@ def instance(
 
 
 class Truth:
-    """Byte contents from the logical tensor: every logical byte of every block has a unique id."""
+    """Byte contents from the logical tensor: every logical byte of the prompt has a unique id.
 
-    def __init__(self, classes: list[ViewClass], tokens: int) -> None:
+    A byte is named by its view class, prompt position (token), layer, buffer, global head and byte
+    within the token-head, so the two sides may cut the prompt into blocks of any size and a byte
+    still has one id wherever it lands.
+    """
+
+    MAX_POSITIONS = 512
+
+    def __init__(self, classes: list[ViewClass], tokens: int | None = None) -> None:
+        del tokens  # each side's block size comes with its Side
         self.classes = classes
-        self.tokens = tokens
         # The byte index's radix fits the widest unit, so ids stay unique for any head size.
         self.unit_radix = max(c.unit for c in classes)
 
     def logical_id(
         self,
         c: int,
-        block: int,
+        position: np.ndarray,
         layer: int,
         buf: int,
         head: np.ndarray,
-        tok: np.ndarray,
         k: np.ndarray,
     ) -> np.ndarray:
-        slot = (
-            ((((c * 8 + block) * 64 + layer) * 4 + buf) * 64 + head) * 64 + tok
-        ) * self.unit_radix
-        return slot + k + 1
+        slot = (((c * self.MAX_POSITIONS + position) * 64 + layer) * 4 + buf) * 64 + head
+        return slot * self.unit_radix + k + 1
 
     def fill(
         self, side: Side, layout: Layout, rank: int, blocks: list[int], content: list[int]
     ) -> dict[int, np.ndarray]:
         """Pool arrays (one int64 'byte' per element) of a rank holding logical blocks ``content`` at ``blocks``."""
+        tokens = side.tokens_per_block
+        placement = {
+            block: logical * tokens for block, logical in zip(blocks, content, strict=True)
+        }
+        return self.place(side, layout, rank, placement)
+
+    def place(
+        self,
+        side: Side,
+        layout: Layout,
+        rank: int,
+        placement: dict[int, int],
+        positions: range | None = None,
+        into: dict[int, np.ndarray] | None = None,
+    ) -> dict[int, np.ndarray]:
+        """Pool arrays of a rank whose slot ``s`` holds the block starting at prompt position
+        ``placement[s]``; only ``positions`` are written (every position when None), into copies of
+        ``into`` (zeros when None)."""
         arrays = {
-            pool: np.zeros(stride * slots, dtype=np.int64)
+            pool: np.zeros(stride * slots, dtype=np.int64) if into is None else into[pool].copy()
             for pool, (_, stride, slots) in layout.pools.items()
         }
         q = (rank % side.tp_size) % side.tp_per_dp
+        slots = np.array(sorted(placement), dtype=np.int64)
+        starts = np.array([placement[s] for s in sorted(placement)], dtype=np.int64)
         for (c, layer), (pool, offset) in layout.regions.items():
             cls = self.classes[c]
             stride = layout.pools[pool][1]
             heads = np.array(
                 [0] if cls.kind == "replicated" else true_heads(cls.total_heads, side.tp_per_dp, q)
             )
-            h, t, u = len(heads), self.tokens, cls.unit
-            j, tok, k = np.meshgrid(np.arange(h), np.arange(t), np.arange(u), indexing="ij")
+            h, t, u = len(heads), side.tokens_per_block, cls.unit
+            n, j, tok, k = np.ogrid[: len(slots), :h, :t, :u]
             # nhd is token-major; hnd and replicated (one pseudo-head) are head-major.
-            token_major = cls.kind == "nhd"
-            position = tok * (h * u) + j * u + k if token_major else j * (t * u) + tok * u + k
-            buf_bytes = h * t * u
-            for block, logical in zip(blocks, content, strict=True):
-                for b in range(cls.buffers):
-                    base = block * stride + offset + b * buf_bytes
-                    arrays[pool][base + position] = self.logical_id(
-                        c, logical, layer, b, heads[j], tok, k
-                    )
+            position = tok * (h * u) + j * u + k if cls.kind == "nhd" else j * (t * u) + tok * u + k
+            prompt = starts[n] + tok
+            shape = (len(slots), h, t, u)
+            keep = np.ones(shape, bool)
+            if positions is not None:
+                keep &= (prompt >= positions.start) & (prompt < positions.stop)
+            assert (prompt < self.MAX_POSITIONS).all()
+            for b in range(cls.buffers):
+                at = np.broadcast_to(slots[n] * stride + offset + b * h * t * u + position, shape)
+                ids = np.broadcast_to(self.logical_id(c, prompt, layer, b, heads[j], k), shape)
+                arrays[pool][at[keep]] = ids[keep]
         return arrays
+
+
+def background(layout: Layout) -> dict[int, np.ndarray]:
+    """Receiver pools before a transfer: a distinct negative value per byte, never a logical id."""
+    return {
+        pool: -np.arange(1, stride * slots + 1, dtype=np.int64)
+        for pool, (_, stride, slots) in layout.pools.items()
+    }
+
+
+def _apply(out: np.ndarray, writes: np.ndarray, src: np.ndarray, copies: np.ndarray) -> None:
+    """Runs (src_start, dst_start, length) rows; counts every destination byte written."""
+    if not len(copies):
+        return
+    lengths = copies[:, 2]
+    step = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    inner = np.arange(lengths.sum()) - step
+    src_at, dst_at = (
+        np.repeat(copies[:, 0], lengths) + inner,
+        np.repeat(copies[:, 1], lengths) + inner,
+    )
+    out[dst_at] = src[src_at]
+    np.add.at(writes, dst_at, 1)
 
 
 def execute(
@@ -242,22 +295,60 @@ def execute(
     receiver_layout: Layout,
     src_blocks: list[int],
     dst_blocks: list[int],
+    *,
+    tokens: TokenRange | None = None,
+    firsts: tuple[int | None, int | None] = (None, None),
+    into: dict[int, np.ndarray] | None = None,
 ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-    """Runs a plan on numpy arrays; returns the receiver's pools and a per-byte write count."""
+    """Runs a plan on numpy arrays; returns the receiver's pools and a per-byte write count.
+
+    Without ``tokens`` block ``src_blocks[i]`` goes to ``dst_blocks[i]`` by block fragments; with
+    it, each view pair's period form is cut to the range (``firsts``: each side's first token, None
+    for upstream's suffix rule).
+    """
     out = {
-        pool: np.zeros(stride * slots, dtype=np.int64)
+        pool: np.zeros(stride * slots, dtype=np.int64) if into is None else into[pool].copy()
         for pool, (_, stride, slots) in receiver_layout.pools.items()
     }
     writes = {pool: np.zeros_like(arr) for pool, arr in out.items()}
     for peer in plan_json["peers"]:
         src_layout = sender_layouts[peer["rank"]]
         for view in peer["views"]:
-            src = sender_pools[peer["rank"]][view["src_pool"]]
             src_stride = src_layout.pools[view["src_pool"]][1]
             dst_stride = receiver_layout.pools[view["dst_pool"]][1]
-            for sb, db in zip(src_blocks, dst_blocks, strict=True):
-                for s_off, d_off, length in view["fragments"]:
-                    s0, d0 = sb * src_stride + s_off, db * dst_stride + d_off
-                    out[view["dst_pool"]][d0 : d0 + length] = src[s0 : s0 + length]
-                    writes[view["dst_pool"]][d0 : d0 + length] += 1
+            if tokens is None:
+                copies = [
+                    (sb * src_stride + s, db * dst_stride + d, n)
+                    for sb, db in zip(src_blocks, dst_blocks, strict=True)
+                    for s, d, n in view["fragments"]
+                ]
+            else:
+                cut = _cut(view, tokens, src_blocks, dst_blocks, firsts)
+                copies = [(sb * src_stride + s, db * dst_stride + d, n) for sb, s, db, d, n in cut]
+            _apply(
+                out[view["dst_pool"]],
+                writes[view["dst_pool"]],
+                sender_pools[peer["rank"]][view["src_pool"]],
+                np.array(copies, dtype=np.int64).reshape(-1, 3),
+            )
     return out, writes
+
+
+def _cut(
+    view: dict[str, Any],
+    tokens: TokenRange,
+    src_blocks: list[int],
+    dst_blocks: list[int],
+    firsts: tuple[int | None, int | None],
+) -> list[tuple[int, int, int, int, int]]:
+    period = PeriodMap.from_json(view)
+    lists = []
+    for blocks, first, tpb, name in (
+        (src_blocks, firsts[0], period.src_tokens_per_block, "src_blocks"),
+        (dst_blocks, firsts[1], period.dst_tokens_per_block, "dst_blocks"),
+    ):
+        if first is None:
+            lists.append(BlockList.suffix(blocks, tokens.end, tpb, name))
+        else:
+            lists.append(BlockList(blocks, first, tpb))
+    return range_copies(period, tokens, lists[0], lists[1])

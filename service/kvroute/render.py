@@ -9,6 +9,7 @@ shows up as one more header line in ``plan_text`` or one more column (``COLUMNS`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 COLUMNS = (
@@ -87,5 +88,31 @@ def plan_text(plan: dict[str, Any]) -> str:
         )
         if index == 0:
             lines.append("  ".join("-" * w for w in widths))
+    lines += period_lines(plan)
     lines += [f"warning: {w}" for w in plan.get("warnings", [])]
     return "\n".join(lines) + "\n"
+
+
+def period_pieces(view: dict[str, Any]) -> list[tuple[int, int, int, int]]:
+    """(sender block, receiver block, first token, end token) of each cut of a view pair's period."""
+    period = view["period_tokens"]
+    src = period // view["src_blocks_per_period"]
+    dst = period // view["dst_blocks_per_period"]
+    cuts = sorted({*range(0, period, src), *range(0, period, dst), period})
+    return [(a // src, a // dst, a, b) for a, b in pairwise(cuts)]
+
+
+def period_lines(plan: dict[str, Any], limit: int = 12) -> list[str]:
+    """One line per receiver view planned by period: which sender block fills which receiver block."""
+    lines = []
+    views = {v["dst_view"]: v for p in plan["peers"] for v in p["views"] if "period_tokens" in v}
+    for view_id, view in sorted(views.items()):
+        period = view["period_tokens"]
+        src, dst = view["src_blocks_per_period"], view["dst_blocks_per_period"]
+        pieces = [f"sb{s}->rb{d} [{a},{b})" for s, d, a, b in period_pieces(view)]
+        shown = "  ".join(pieces[:limit]) + ("  ..." if len(pieces) > limit else "")
+        lines.append(
+            f"period view {view_id}: {period} tokens = {src} sender blocks of {period // src} -> "
+            f"{dst} receiver blocks of {period // dst}; {shown}"
+        )
+    return lines

@@ -278,3 +278,53 @@ async def test_plan_metrics_are_exported(client: Client) -> None:
     ]
     assert len(bounds) == len(PLAN_BUILD_BUCKETS_SECONDS) + 1
     assert await metric(client, "kvroute_plan_fragments_sum") == built["fragments_per_block"]
+
+
+async def test_the_period_form_is_asked_for_and_tagged_apart(client: Client) -> None:
+    await deploy(client)
+    block = await fetch(client)
+    period = await fetch(client, fragments="period")
+    assert period.status == 200, await period.text()
+    block_doc, period_doc = await block.json(), await period.json()
+    assert period.headers["ETag"] != block.headers["ETag"]
+    assert period.headers["ETag"].endswith('-json-period"')
+    for by_block, by_period in zip(block_doc["peers"], period_doc["peers"], strict=True):
+        for view_block, view_period in zip(by_block["views"], by_period["views"], strict=True):
+            assert "period_fragments" not in view_block
+            assert "fragments" not in view_period
+            assert (view_period["period_tokens"], view_period["src_blocks_per_period"]) == (4, 1)
+            assert view_period["bytes_per_block"] == view_block["bytes_per_block"]
+    again = await fetch(
+        client, fragments="period", headers={**WORKER, "If-None-Match": period.headers["ETag"]}
+    )
+    assert again.status == 304
+    sets = await client.get(
+        PLAN_SETS,
+        params={"sender": "ctx0", "receiver": "gen0", "fragments": "period"},
+        headers=WORKER,
+    )
+    assert sets.status == 200
+    assert all(
+        "period_fragments" in view
+        for plan_doc in (await sets.json())["plans"]
+        for peer in plan_doc["peers"]
+        for view in peer["views"]
+    )
+
+
+async def test_different_block_sizes_plan_by_period_over_http(client: Client) -> None:
+    for rank in range(4):
+        assert (await register(client, "ctx0", rank, ctx_doc(rank)))[0] == 201
+    for rank in range(2):
+        document = gen_doc(rank, tokens_per_block=16)
+        assert (await register(client, "gen0", rank, document))[0] == 201
+
+    document = await plan(client)
+
+    views = [view for peer in document["peers"] for view in peer["views"]]
+    assert views
+    assert all(view["period_tokens"] == 16 for view in views)
+    assert all((v["src_blocks_per_period"], v["dst_blocks_per_period"]) == (4, 1) for v in views)
+    assert document["fanin_bounce_safe"] is False
+    text = await (await fetch(client, format="text")).text()
+    assert "period view 0: 16 tokens = 4 sender blocks of 4 -> 1 receiver blocks of 16" in text

@@ -27,14 +27,15 @@ def test_small_demo_moves_and_verifies_every_byte() -> None:
     assert "registered ctx0: context, TP4, 4 live ranks" in output
     assert "registered gen0: generation, TP2, 2 live ranks" in output
     assert (
-        "refused gen-bad: 409 tokens_per_block_mismatch field=tokens_per_block local=2 peer=4"
-        in output
+        "refused gen-bad: 409 head_dim_mismatch field=attention.head_dim local=8 peer=16" in output
     )
+    assert "4 tokens/block -> generation gen0 TP2, 8" in output
     assert output.count("succeeded") == 3
+    for tokens in ("[3, 18)", "[18, 33)", "[33, 48)"):  # mid-block starts and ends on both sides
+        assert tokens in output
     verified = re.search(r"verified\s*│\s*ok\s*│.*?([\d,]+) checked\s*│\s*0 wrong", output)
     assert verified is not None, output
-    # Every slot of both generation ranks is checked, received or not: 12 slots x 2 ranks x
-    # (4 target layers x K,V x 4 heads x 4 tokens x 16 x 2 bytes + 1 draft layer with 1 head).
-    assert int(verified.group(1).replace(",", "")) == 12 * 2 * (
-        4 * 2 * 4 * 4 * 16 * 2 + 2 * 4 * 16 * 2
-    )
+    # Every slot of both generation ranks is checked, received or not (the cached prefix and all):
+    # 6 slots of 8 tokens x 2 ranks x (4 target layers x K,V x 4 heads x 16 x 2 bytes + 1 draft
+    # layer with 1 head), per token.
+    assert int(verified.group(1).replace(",", "")) == 6 * 8 * 2 * (4 * 2 * 4 * 16 * 2 + 2 * 16 * 2)

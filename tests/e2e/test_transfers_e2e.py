@@ -224,3 +224,92 @@ async def test_job_copies_exactly_the_logical_blocks_and_nothing_else(
                 (truth.fill(gen.side, gen.layouts[rank], rank, dst, src)[pool] != 0).sum()
             )
     assert job["bytes"] == written
+
+
+# name -> (view classes, context side, generation side): the generation side cuts blocks larger
+SUFFIX_CASES: dict[str, tuple[list[ViewClass], Side, Side]] = {
+    "hnd-4-to-8-tokens-tp2-to-tp1": (
+        [KV, LATENT],
+        Side("context", 2, (2,), tokens_per_block=4, seed=11),
+        Side("generation", 1, (2,), tokens_per_block=8, seed=12),
+    ),
+    "nhd-4-to-6-tokens-heads-split": (
+        [KV_NHD],
+        Side("context", 2, (2,), tokens_per_block=4, seed=13),
+        Side("generation", 4, (2,), tokens_per_block=6, seed=14),
+    ),
+}
+PROMPT = (0, 21)  # the request's tokens; the receiver already holds the first CACHED of them
+CACHED = 5
+
+
+@pytest.mark.parametrize("case", list(SUFFIX_CASES))
+async def test_a_mid_block_suffix_moves_between_block_sizes_and_nothing_else(
+    case: str,
+    aiohttp_client: Any,
+    database_url: str,
+    owners: Owners,
+    segments: list[tuple[str, str]],
+) -> None:
+    classes, ctx_side, gen_side = SUFFIX_CASES[case]
+    ts, td = ctx_side.tokens_per_block, gen_side.tokens_per_block
+    truth = Truth(classes)
+    ctx = deploy(owners, segments, "ctx", ctx_side, classes, SENDER_SLOTS, seed=300)
+    gen = deploy(owners, segments, "gen", gen_side, classes, RECEIVER_SLOTS, seed=400)
+    rng = random.Random(case)
+    # The sender's list holds the whole prompt from token 0 in shuffled slots; the receiver's list
+    # is the suffix from the block holding its first missing token (upstream's rule derives it).
+    src = rng.sample(range(SENDER_SLOTS), -(-PROMPT[1] // ts))
+    dst = rng.sample(range(RECEIVER_SLOTS), -(-PROMPT[1] // td) - CACHED // td)
+    for rank, layout in enumerate(ctx.layouts):
+        placement = {slot: i * ts for i, slot in enumerate(src)}
+        for pool, ids in truth.place(ctx.side, layout, rank, placement).items():
+            mapped = segment(ctx.segments[rank, pool])
+            mask = ids != 0
+            mapped[mask] = hashed(ids[mask])
+            mapped.flush()
+    settings = Settings(
+        database_url=database_url,
+        worker_token=WORKER["Authorization"].removeprefix("Bearer "),
+        admin_token=ADMIN_TOKEN,
+    )
+    client = await aiohttp_client(create_app(settings))
+    await register(client, case, "ctx0", ctx)
+    await register(client, case, "gen0", gen)
+    receiver_ranks = list(range(len(gen.layouts)))
+
+    response = await client.post(
+        f"/v1/deployments/{case}/transfers",
+        json={
+            "sender": "ctx0",
+            "receiver": "gen0",
+            "receiver_ranks": receiver_ranks,
+            "src_blocks": src,
+            "dst_blocks": dst,
+            "tokens": {"start": CACHED, "end": PROMPT[1]},
+            "src_first_token": 0,
+        },
+        headers=WORKER,
+    )
+
+    assert response.status == 202, await response.text()
+    job = await finished(client, (await response.json())["id"])
+    assert job["state"] == "succeeded", job["error"]
+    assert job["bytes"] == check_suffix(case, gen, truth, dst)
+
+
+def check_suffix(case: str, gen: Deployed, truth: Truth, dst: list[int]) -> int:
+    """Every receiver byte: the moved tokens hold their ids, the rest its seeded bytes; returns
+    the bytes the tokens take."""
+    written, td = 0, gen.side.tokens_per_block
+    for rank, layout in enumerate(gen.layouts):
+        placement = {slot: (CACHED // td + i) * td for i, slot in enumerate(dst)}
+        ids = truth.place(gen.side, layout, rank, placement, range(CACHED, PROMPT[1]))
+        for pool, (_, stride, slots) in layout.pools.items():
+            want = seeded_bytes(gen.seeds[rank, pool], stride * slots)
+            mask = ids[pool] != 0
+            want[mask] = hashed(ids[pool][mask])
+            got = np.array(segment(gen.segments[rank, pool]))
+            np.testing.assert_array_equal(got, want, err_msg=f"{case}: gen rank {rank} pool {pool}")
+            written += int(mask.sum())
+    return written

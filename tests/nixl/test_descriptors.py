@@ -9,7 +9,8 @@ import pytest
 
 from kvroute.client.nixl_descs import PoolAddress, plan_descriptors
 from kvroute.client.pools import KvLayout, Parallel, SharedKvPool, rank_document
-from kvroute.geometry import Kind, Owner, RankRegistration, build_plan
+from kvroute.geometry import Kind, Owner, RankRegistration, TokenGap, build_plan
+from tests.world import Side, Truth, ViewClass, background, instance
 
 
 def plan(*peers: dict[str, Any]) -> dict[str, Any]:
@@ -184,3 +185,86 @@ def test_descriptors_move_exactly_what_the_fragments_move(kind: Kind) -> None:
     assert result.expected_notifications == document["expected_writers"] == 2
     assert result.descriptors <= sum(p.fragments for p in result.peers)
     assert result.bytes == document["bytes_per_block"] * len(src_blocks)
+
+
+RANGE_WORLDS = {
+    "hnd 2 -> 8, TP2 -> TP1": (
+        [ViewClass(("key", "value"), "target", "hnd", 4, 2, 3)],
+        Side("context", 2, (2,), tokens_per_block=2, num_slots=12, seed=1),
+        Side("generation", 1, (2,), tokens_per_block=8, num_slots=4, seed=2),
+    ),
+    "nhd 6 -> 4, heads split": (
+        [ViewClass(("key", "value"), "target", "nhd", 4, 2, 2)],
+        Side("context", 1, (2,), tokens_per_block=6, num_slots=5, seed=3),
+        Side("generation", 2, (2,), tokens_per_block=4, num_slots=7, seed=4),
+    ),
+    "hnd 4 -> 4 in the period form": (
+        [ViewClass(("key", "value"), "target", "hnd", 4, 2, 3)],
+        Side("context", 1, (2,), tokens_per_block=4, num_slots=7, seed=5),
+        Side("generation", 2, (2,), tokens_per_block=4, num_slots=7, seed=6),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(RANGE_WORLDS))
+@pytest.mark.parametrize(("start", "end"), [(0, 24), (5, 23), (9, 11)])
+def test_a_token_range_pulls_exactly_its_tokens(name: str, start: int, end: int) -> None:
+    """Descriptors of a range cut mid-block, applied as memcpy, against the logical tensor."""
+    classes, ctx_side, gen_side = RANGE_WORLDS[name]
+    ctx, ctx_layouts = instance(ctx_side, classes, "ctx")
+    gen, gen_layouts = instance(gen_side, classes, "gen")
+    truth, ts, td = Truth(classes), ctx_side.tokens_per_block, gen_side.tokens_per_block
+    order = list(range(ctx_side.num_slots))[::-1]
+    src_blocks = order[: -(-end // ts)]  # the whole prompt from token 0
+    dst_blocks = list(range(gen_side.num_slots))[: -(-end // td) - start // td]  # the suffix
+    bases = {rank: (rank + 1) << 32 for rank in range(len(ctx))}
+    senders = {
+        rank: truth.place(ctx_side, layout, rank, {s: i * ts for i, s in enumerate(src_blocks)})
+        for rank, layout in enumerate(ctx_layouts)
+    }
+    for receiver, layout in zip(gen, gen_layouts, strict=True):
+        document = build_plan(ctx, receiver).to_json(period=True)
+        ((_, stride, slots),) = layout.pools.values()
+        result = plan_descriptors(
+            document,
+            receiver_pools={0: PoolAddress(0, stride, slots)},
+            sender_pools={
+                rank: {0: PoolAddress(bases[rank], pools[0][1], pools[0][2])}
+                for rank, pools in ((r, lay.pools) for r, lay in enumerate(ctx_layouts))
+            },
+            src_blocks=src_blocks,
+            dst_blocks=dst_blocks,
+            tokens=(start, end),
+            src_first_token=0,
+        )
+        before = background(layout)
+        got = before[0].copy()
+        for descs in result.peers:
+            for (dst, length, _), (src, _, _) in zip(descs.local, descs.remote, strict=True):
+                offset = src - bases[descs.rank]
+                got[dst : dst + length] = senders[descs.rank][0][offset : offset + length]
+        placement = {s: (start // td + i) * td for i, s in enumerate(dst_blocks)}
+        want = truth.place(gen_side, layout, receiver.rank, placement, range(start, end), before)
+        np.testing.assert_array_equal(got, want[0], err_msg=f"{name}: gen rank {receiver.rank}")
+        assert result.bytes == int((want[0] != before[0]).sum())
+        assert result.descriptors <= sum(p.fragments for p in result.peers)
+
+
+def test_a_token_range_needs_the_period_form_and_the_lists_must_cover_it() -> None:
+    classes, ctx_side, gen_side = RANGE_WORLDS["hnd 4 -> 4 in the period form"]
+    ctx, _ = instance(ctx_side, classes, "ctx")
+    gen, gen_layouts = instance(gen_side, classes, "gen")
+    ((_, stride, slots),) = gen_layouts[0].pools.values()
+    arguments: dict[str, Any] = {
+        "receiver_pools": {0: PoolAddress(0, stride, slots)},
+        "sender_pools": {0: {0: PoolAddress(1 << 32, 1 << 20, 7)}},
+        "src_blocks": [0, 1],
+        "dst_blocks": [2, 3],
+    }
+    blocks_only = build_plan(ctx, gen[0]).to_json()
+    with pytest.raises(ValueError, match="fetch the plan with period=True"):
+        plan_descriptors(blocks_only, tokens=(1, 7), **arguments)
+    period = build_plan(ctx, gen[0]).to_json(period=True)
+    with pytest.raises(TokenGap) as gap:
+        plan_descriptors(period, tokens=(1, 9), src_first_token=0, dst_first_token=0, **arguments)
+    assert (gap.value.field, gap.value.token, gap.value.covered) == ("src_blocks", 8, (0, 8))

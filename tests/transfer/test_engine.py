@@ -97,9 +97,10 @@ def test_bad_block_ids_are_refused_before_copying(
     assert np.array_equal(staged.receiver.tensor.numpy(), staged.receiver_before)
 
 
-def test_block_lists_must_pair_up() -> None:
+def test_block_lists_must_pair_up(stage: Stage) -> None:
+    staged = stage(SCENARIOS["hnd-head-slice"])
     with pytest.raises(TransferValidationError, match="has 1 ids but src_blocks has 2"):
-        TransferJob([object()], [0, 1], [0])  # type: ignore[list-item]
+        CopyEngine().validate(TransferJob([staged.leg], [0, 1], [0]))
     with pytest.raises(TransferValidationError, match="non-empty list of integer"):
         TransferJob([object()], [], [])  # type: ignore[list-item]
 

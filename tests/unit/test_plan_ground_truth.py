@@ -3,25 +3,32 @@
 Hypothesis draws whole deployments: TP 1..16 on each side, PP 1..4 with uneven splits, head totals with
 every legal divisibility (head replication, non-integer TP ratios), HND/NHD/replicated views, target and
 draft views with different head totals sharing one pool, attention-DP on either side, legacy views
-without head counts, sub-byte (1-byte unit) views. The expected bytes come from tests/world.py, which
-shards one logical KV tensor by rule 1 written independently of the planner.
+without head counts, sub-byte (1-byte unit) views, and independent tokens per block on the two sides.
+Each deployment moves a random token range (starting and ending mid-block on either side, lists named
+by their first token or by upstream's suffix rule), or, with equal block sizes, whole block pairs by
+the block fragments. The expected bytes come from tests/world.py, which shards one logical KV tensor by
+rule 1 written independently of the planner; bytes outside the range must stay untouched.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.geometry import GeometryError, build_plan, check_registration
-from tests.world import Side, Truth, ViewClass, execute, instance
+from kvroute.geometry import GeometryError, TokenGap, TokenRange, build_plan, check_registration
+from tests.world import Side, Truth, ViewClass, background, execute, instance
 
 EXAMPLES = int(os.environ.get("KVROUTE_PROPERTY_EXAMPLES", "2000"))
 HEAD_TOTALS = [1, 2, 3, 4, 6, 8, 12, 16]
+BLOCK_TOKENS = [1, 2, 3, 4, 6, 8]
+MAX_PROMPT = 16
 
 
 def _tp_choices(totals: list[int]) -> list[int]:
@@ -112,6 +119,7 @@ def side(
         legacy=legacy,
         declare_totals=draw(st.booleans()),
         tokens_per_block=tokens,
+        num_slots=-(-MAX_PROMPT // tokens) + 1,
         num_draft_layers=draft_layers,
         shared_pool=draw(st.booleans()),
         draft_stage=draw(st.sampled_from([-1, 0])),
@@ -127,13 +135,87 @@ def _heads(c: ViewClass, tp: int) -> int:
 def worlds(draw: st.DrawFn) -> tuple[list[ViewClass], Side, Side]:
     layers = draw(st.integers(1, 6))
     draft_layers = draw(st.integers(0, 2))
-    tokens = draw(st.integers(1, 4))
+    tokens = draw(st.sampled_from(BLOCK_TOKENS))
+    gen_tokens = draw(st.one_of(st.just(tokens), st.sampled_from(BLOCK_TOKENS)))
     cls = draw(classes(draft_layers))
     return (
         cls,
         draw(side("context", cls, layers, draft_layers, tokens)),
-        draw(side("generation", cls, layers, draft_layers, tokens)),
+        draw(side("generation", cls, layers, draft_layers, gen_tokens)),
     )
+
+
+@dataclass(frozen=True)
+class Lists:
+    """One side's block list: slot ids, the first token it holds, and whether to name it."""
+
+    blocks: list[int]
+    first: int
+    named: bool  # False: kvroute derives ``first`` by upstream's suffix rule
+
+    def placement(self, tokens: int) -> dict[int, int]:
+        start = self.first // tokens * tokens
+        return {block: start + i * tokens for i, block in enumerate(self.blocks)}
+
+    def positions(self, tokens: int) -> set[int]:
+        return {
+            p
+            for s in self.placement(tokens).values()
+            for p in range(s, s + tokens)
+            if p >= self.first
+        }
+
+
+@st.composite
+def block_list(draw: st.DrawFn, tokens: int, span: TokenRange, slots: int) -> Lists:
+    """A list covering ``span``: suffix-shaped, or named by a first token at or before the start."""
+    end_block = -(-span.end // tokens)
+    if draw(st.booleans()):
+        first, named = draw(st.integers(0, span.start // tokens)) * tokens, False
+    else:
+        first, named = draw(st.integers(0, span.start)), True
+        end_block += draw(st.integers(0, 1))
+    count = end_block - first // tokens
+    return Lists(draw(st.permutations(range(slots)))[:count], first, named)
+
+
+def shortened(lists: Lists, tokens: int, drop_first: bool) -> Lists:
+    """The list less one block; a suffix list then starts one block later (upstream's rule)."""
+    if lists.named and drop_first:
+        return Lists(lists.blocks[1:], (lists.first // tokens + 1) * tokens, True)
+    first = lists.first if lists.named else lists.first + tokens
+    return Lists(lists.blocks[:-1], first, lists.named)
+
+
+@st.composite
+def transfers(draw: st.DrawFn, ctx: Side, gen: Side) -> tuple[TokenRange | None, Lists, Lists]:
+    """A token range with lists on both sides, or (equal sizes) whole block pairs (range None)."""
+    if ctx.tokens_per_block == gen.tokens_per_block and draw(st.booleans()):
+        count = draw(st.integers(1, 3))
+        src = draw(st.permutations(range(ctx.num_slots)))[:count]
+        dst = draw(st.permutations(range(gen.num_slots)))[:count]
+        return None, Lists(src, 0, True), Lists(dst, 0, True)
+    start = draw(st.integers(0, MAX_PROMPT - 1))
+    span = TokenRange(start, draw(st.integers(start + 1, MAX_PROMPT)))
+    src = draw(block_list(ctx.tokens_per_block, span, ctx.num_slots))
+    dst = draw(block_list(gen.tokens_per_block, span, gen.num_slots))
+    if draw(st.integers(0, 9)) == 0:  # one list a block short: the range may have a gap
+        drop_first = draw(st.booleans())
+        if draw(st.booleans()) and len(src.blocks) > 1:
+            src = shortened(src, ctx.tokens_per_block, drop_first)
+        elif len(dst.blocks) > 1:
+            dst = shortened(dst, gen.tokens_per_block, drop_first)
+    return span, src, dst
+
+
+def expected_gap(span: TokenRange, src: set[int], dst: set[int]) -> tuple[str, int] | None:
+    """The first position of the range a side does not hold, by brute force over positions."""
+    for position in range(span.start, span.end):
+        if position not in src:
+            return "src_blocks", position
+        if position not in dst:
+            return "dst_blocks", position
+    return None
 
 
 @settings(
@@ -148,31 +230,50 @@ def test_every_destination_byte_written_once_with_the_right_content(world, data)
     gen, gen_layouts = instance(gen_side, cls, "gen")
     check_registration(ctx[0], ctx[1:], gen)
     check_registration(gen[-1], gen[:-1], ctx)
-    truth = Truth(cls, ctx_side.tokens_per_block)
+    truth = Truth(cls)
     sender_dp = data.draw(st.integers(0, ctx_side.dp_size - 1)) if ctx_side.attention_dp else 0
-    src_blocks = data.draw(st.permutations([0, 1, 2]))[:2]
-    dst_blocks = data.draw(st.permutations([0, 1, 2]))[:2]
+    span, src, dst = data.draw(transfers(ctx_side, gen_side))
+    ts, td = ctx_side.tokens_per_block, gen_side.tokens_per_block
+    gap = span and expected_gap(span, src.positions(ts), dst.positions(td))
     sender_pools = {
-        r: truth.fill(ctx_side, ctx_layouts[r], r, [0, 1, 2], [0, 1, 2]) for r in range(len(ctx))
+        r: truth.place(ctx_side, ctx_layouts[r], r, src.placement(ts)) for r in range(len(ctx))
     }
+    firsts = (src.first if src.named else None, dst.first if dst.named else None)
+    periodic = ts != td
     for receiver, layout in zip(gen, gen_layouts, strict=True):
-        plan = build_plan(ctx, receiver, sender_dp_rank=sender_dp).to_json()
-        assert all(ctx[p["rank"]].group == sender_dp for p in plan["peers"])
-        out, writes = execute(
-            plan, sender_pools, dict(enumerate(ctx_layouts)), layout, src_blocks, dst_blocks
+        built = build_plan(ctx, receiver, sender_dp_rank=sender_dp)
+        plan = built.to_json()
+        # Equal block sizes keep today's block fragments; different ones state a period instead.
+        views = [view for peer in plan["peers"] for view in peer["views"]]
+        assert all(
+            ("fragments" in v, "period_fragments" in v) == (not periodic, periodic) for v in views
         )
-        expected = truth.fill(gen_side, layout, receiver.rank, dst_blocks, src_blocks)
+        if span is not None and not periodic:
+            plan = built.to_json(period=True)
+        assert all(ctx[p["rank"]].group == sender_dp for p in plan["peers"])
+        assert plan["expected_writers"] == sum(p["sends"] for p in plan["peers"])
+        run = partial(execute, plan, sender_pools, dict(enumerate(ctx_layouts)), layout)
+        if gap:
+            with pytest.raises(TokenGap) as missing:
+                run(src.blocks, dst.blocks, tokens=span, firsts=firsts)
+            assert (missing.value.field, missing.value.token) == gap
+            continue
+        before = background(layout)
+        out, writes = run(src.blocks, dst.blocks, tokens=span, firsts=firsts, into=before)
+        positions = range(span.start, span.end) if span else None
+        expected = truth.place(
+            gen_side, layout, receiver.rank, dst.placement(td), positions, before
+        )
         for pool, want in expected.items():
+            written = (want != before[pool]).astype(np.int64)
             np.testing.assert_array_equal(
-                writes[pool], (want != 0).astype(np.int64), err_msg=f"write count, pool {pool}"
+                writes[pool], written, err_msg=f"write count, pool {pool}"
             )
             np.testing.assert_array_equal(out[pool], want, err_msg=f"content, pool {pool}")
-        assert plan["expected_writers"] == sum(p["sends"] for p in plan["peers"])
 
 
 MUTATIONS = [
     "draft_layers",
-    "tokens_per_block",
     "head_dim",
     "dtype",
     "unit",
@@ -213,8 +314,6 @@ def _mutate(mutation: str, cls: list[ViewClass], gen_cls: list[ViewClass], ctx: 
         if ctx.num_draft_layers:
             gen_cls[-1] = replace(cls[-1], unit=cls[-1].unit + 1)
         return replace(gen, num_draft_layers=gen.num_draft_layers + 1), "draft_layers_mismatch"
-    if mutation == "tokens_per_block":
-        return replace(gen, tokens_per_block=gen.tokens_per_block + 1), "tokens_per_block_mismatch"
     if mutation == "head_dim":
         return replace(gen, head_dim=gen.head_dim * 2), "head_dim_mismatch"
     if mutation == "dtype":

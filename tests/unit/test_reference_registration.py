@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvroute.geometry import GeometryError, build_plan, check_registration
@@ -32,14 +34,40 @@ def test_case_9_mla_flag_mismatch() -> None:
     assert (error.peer_instance, error.peer_rank) == ("ctx", 0)
 
 
-@pytest.mark.parametrize(("kind", "tokens"), [("hnd", 32), ("hnd", 24), ("nhd", 32)])
-def test_cases_10_to_12_tokens_per_block_must_be_equal(kind: str, tokens: int) -> None:
-    # The reference admits 16 vs 32 for HND with a warning; kvroute refuses every difference, because
-    # block ids are paired one to one and a larger block would silently depend on prompt alignment.
+@pytest.mark.parametrize(("kind", "tokens"), [("hnd", 32), ("hnd", 24), ("nhd", 32), ("nhd", 8)])
+def test_cases_10_to_12_different_tokens_per_block_are_planned_by_period(
+    kind: str, tokens: int
+) -> None:
+    # The reference admits 16 vs 32 for HND with a warning and refuses the rest; kvroute admits any
+    # pair and plans one period of lcm(16, tokens) tokens, so nothing depends on prompt alignment.
     ctx = instance("context", tp=2, views=lambda t, p: [view(kind=kind)])
     gen = rank("generation", tpb=tokens, views=[view(0, [0, 1], 512 * tokens // 16, kind=kind)])
-    error = _refusal(gen, ctx)
-    assert (error.code, error.local, error.peer) == ("tokens_per_block_mismatch", tokens, 16)
+    check_registration(gen, [], ctx)
+    (moved,) = build_plan(ctx, gen).to_json()["peers"][0]["views"]
+    period = 16 * tokens // math.gcd(16, tokens)
+    assert (moved["mapper"], moved["period_tokens"]) == ("intact", period)
+    assert (moved["src_blocks_per_period"], moved["dst_blocks_per_period"]) == (
+        period // 16,
+        period // tokens,
+    )
+    assert moved["bytes_per_block"] == 512 * tokens // 16 * 2  # both layers of a receiver block
+    assert "fragments" not in moved
+
+
+def test_different_block_sizes_without_whole_token_rows_are_refused() -> None:
+    # 520 bytes per HND layer split into K/V x 2 heads (130 bytes each) is admitted alone, but 130
+    # bytes are not 16 tokens of equal rows: such a block has no per-token layout to re-cut.
+    ctx = instance("context", tp=2, views=lambda t, p: [view(0, [0, 1], 520)])
+    same = rank("generation", views=[view(0, [0, 1], 520)])
+    check_registration(same, [], ctx)
+    error = _refusal(rank("generation", tpb=32, views=[view(0, [0, 1], 1040)]), ctx)
+    assert (error.code, error.field, error.local, error.peer) == (
+        "tokens_per_block_mismatch",
+        "views[0].tokens_per_block",
+        32,
+        16,
+    )
+    assert "view 0's bytes_per_layer 1040 is not a whole number of token rows" in error.detail
 
 
 def test_case_13_sub_byte_head_slicing_that_is_byte_aligned_is_admitted() -> None:
@@ -77,10 +105,11 @@ def test_case_27_nhd_bytes_not_divisible_by_buffers_tokens_heads() -> None:
     assert (error.code, error.local, error.peer) == ("bytes_per_layer_not_divisible", 17, 8)
 
 
-def test_case_28_nhd_tokens_per_block_mismatch() -> None:
+def test_case_28_nhd_tokens_per_block_mismatch_is_planned_and_bytes_per_token_must_agree() -> None:
     ctx = instance("context", tp=2, tpb=2, views=lambda t, p: [view(0, [0, 1], 64, kind="nhd")])
-    error = _refusal(rank("generation", tpb=4, views=[view(0, [0, 1], 128, kind="nhd")]), ctx)
-    assert error.code == "tokens_per_block_mismatch"
+    check_registration(rank("generation", tpb=4, views=[view(0, [0, 1], 128, kind="nhd")]), [], ctx)
+    error = _refusal(rank("generation", tpb=4, views=[view(0, [0, 1], 256, kind="nhd")]), ctx)
+    assert (error.code, error.local, error.peer) == ("bytes_per_layer_mismatch", 16, 8)
 
 
 def test_case_29_uneven_buffers_cannot_be_expressed_and_duplicate_layers_are_refused() -> None:

@@ -105,3 +105,31 @@ def test_svg_says_which_replicas_stay_silent() -> None:
     texts, _ = _cells(plan_svg(build_plan(ctx, gen).to_json()))
     silent = [t for t in texts if "sends nothing" in t]
     assert [t.split()[0] for t in silent] == ["tp1", "tp3"]
+
+
+def _sixteen_to_sixty_four() -> dict:
+    ctx = instance("context", tp=2, views=lambda t, p: [view(0, [0, 1], 512)])
+    gen = instance("generation", tp=2, tpb=64, views=lambda t, p: [view(0, [0, 1], 2048)])
+    return build_plan(ctx, gen[0]).to_json()
+
+
+def test_text_names_each_cut_of_a_period() -> None:
+    text = plan_text(_sixteen_to_sixty_four())
+    assert (
+        "period view 0: 64 tokens = 4 sender blocks of 16 -> 1 receiver blocks of 64; "
+        "sb0->rb0 [0,16)  sb1->rb0 [16,32)  sb2->rb0 [32,48)  sb3->rb0 [48,64)"
+    ) in text
+    assert plan_rows(_sixteen_to_sixty_four()) == [
+        ("0", "yes", "0->0", "target", "key+value", "intact", "0-1", "0-1", "4096", "32")
+    ]
+
+
+def test_svg_draws_the_period_under_its_view() -> None:
+    texts, titles = _cells(plan_svg(_sixteen_to_sixty_four()))
+    assert [t for t in texts if t.startswith(("sb", "rb"))] == ["sb0", "sb1", "sb2", "sb3", "rb0"]
+    cuts = [title for title in titles if title.startswith("tokens")]
+    assert cuts == [
+        f"tokens [{a}, {a + 16}): sender block {a // 16} -> receiver block 0"
+        for a in (0, 16, 32, 48)
+    ]
+    assert "64 tokens per period, 32 fragments" in texts

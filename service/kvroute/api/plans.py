@@ -96,9 +96,12 @@ def _response(encoded: EncodedPlan, body: bytes, plan_format: str) -> web.Respon
 
 async def get_plan(request: web.Request) -> web.Response:
     async def answer() -> web.Response:
-        plan_format = request[validated_key].query.get("format", "json")
-        key = _plan_key(request, request[validated_key].query["receiver_rank"])
-        encoded = await request.app[plan_answers_key].answer(key, plan_format, now=utcnow())
+        query = request[validated_key].query
+        plan_format = query.get("format", "json")
+        key = _plan_key(request, query["receiver_rank"])
+        encoded = await request.app[plan_answers_key].answer(
+            key, plan_format, now=utcnow(), period=query.get("fragments") == "period"
+        )
         if _matches(request, encoded.etag):
             return web.Response(status=304, headers={"ETag": encoded.etag})
         return _response(encoded, encoded.body, plan_format)
@@ -111,7 +114,10 @@ async def get_plan_set(request: web.Request) -> web.Response:
         validated = request[validated_key]
         plan_format = validated.query.get("format", "json")
         plans = await request.app[plan_answers_key].plan_set(
-            _plan_key(request, 0), plan_format, now=utcnow()
+            _plan_key(request, 0),
+            plan_format,
+            now=utcnow(),
+            period=validated.query.get("fragments") == "period",
         )
         if plan_format == "text":
             body = b"\n".join(plan.body for plan in plans)

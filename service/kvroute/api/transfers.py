@@ -93,6 +93,9 @@ async def post_transfer(request: web.Request) -> web.Response:
         src_blocks=tuple(body["src_blocks"]),
         dst_blocks=tuple(body["dst_blocks"]),
         sender_dp_rank=body.get("sender_dp_rank", 0),
+        tokens=(body["tokens"]["start"], body["tokens"]["end"]) if "tokens" in body else None,
+        src_first_token=body.get("src_first_token"),
+        dst_first_token=body.get("dst_first_token"),
     )
     try:
         record = await service.submit(transfer, now=utcnow())
@@ -184,7 +187,7 @@ def _transfer_problem(error: Exception) -> Problem | None:
             extras |= {"instance": error.instance, "rank": error.rank}
         return _unprocessable(error, "pool_memory_unavailable", extras)
     if isinstance(error, TransferValidationError):
-        return _unprocessable(error, "invalid_transfer", {"field": error.field})
+        return _unprocessable(error, error.code, {"field": error.field, **error.extras})
     if isinstance(error, QueueFull):
         retry = str(max(1, math.ceil(error.retry_after)))
         return Problem(

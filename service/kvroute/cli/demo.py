@@ -1,10 +1,11 @@
 """``kvroute demo``: a whole disaggregated deployment on this machine, checked byte for byte.
 
 Starts an embedded kvroute (SQLite in a temp directory, 127.0.0.1, a free port, random tokens),
-spawns context TP4 and generation TP2 worker processes with shared-memory pools, registers them
-through ``kvroute.client``, shows a refused instance with its reason, fetches plans, runs transfer
-jobs on kvroute's worker pool, verifies every byte in the receivers and prints a summary.
-Exits 1 if any byte is wrong or a job failed.
+spawns context TP4 and generation TP2 worker processes with shared-memory pools (the generation
+side cutting tokens into larger blocks), registers them through ``kvroute.client``, shows a refused
+instance with its reason, fetches plans, moves one prompt in token-range jobs on kvroute's worker
+pool (as a receiver holding a cached prefix would: chunks that start and end mid-block), verifies
+every byte in the receivers and prints a summary. Exits 1 if any byte is wrong or a job failed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from kvroute.cli import demo_workers as demo
 
 REPLY_WAIT_S = 120.0
+CACHED_TOKENS = 3  # the generation side already holds the prompt's first tokens
 console = Console(highlight=False, width=110)
 
 
@@ -122,12 +125,10 @@ class Workers:
             self.replies.get(timeout=REPLY_WAIT_S)
             progress.advance(task)
 
-    def verify(
-        self, pairs: list[tuple[int, int]], ranks: int, progress: Progress
-    ) -> dict[str, int]:
+    def verify(self, moved: tuple[int, int], ranks: int, progress: Progress) -> dict[str, int]:
         task = progress.add_task("verifying every received byte", total=ranks)
         for rank in range(ranks):
-            self.commands[("gen0", rank)].put(("verify", pairs))
+            self.commands[("gen0", rank)].put(("verify", moved))
         total = {"checked": 0, "wrong": 0}
         for _ in range(ranks):
             _, _, counts = self.replies.get(timeout=REPLY_WAIT_S)
@@ -145,13 +146,13 @@ class Workers:
 
 
 def refuse_incompatible(client: KvrouteClient, model: demo.Model) -> KvrouteError | None:
-    """A generation instance whose blocks hold half the tokens: kvroute must refuse it."""
+    """A generation instance whose heads are half as wide: kvroute must refuse it (blocks of
+    another size would be fine: plans re-cut them)."""
     from kvroute.cli import demo_workers as demo
     from kvroute.client.pools import Parallel, SharedKvPool, rank_document
 
     halved = [
-        replace(layout, tokens_per_block=layout.tokens_per_block // 2)
-        for layout in model.layouts(model.generation_tp)
+        replace(layout, head_dim=layout.head_dim // 2) for layout in model.layouts("generation")
     ]
     pool = replace(SharedKvPool.carve(halved, 1).describe(), num_slots=4)
     document = rank_document(
@@ -168,34 +169,47 @@ def refuse_incompatible(client: KvrouteClient, model: demo.Model) -> KvrouteErro
     return None
 
 
+def chunks(model: demo.Model, jobs: int) -> list[tuple[int, int]]:
+    """The prompt after the cached prefix, in ``jobs`` token ranges that start mid-block."""
+    start, end = CACHED_TOKENS, model.prompt_tokens
+    bounds = [start + (end - start) * job // jobs for job in range(jobs + 1)]
+    return list(pairwise(bounds))
+
+
 def run_jobs(
     client: KvrouteClient, model: demo.Model, jobs: int, progress: Progress
 ) -> tuple[list[TransferStatus], list[tuple[int, int]]]:
-    """Moves disjoint block batches (reversed order on the receiver) through kvroute's worker pool."""
+    """Moves the prompt in token ranges through kvroute's worker pool: each job names the context
+    blocks and the (reverse-ordered) generation blocks that hold its tokens; upstream's suffix rule
+    places both lists, so a range may start and end mid-block on either side."""
     from kvroute.cli import demo_workers as demo
 
-    per_job = model.num_slots // jobs
-    task = progress.add_task(f"{jobs} transfer jobs on kvroute's worker pool", total=jobs)
-    statuses, pairs = [], []
-    for job in range(jobs):
-        src = list(range(job * per_job, (job + 1) * per_job))
-        dst = [model.num_slots - 1 - block for block in src]
+    src_tokens, dst_tokens = model.tokens("context"), model.tokens("generation")
+    ranges = chunks(model, jobs)
+    task = progress.add_task(f"{jobs} token-range jobs on kvroute's worker pool", total=jobs)
+    statuses = []
+    for start, end in ranges:
+        src = list(range(start // src_tokens, -(-end // src_tokens)))
+        blocks = range(start // dst_tokens, -(-end // dst_tokens))
         submitted = client.submit_transfer(
             demo.DEPLOYMENT,
             sender="ctx0",
             receiver="gen0",
             receiver_ranks=list(range(model.generation_tp)),
             src_blocks=src,
-            dst_blocks=dst,
+            dst_blocks=[demo.receiver_slot(model, block) for block in blocks],
+            tokens=(start, end),
         )
         statuses.append(client.wait_transfer(submitted.id, limit_s=REPLY_WAIT_S))
-        pairs += list(zip(src, dst, strict=True))
         progress.advance(task)
-    return statuses, pairs
+    return statuses, ranges
 
 
-def plan_table(plans: list[Any]) -> Table:
-    table = Table(title="plans (context ctx0 TP4 -> generation gen0 TP2)")
+def plan_table(plans: list[Any], model: demo.Model) -> Table:
+    table = Table(
+        title=f"plans (context ctx0 TP4, {model.tokens('context')} tokens/block -> generation gen0 "
+        f"TP2, {model.tokens('generation')} tokens/block)"
+    )
     for column in ("rank", "hears from", "writers", "frags/block", "bytes/block", "bounce-safe"):
         table.add_column(column, justify="right")
     for plan in plans:
@@ -212,17 +226,20 @@ def plan_table(plans: list[Any]) -> Table:
 
 
 def summary_table(
-    plans: list[Any], statuses: list[TransferStatus], verified: dict[str, int]
+    plans: list[Any],
+    statuses: list[TransferStatus],
+    ranges: list[tuple[int, int]],
+    verified: dict[str, int],
 ) -> Table:
     table = Table(title="summary")
-    for column in ("job", "state", "blocks", "fragments", "bytes", "seconds", "GB/s"):
+    for column in ("job", "state", "tokens", "fragments", "bytes", "seconds", "GB/s"):
         table.add_column(column, justify="right")
-    for status in statuses:
+    for status, (start, end) in zip(statuses, ranges, strict=True):
         rate = status.gigabytes_per_second
         table.add_row(
             status.id[:8],
             status.state,
-            str(status.document.get("blocks", "")),
+            f"[{start}, {end})",
             f"{status.fragments:,}",
             f"{status.bytes:,}",
             f"{status.duration_seconds or 0:.3f}",
@@ -286,11 +303,12 @@ def run(args: argparse.Namespace) -> int:
                     f"local={refusal.local} peer={refusal.peer} ({refusal.peer_instance} rank {refusal.peer_rank})"
                 )
                 plans = admin.get_plans(demo.DEPLOYMENT, sender="ctx0", receiver="gen0")
-                console.print(plan_table(plans))
+                console.print(plan_table(plans, model))
                 with Progress(console=console) as progress:
-                    statuses, pairs = run_jobs(admin, model, args.jobs, progress)
-                    verified = workers.verify(pairs, model.generation_tp, progress)
-            console.print(summary_table(plans, statuses, verified))
+                    statuses, ranges = run_jobs(admin, model, args.jobs, progress)
+                    moved = (ranges[0][0], ranges[-1][1])
+                    verified = workers.verify(moved, model.generation_tp, progress)
+            console.print(summary_table(plans, statuses, ranges, verified))
         finally:
             workers.stop()
     failed = [status for status in statuses if status.state != "succeeded"]

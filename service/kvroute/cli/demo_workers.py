@@ -1,9 +1,11 @@
 """The ``kvroute demo`` deployment: geometry, ground truth and the simulated worker processes.
 
 Context and generation ranks run as separate processes that own POSIX shared-memory pools, as real
-workers own their KV cache; kvroute only maps them. Context pools are filled with a ground-truth
-pattern computed from (block, layer, K/V, global head, token, element), so a generation rank can
-check every byte it received for the heads it holds without trusting the plan that moved them.
+workers own their KV cache; kvroute only maps them. The two instances cut tokens into blocks of
+different sizes (the generation side's are larger). Context slot ``s`` holds the prompt's tokens
+``[s * tpb, (s + 1) * tpb)``, filled with a ground-truth pattern computed from (prompt position,
+layer, K/V, global head, element), so a generation rank can check every byte it received for the
+heads it holds, whatever block it landed in, without trusting the plan that moved it.
 """
 
 from __future__ import annotations
@@ -31,19 +33,35 @@ class Model:
     layers: int
     kv_heads: int
     head_dim: int
-    tokens_per_block: int
+    tokens_per_block: int  # context side
+    generation_tokens_per_block: int  # a multiple of tokens_per_block: both hold one prompt
     draft_kv_heads: int
-    num_slots: int
+    num_slots: int  # context side
     context_tp: int = 4
     generation_tp: int = 2
     dtype: str = "bfloat16"
 
-    def layouts(self, tp_size: int) -> tuple[KvLayout, KvLayout]:
+    @property
+    def prompt_tokens(self) -> int:
+        """The one prompt the demo moves: every context slot, in order."""
+        return self.num_slots * self.tokens_per_block
+
+    def tokens(self, role: str) -> int:
+        return self.tokens_per_block if role == "context" else self.generation_tokens_per_block
+
+    def slots(self, role: str) -> int:
+        return self.prompt_tokens // self.tokens(role)
+
+    def tp(self, role: str) -> int:
+        return self.context_tp if role == "context" else self.generation_tp
+
+    def layouts(self, role: str) -> tuple[KvLayout, KvLayout]:
+        tp_size, tokens = self.tp(role), self.tokens(role)
         target = KvLayout(
             Kind.HND,
             self.layers,
             heads_of(self.kv_heads, tp_size, 0)[1],
-            self.tokens_per_block,
+            tokens,
             self.head_dim,
             self.dtype,
             total_kv_heads=self.kv_heads,
@@ -52,7 +70,7 @@ class Model:
             Kind.HND,
             1,
             heads_of(self.draft_kv_heads, tp_size, 0)[1],
-            self.tokens_per_block,
+            tokens,
             self.head_dim,
             self.dtype,
             owner=Owner.DRAFT,
@@ -62,11 +80,26 @@ class Model:
 
 
 # A Llama-3-8B-like target (32 layers, 8 KV heads, head_dim 128) with a one-layer Eagle draft
-# holding 2 KV heads; 48 slots keep all six pools under 0.5 GiB.
+# holding 2 KV heads; a prompt of 1,536 tokens in 96 context slots of 16 tokens (24 generation
+# slots of 64) keeps all six pools under 0.5 GiB.
 FULL = Model(
-    layers=32, kv_heads=8, head_dim=128, tokens_per_block=32, draft_kv_heads=2, num_slots=48
+    layers=32,
+    kv_heads=8,
+    head_dim=128,
+    tokens_per_block=16,
+    generation_tokens_per_block=64,
+    draft_kv_heads=2,
+    num_slots=96,
 )
-SMALL = Model(layers=4, kv_heads=8, head_dim=16, tokens_per_block=4, draft_kv_heads=2, num_slots=12)
+SMALL = Model(
+    layers=4,
+    kv_heads=8,
+    head_dim=16,
+    tokens_per_block=4,
+    generation_tokens_per_block=8,
+    draft_kv_heads=2,
+    num_slots=12,
+)
 
 
 def heads_of(total: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -77,23 +110,28 @@ def heads_of(total: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
     return tp_rank * total // tp_size, 1
 
 
-def truth(layout: KvLayout, block: int, first_head: int) -> torch.Tensor:
-    """The ground-truth int16 words of one block of ``layout`` holding heads from ``first_head``."""
+def truth(layout: KvLayout, first_token: int, first_head: int) -> torch.Tensor:
+    """The ground-truth int16 words of a block of ``layout`` holding the prompt's tokens from
+    ``first_token`` and heads from ``first_head``."""
     layer, kv, head, token, element = (
         torch.arange(n, dtype=torch.int64).view(*([1] * i), n, *([1] * (4 - i)))
         for i, n in enumerate(layout.block_shape)
     )
     owner_salt = 0 if layout.owner is Owner.TARGET else 50_021
     words = (
-        block * 1_000_003
+        (first_token + token) * 1_009
         + (layout.first_layer + layer) * 10_007
         + kv * 101
         + (first_head + head) * 7_919
-        + token * 131
         + element
         + owner_salt
     ) % 65_521
     return (words - 32_760).to(torch.int16)
+
+
+def receiver_slot(model: Model, block: int) -> int:
+    """Generation slots hold the prompt's blocks in reverse order (lists are never just 0, 1, ..)."""
+    return model.slots("generation") - 1 - block
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +147,12 @@ class WorkerSpec:
 
 
 def _pool(spec: WorkerSpec) -> tuple[ShmPool, SharedKvPool, list[KvLayout]]:
-    layouts = list(spec.model.layouts(spec.tp_size))
+    layouts = list(spec.model.layouts(spec.role))
+    slots = spec.model.slots(spec.role)
     stride = SharedKvPool.carve(layouts, 1).slot_stride
-    memory = ShmPool(spec.shm_name, stride * spec.model.num_slots)
+    memory = ShmPool(spec.shm_name, stride * slots)
     memory.tensor.zero_()
-    return memory, SharedKvPool.carve(layouts, spec.model.num_slots, buffer=memory.tensor), layouts
+    return memory, SharedKvPool.carve(layouts, slots, buffer=memory.tensor), layouts
 
 
 def _first_heads(spec: WorkerSpec) -> list[int]:
@@ -125,27 +164,30 @@ def _first_heads(spec: WorkerSpec) -> list[int]:
 
 
 def fill(spec: WorkerSpec, pool: SharedKvPool, layouts: list[KvLayout]) -> None:
+    tokens = spec.model.tokens_per_block
     for tensor, layout, first in zip(pool.tensors, layouts, _first_heads(spec), strict=True):
         words = tensor.view(torch.int16)
         for block in range(spec.model.num_slots):
-            words[block] = truth(layout, block, first)
+            words[block] = truth(layout, block * tokens, first)
 
 
 def verify(
-    spec: WorkerSpec, pool: SharedKvPool, layouts: list[KvLayout], pairs: list[tuple[int, int]]
+    spec: WorkerSpec, pool: SharedKvPool, layouts: list[KvLayout], moved: tuple[int, int]
 ) -> dict[str, int]:
-    """Bytes checked and wrong, over received blocks (truth of the source block) and the rest (zero)."""
+    """Bytes checked and wrong over every slot: the tokens in ``moved`` must hold their truth
+    (whichever context block they came from), every other token must still be zero."""
     checked = wrong = 0
-    received = dict((dst, src) for src, dst in pairs)
+    tokens = spec.model.generation_tokens_per_block
     for tensor, layout, first in zip(pool.tensors, layouts, _first_heads(spec), strict=True):
         words = tensor.view(torch.int16)
-        for block in range(spec.model.num_slots):
-            src = received.get(block)
-            expected = (
-                truth(layout, src, first) if src is not None else torch.zeros_like(words[block])
-            )
-            wrong += int((words[block] != expected).sum()) * 2
-            checked += words[block].numel() * 2
+        for block in range(spec.model.slots("generation")):
+            slot = receiver_slot(spec.model, block)
+            expected = truth(layout, block * tokens, first)
+            position = torch.arange(tokens) + block * tokens
+            outside = (position < moved[0]) | (position >= moved[1])
+            expected[..., outside, :] = 0  # [layer, K/V, head, token, element]
+            wrong += int((words[slot] != expected).sum()) * 2
+            checked += words[slot].numel() * 2
     return {"checked": checked, "wrong": wrong}
 
 

@@ -176,7 +176,10 @@ class AsyncKvrouteClient:
         receiver: str,
         receiver_rank: int,
         sender_dp_rank: int | None = None,
+        period: bool = False,
     ) -> PlanDocument:
+        """One receiver rank's plan; ``period`` asks for every view pair's period form, from
+        which any token range can be cut (``client.nixl_descs``)."""
         params: dict[str, str | int] = {
             "sender": sender,
             "receiver": receiver,
@@ -184,18 +187,28 @@ class AsyncKvrouteClient:
         }
         if sender_dp_rank is not None:
             params["sender_dp_rank"] = sender_dp_rank
+        if period:
+            params["fragments"] = "period"
         _, body = await self._call(
             "GET", f"/v1/deployments/{_seg(deployment)}/plans", params=params
         )
         return PlanDocument.from_json(body)
 
     async def get_plans(
-        self, deployment: str, *, sender: str, receiver: str, sender_dp_rank: int | None = None
+        self,
+        deployment: str,
+        *,
+        sender: str,
+        receiver: str,
+        sender_dp_rank: int | None = None,
+        period: bool = False,
     ) -> list[PlanDocument]:
         """Every rank's plan of a receiver instance in one answer, ordered by rank (``plan-sets``)."""
         params: dict[str, str | int] = {"sender": sender, "receiver": receiver}
         if sender_dp_rank is not None:
             params["sender_dp_rank"] = sender_dp_rank
+        if period:
+            params["fragments"] = "period"
         path = f"/v1/deployments/{_seg(deployment)}/plan-sets"
         _, body = await self._call("GET", path, params=params)
         return [PlanDocument.from_json(plan) for plan in body["plans"]]
@@ -209,14 +222,29 @@ class AsyncKvrouteClient:
         receiver_ranks: Sequence[int],
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
+        tokens: tuple[int, int] | None = None,
+        src_first_token: int | None = None,
+        dst_first_token: int | None = None,
     ) -> TransferStatus:
-        document = {
+        """Queue a copy. Without token arguments ``src_blocks[i]`` goes to ``dst_blocks[i]``;
+        with them each list holds a run of the prompt and the tokens [start, end) move (a side's
+        first token defaults to upstream's suffix rule). A gap answers 422
+        ``token_range_not_covered`` (``KvrouteError.problem`` names the token and the list)."""
+        document: dict[str, Any] = {
             "sender": sender,
             "receiver": receiver,
             "receiver_ranks": list(receiver_ranks),
             "src_blocks": list(src_blocks),
             "dst_blocks": list(dst_blocks),
         }
+        if tokens is not None:
+            document["tokens"] = {"start": tokens[0], "end": tokens[1]}
+        for name, value in (
+            ("src_first_token", src_first_token),
+            ("dst_first_token", dst_first_token),
+        ):
+            if value is not None:
+                document[name] = value
         path = f"/v1/deployments/{_seg(deployment)}/transfers"
         _, body = await self._call("POST", path, body=document)
         return TransferStatus.from_json(body)

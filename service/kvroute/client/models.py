@@ -214,8 +214,20 @@ class PlanDocument:
 
     @property
     def fragments_per_block(self) -> int:
+        """Fragments per receiver block (where a view pair states a period, the most any receiver
+        block of the period needs)."""
         return sum(
-            len(view["fragments"]) for peer in self.document["peers"] for view in peer["views"]
+            int(view.get("descriptors_per_block", len(view.get("fragments", ()))))
+            for peer in self.document["peers"]
+            for view in peer["views"]
+        )
+
+    @property
+    def periodic(self) -> bool:
+        """Some view pair moves by period: the two sides cut tokens into blocks of other sizes
+        (or the plan was fetched with ``period=True``)."""
+        return any(
+            "period_tokens" in view for peer in self.document["peers"] for view in peer["views"]
         )
 
     @property

@@ -105,6 +105,7 @@ class KvrouteClient:
         receiver: str,
         receiver_rank: int,
         sender_dp_rank: int | None = None,
+        period: bool = False,
     ) -> PlanDocument:
         return self._run(
             self.aio.get_plan(
@@ -113,15 +114,26 @@ class KvrouteClient:
                 receiver=receiver,
                 receiver_rank=receiver_rank,
                 sender_dp_rank=sender_dp_rank,
+                period=period,
             )
         )
 
     def get_plans(
-        self, deployment: str, *, sender: str, receiver: str, sender_dp_rank: int | None = None
+        self,
+        deployment: str,
+        *,
+        sender: str,
+        receiver: str,
+        sender_dp_rank: int | None = None,
+        period: bool = False,
     ) -> list[PlanDocument]:
         return self._run(
             self.aio.get_plans(
-                deployment, sender=sender, receiver=receiver, sender_dp_rank=sender_dp_rank
+                deployment,
+                sender=sender,
+                receiver=receiver,
+                sender_dp_rank=sender_dp_rank,
+                period=period,
             )
         )
 
@@ -134,6 +146,9 @@ class KvrouteClient:
         receiver_ranks: Sequence[int],
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
+        tokens: tuple[int, int] | None = None,
+        src_first_token: int | None = None,
+        dst_first_token: int | None = None,
     ) -> TransferStatus:
         return self._run(
             self.aio.submit_transfer(
@@ -143,6 +158,9 @@ class KvrouteClient:
                 receiver_ranks=receiver_ranks,
                 src_blocks=src_blocks,
                 dst_blocks=dst_blocks,
+                tokens=tokens,
+                src_first_token=src_first_token,
+                dst_first_token=dst_first_token,
             )
         )
 

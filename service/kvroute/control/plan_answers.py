@@ -4,7 +4,8 @@
 current; this layer avoids re-encoding. A cached plan is answered with the bytes encoded when it
 was first served (JSON, the text table or the SVG), so a hot plan read costs the generation
 lookup and nothing proportional to the plan's size. The ETag names exactly what the bytes depend
-on: the plan fingerprint (geometry of every input rank), the generations and the format.
+on: the plan fingerprint (geometry of every input rank), the generations, the format and the
+fragment form (``period``: every view pair in its period form, see ``geometry.plan``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from cachetools import LRUCache
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvroute.control.plans import PlanKey, PlanService, PlanUnavailable, ServedPlan
+from kvroute.geometry import GeometryError
 from kvroute.pictures import plan_svg
 from kvroute.render import plan_text
 from kvroute.store.snapshots import instance_state
@@ -98,6 +100,27 @@ ENCODERS: dict[str, Callable[[dict[str, Any]], bytes]] = {
 }
 
 
+def _encode(encoder: Callable[[dict[str, Any]], bytes], served: ServedPlan, period: bool) -> bytes:
+    if not period:
+        return encoder(served.document)
+    try:
+        document = served.plan.to_json(
+            sender_generations=served.sender_generations,
+            receiver_generation=served.receiver_generation,
+            period=True,
+        )
+    except ValueError as error:  # a view pair without whole token rows has no period form
+        raise GeometryError(
+            "period_form_unavailable",
+            f"fragments=period: {error}",
+            field="fragments",
+            local="period",
+            peer="block",
+            stage="plan",
+        ) from error
+    return encoder(document)
+
+
 def plan_version(served: ServedPlan) -> str:
     """Fingerprint and generations: equal versions mean byte-identical plan documents."""
     senders = ".".join(f"{rank}:{gen}" for rank, gen in sorted(served.sender_generations.items()))
@@ -114,7 +137,9 @@ class PlanAnswers:
         # Per key only the newest version is kept: an older one can never be current again.
         self._encoded: LRUCache[PlanKey, tuple[str, dict[str, bytes]]] = LRUCache(cache_size)
 
-    async def answer(self, key: PlanKey, plan_format: str, *, now: datetime) -> EncodedPlan:
+    async def answer(
+        self, key: PlanKey, plan_format: str, *, now: datetime, period: bool = False
+    ) -> EncodedPlan:
         served = await self.service.get(key, now=now)
         if served.cached:
             self.metrics.cache_hits.inc()
@@ -127,20 +152,23 @@ class PlanAnswers:
         if entry is None or entry[0] != version:
             entry = (version, {})
             self._encoded[key] = entry
-        body = entry[1].get(plan_format)
+        form = f"{plan_format}-period" if period else plan_format
+        body = entry[1].get(form)
         if body is None:
             encoder = ENCODERS[plan_format]
             # A per-token NHD plan encodes to megabytes: keep that off the event loop.
-            body = await asyncio.to_thread(encoder, served.document)
-            entry[1][plan_format] = body
+            body = await asyncio.to_thread(_encode, encoder, served, period)
+            entry[1][form] = body
         return EncodedPlan(
-            etag=f'"{version}-{plan_format}"',
+            etag=f'"{version}-{form}"',
             body=body,
             sender_generations=tuple(sorted(served.sender_generations.items())),
             receiver_generation=served.receiver_generation,
         )
 
-    async def plan_set(self, key: PlanKey, plan_format: str, *, now: datetime) -> list[EncodedPlan]:
+    async def plan_set(
+        self, key: PlanKey, plan_format: str, *, now: datetime, period: bool = False
+    ) -> list[EncodedPlan]:
         """Plans of every rank of ``key``'s receiver instance, all from one set of sender generations."""
         sessionmaker = self.service.sessionmaker
         for _ in range(PLAN_SET_ATTEMPTS):
@@ -153,7 +181,9 @@ class PlanAnswers:
                     f"live (missing or expired: {','.join(map(str, missing))})"
                 )
             plans = [
-                await self.answer(replace(key, receiver_rank=rank), plan_format, now=now)
+                await self.answer(
+                    replace(key, receiver_rank=rank), plan_format, now=now, period=period
+                )
                 for rank in range(receiver.expected_ranks)
             ]
             if len({plan.sender_generations for plan in plans}) <= 1:

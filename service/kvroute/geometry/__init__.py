@@ -2,7 +2,8 @@
 
 Reading path: model (what a rank registers) -> document (its JSON) -> heads (rule 1) -> validate
 (self and instance checks) -> matching and pairs (view pairs between peers) -> compat (the ordered
-registration check) -> topology, mappers, planner (plans) -> bounce (rule 6) -> builder (views for
+registration check) -> topology, mappers, planner (plans) -> periods (plans between blocks of
+different sizes) -> ranges (token ranges cut from plans) -> bounce (rule 6) -> builder (views for
 workers). Nothing here does I/O or imports aiohttp, SQLAlchemy or torch.
 """
 
@@ -19,24 +20,51 @@ from kvroute.geometry.model import (
     Role,
     View,
 )
+from kvroute.geometry.periods import PeriodMap, TokenAxis
 from kvroute.geometry.plan import PeerPlan, Plan, ViewTransfer
 from kvroute.geometry.planner import build_plan
+from kvroute.geometry.ranges import (
+    BlockList,
+    TokenGap,
+    TokenRange,
+    TokenRangeError,
+    check_covered,
+    first_gap,
+    full_periods,
+    periods_inside,
+    range_copies,
+    resolve_lists,
+    whole_pieces,
+)
 
 __all__ = [
     "DTYPE_BITS",
     "Attention",
+    "BlockList",
     "GeometryError",
     "Kind",
     "LayerSlot",
     "Owner",
     "PeerPlan",
+    "PeriodMap",
     "Plan",
     "Pool",
     "RankRegistration",
     "Role",
+    "TokenAxis",
+    "TokenGap",
+    "TokenRange",
+    "TokenRangeError",
     "View",
     "ViewTransfer",
     "build_plan",
+    "check_covered",
     "check_peers",
     "check_registration",
+    "first_gap",
+    "full_periods",
+    "periods_inside",
+    "range_copies",
+    "resolve_lists",
+    "whole_pieces",
 ]

@@ -21,7 +21,12 @@ MatchedPair = tuple[RankRegistration, View, RankRegistration, View]
 def _rank_fields(reg: RankRegistration) -> list[tuple[str, str, object]]:
     """(code, field, value) in check order. The layer-count check is kvroute's addition: a peer with
     another number of target layers is another model, and the layers only one side has would silently
-    stay unwritten."""
+    stay unwritten.
+
+    Tokens per block are not compared here: plans re-cut blocks over a period of tokens (see
+    ``periods``). ``tokens_per_block_mismatch`` remains only for a view pair whose block sizes differ
+    and whose bytes per layer on either side are not a whole number of token rows (buffers x heads x
+    tokens), since such a block has no per-token layout to re-cut (``pairs.pair_geometry``)."""
     bits = DTYPE_BITS[reg.attention.dtype]
     return [
         ("draft_layers_mismatch", "num_draft_layers", reg.num_draft_layers),
@@ -30,7 +35,6 @@ def _rank_fields(reg: RankRegistration) -> list[tuple[str, str, object]]:
         ("element_size_mismatch", "attention.dtype", f"{reg.attention.dtype} ({bits} bits)"),
         ("dtype_mismatch", "attention.dtype", reg.attention.dtype),
         ("head_dim_mismatch", "attention.head_dim", reg.attention.head_dim),
-        ("tokens_per_block_mismatch", "tokens_per_block", reg.tokens_per_block),
     ]
 
 

@@ -3,7 +3,8 @@
 Computed from the pair's own head counts (DESIGN.md rule 2), never from a rank-wide count: a cache
 that holds target layers with 8 KV heads and draft layers with 1 gets a different answer per view.
 Compatibility checks and the planner share this one definition, so whatever registration admits the
-planner can move, and vice versa.
+planner can move, and vice versa. Two sides with different tokens per block are compared per token:
+a block of either side is then just a cut of the same token rows (see ``periods``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,17 @@ class PairGeometry:
     total_heads: int  # head total the pair is planned with (1 for replicated views)
     local_heads: int
     peer_heads: int
-    unit: int  # bytes per head (hnd), per token-head (nhd), per layer (intact, replicated)
-    tokens: int
+    # bytes per head (hnd), per token-head (nhd and any re-blocked sliced pair), per layer (intact,
+    # replicated; the local side's layer when the two sides' blocks differ)
+    unit: int
+    tokens: int  # tokens per block on the local side
+    peer_tokens: int
+    token_unit: int  # bytes per token-head (per token for replicated); 0 when not exact
+
+    @property
+    def reblocks(self) -> bool:
+        """True when the two sides cut tokens into blocks of different sizes."""
+        return self.peer_tokens != self.tokens
 
     @property
     def slices_heads(self) -> bool:
@@ -38,7 +48,12 @@ def duplication(local_heads: int, local_tp: int, peer_heads: int, peer_tp: int) 
 def pair_geometry(
     local: RankRegistration, view: View, peer: RankRegistration, theirs: View
 ) -> PairGeometry:
-    """Checks one matched pair and describes how it moves; raises on any mismatch."""
+    """Checks one matched pair and describes how it moves; raises on any mismatch.
+
+    Different tokens per block on the two sides are compatible: the pair is then compared in
+    bytes per token(-head), which must be exact on both sides (``tokens_per_block_mismatch``
+    otherwise, the one re-blocking refusal left) and equal.
+    """
     fail = _Failer(local, view, peer)
     if view.buffers_per_layer != theirs.buffers_per_layer:
         raise fail(
@@ -49,15 +64,13 @@ def pair_geometry(
         )
     if view.dtype and theirs.dtype and view.dtype != theirs.dtype:
         raise fail("view_dtype_mismatch", "dtype", view.dtype, theirs.dtype)
+    tokens, peer_tokens = local.tokens(view), peer.tokens(theirs)
     if view.kind is Kind.REPLICATED:
-        if view.bytes_per_layer != theirs.bytes_per_layer:
-            raise fail(
-                "bytes_per_layer_mismatch",
-                "bytes_per_layer",
-                view.bytes_per_layer,
-                theirs.bytes_per_layer,
-            )
-        return PairGeometry("replicated", 1, 1, 1, view.bytes_per_layer, local.tokens(view))
+        token_unit = _token_units(fail, view, 1, tokens, theirs, 1, peer_tokens, same_heads=True)
+        _check_same_bytes(fail, view, theirs, tokens, peer_tokens)
+        return PairGeometry(
+            "replicated", 1, 1, 1, view.bytes_per_layer, tokens, peer_tokens, token_unit
+        )
     local_heads, peer_heads = local.heads(view), peer.heads(theirs)
     total = pair_total(
         local_heads,
@@ -74,22 +87,39 @@ def pair_geometry(
         local_value = view.total_kv_heads if both_declared else local_heads
         peer_value = theirs.total_kv_heads if both_declared else peer_heads
         raise fail(code, field, local_value, peer_value, reason=total.problem)
-    tokens, peer_tokens = local.tokens(view), peer.tokens(theirs)
-    if view.kind is Kind.NHD and tokens != peer_tokens:
-        raise fail("tokens_per_block_mismatch", "tokens_per_block", tokens, peer_tokens)
-    if local_heads == peer_heads:
-        if view.bytes_per_layer != theirs.bytes_per_layer:
-            raise fail(
-                "bytes_per_layer_mismatch",
-                "bytes_per_layer",
-                view.bytes_per_layer,
-                theirs.bytes_per_layer,
-            )
-        return PairGeometry(
-            "intact", total.total, local_heads, peer_heads, view.bytes_per_layer, tokens
+    same = local_heads == peer_heads
+    token_unit = _token_units(
+        fail, view, local_heads, tokens, theirs, peer_heads, peer_tokens, same_heads=same
+    )
+    if same:
+        _check_same_bytes(fail, view, theirs, tokens, peer_tokens)
+        unit, mapper = view.bytes_per_layer, "intact"
+    elif tokens != peer_tokens:
+        unit, mapper = token_unit, view.kind.value  # re-blocked: only bytes per token-head matter
+    else:
+        unit, mapper = _sliced_unit(fail, view, local_heads, theirs, peer_heads, tokens)
+    return PairGeometry(
+        mapper, total.total, local_heads, peer_heads, unit, tokens, peer_tokens, token_unit
+    )
+
+
+def _check_same_bytes(
+    fail: _Failer, view: View, theirs: View, tokens: int, peer_tokens: int
+) -> None:
+    """Equal heads and equal blocks move whole layer regions, which must be the same size."""
+    if tokens == peer_tokens and view.bytes_per_layer != theirs.bytes_per_layer:
+        raise fail(
+            "bytes_per_layer_mismatch",
+            "bytes_per_layer",
+            view.bytes_per_layer,
+            theirs.bytes_per_layer,
         )
-    unit = _head_unit(view, local_heads, tokens)
-    peer_unit = _head_unit(theirs, peer_heads, peer_tokens)
+
+
+def _sliced_unit(
+    fail: _Failer, view: View, heads: int, theirs: View, peer_heads: int, tokens: int
+) -> tuple[int, str]:
+    unit, peer_unit = _head_unit(view, heads, tokens), _head_unit(theirs, peer_heads, tokens)
     if unit != peer_unit:
         what = "bytes per token-head" if view.kind is Kind.NHD else "bytes per head"
         raise fail(
@@ -98,9 +128,64 @@ def pair_geometry(
             unit,
             peer_unit,
             reason=f"{view.kind} {what} mismatch: local={unit}, peer={peer_unit} "
-            f"(local heads={local_heads}, peer heads={peer_heads})",
+            f"(local heads={heads}, peer heads={peer_heads})",
         )
-    return PairGeometry(view.kind.value, total.total, local_heads, peer_heads, unit, tokens)
+    return unit, view.kind.value
+
+
+def _token_units(
+    fail: _Failer,
+    view: View,
+    heads: int,
+    tokens: int,
+    theirs: View,
+    peer_heads: int,
+    peer_tokens: int,
+    *,
+    same_heads: bool,
+) -> int:
+    """Bytes per token-head of the pair (0 when not exact and both sides cut blocks alike).
+
+    With equal block sizes nothing is re-blocked and today's checks stand, so an inexact division
+    only means a mid-block token range cannot be cut from this pair. With different sizes both
+    sides must divide exactly into token rows, and the rows must be the same size.
+    """
+    unit = _token_unit(view, heads, tokens)
+    if tokens == peer_tokens:
+        return unit or 0
+    peer_unit = _token_unit(theirs, peer_heads, peer_tokens)
+    for side_unit, side_view, side_heads, side_tokens in (
+        (unit, view, heads, tokens),
+        (peer_unit, theirs, peer_heads, peer_tokens),
+    ):
+        if side_unit is None:
+            raise fail(
+                "tokens_per_block_mismatch",
+                "tokens_per_block",
+                tokens,
+                peer_tokens,
+                reason=f"tokens_per_block differs (local={tokens}, peer={peer_tokens}) and "
+                f"view {side_view.view_id}'s bytes_per_layer {side_view.bytes_per_layer} is not a "
+                f"whole number of token rows ({side_view.buffers_per_layer} buffers x "
+                f"{side_heads} heads x {side_tokens} tokens), so its blocks cannot be re-cut",
+            )
+    if unit != peer_unit:
+        what = "token" if same_heads else "token-head"
+        raise fail(
+            "bytes_per_layer_mismatch" if same_heads else "bytes_per_head_mismatch",
+            "bytes_per_layer",
+            unit,
+            peer_unit,
+            reason=f"bytes per {what} mismatch: local={unit}, peer={peer_unit} (local "
+            f"{tokens} tokens x {heads} heads per block, peer {peer_tokens} x {peer_heads})",
+        )
+    assert unit is not None
+    return unit
+
+
+def _token_unit(view: View, heads: int, tokens: int) -> int | None:
+    per = view.buffers_per_layer * heads * tokens
+    return view.bytes_per_layer // per if view.bytes_per_layer % per == 0 else None
 
 
 def _head_unit(view: View, heads: int, tokens: int) -> int:

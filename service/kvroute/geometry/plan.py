@@ -2,15 +2,23 @@
 
 A plan is immutable and JSON-serialisable in the API.md shape, so it can be cached, compared by
 fingerprint, shipped to a worker, rendered as a table or a picture, and executed by any data plane.
+
+A view pair whose sides cut tokens into blocks of the same size carries ``fragments`` relative to
+one block on each side. Where the sizes differ it carries a period instead (``periods``): its JSON
+names ``period_tokens``, the blocks per period on each side and ``period_fragments`` with their
+token spans, and has no ``fragments`` member, so a reader that knows only block fragments fails
+loudly rather than copying nothing. ``to_json(period=True)`` writes every pair in the period form,
+which any token range (one starting mid-block included) can be cut from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvroute.geometry.mappers import Fragment
+from kvroute.geometry.periods import PeriodMap, TokenAxis
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,13 +39,34 @@ class ViewTransfer:
     total_heads: int
     src_heads: tuple[int, int]  # global head range the sender holds (under total_heads)
     dst_heads: tuple[int, int]  # global head range this pair writes on the receiver
+    axis: TokenAxis | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def periodic(self) -> bool:
+        """The two sides' blocks differ in size: the pair moves by period, not by block pair."""
+        return self.axis is not None and self.axis.periodic
+
+    @property
+    def period_map(self) -> PeriodMap:
+        """The pair's period form (computed on first use where block sizes are equal)."""
+        if self.axis is None:
+            raise ValueError(f"view pair {self.src_view}->{self.dst_view} has no token layout")
+        return self.axis.period_map
 
     @property
     def bytes_per_block(self) -> int:
+        """Bytes per receiver block."""
+        if self.periodic:
+            return self.period_map.bytes_per_dst_block
         return sum(length for _, _, length in self.fragments)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    @property
+    def descriptors_per_block(self) -> int:
+        """Fragments per receiver block (where blocks differ, the most any receiver block needs)."""
+        return self.period_map.descriptors_per_dst_block if self.periodic else len(self.fragments)
+
+    def to_json(self, *, period: bool = False) -> dict[str, Any]:
+        doc = {
             "src_view": self.src_view,
             "dst_view": self.dst_view,
             "src_pool": self.src_pool,
@@ -54,6 +83,10 @@ class ViewTransfer:
                 "dst": list(self.dst_heads),
             },
             "bytes_per_block": self.bytes_per_block,
+        }
+        if self.periodic or (period and self.axis is not None):
+            return doc | self.period_map.to_json()
+        return doc | {
             "descriptors_per_block": len(self.fragments),
             "fragments": [list(fragment) for fragment in self.fragments],
         }
@@ -70,7 +103,7 @@ class PeerPlan:
 
     @property
     def sends(self) -> bool:
-        return any(view.fragments for view in self.views)
+        return any(view.bytes_per_block for view in self.views)
 
     @property
     def bytes_per_block(self) -> int:
@@ -78,17 +111,18 @@ class PeerPlan:
 
     @property
     def descriptors_per_block(self) -> int:
-        return sum(len(view.fragments) for view in self.views)
+        return sum(view.descriptors_per_block for view in self.views)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, *, period: bool = False) -> dict[str, Any]:
+        views = [view.to_json(period=period) for view in self.views]
         return {
             "rank": self.rank,
             "pp_rank": self.pp_rank,
             "tp_rank": self.tp_rank,
             "sends": self.sends,
             "bytes_per_block": self.bytes_per_block,
-            "descriptors_per_block": self.descriptors_per_block,
-            "views": [view.to_json() for view in self.views],
+            "descriptors_per_block": sum(view["descriptors_per_block"] for view in views),
+            "views": views,
         }
 
 
@@ -124,8 +158,11 @@ class Plan:
         *,
         sender_generations: Mapping[int, int] | None = None,
         receiver_generation: int | None = None,
+        period: bool = False,
     ) -> dict[str, Any]:
+        """The API.md document; ``period`` writes every view pair in the period form."""
         generations = sender_generations or {}
+        peers = [peer.to_json(period=period) for peer in self.peers]
         return {
             "deployment": self.deployment,
             "sender": {
@@ -146,7 +183,7 @@ class Plan:
             "expected_writers": self.expected_writers,
             "fanin_bounce_safe": self.fanin_bounce_safe,
             "bytes_per_block": self.bytes_per_block,
-            "fragments_per_block": self.fragments_per_block,
+            "fragments_per_block": sum(peer["descriptors_per_block"] for peer in peers),
             "warnings": list(self.warnings),
-            "peers": [peer.to_json() for peer in self.peers],
+            "peers": peers,
         }

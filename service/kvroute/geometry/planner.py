@@ -19,6 +19,7 @@ from kvroute.geometry.mappers import coalesce, held_heads, pair_fragments
 from kvroute.geometry.matching import match_view
 from kvroute.geometry.model import RankRegistration, Role, View
 from kvroute.geometry.pairs import PairGeometry, duplication, pair_geometry
+from kvroute.geometry.periods import token_axis
 from kvroute.geometry.plan import PeerPlan, Plan, ViewTransfer
 from kvroute.geometry.topology import candidate_senders, elect
 
@@ -74,7 +75,10 @@ def build_plan(
         fingerprint=plan_fingerprint(senders, receiver, sender_dp_rank),
         sender_parallel=(senders[0].tp_size, senders[0].pp_size),
         receiver_parallel=(receiver.tp_size, receiver.pp_size),
-        fanin_bounce_safe=fanin_bounce_safe(
+        # Staging is split per receiver block; blocks of different sizes are not one unit on both
+        # sides, so such a plan is never declared bounce safe (unsafe only costs the direct path).
+        fanin_bounce_safe=not any(v.periodic for peer in peers for v in peer.views)
+        and fanin_bounce_safe(
             pp_stages=len({peer.pp_rank for peer in peers}),
             view_pairs=[
                 (v.mapper, v.duplicate_head_factor, v.peer_duplicate_head_factor)
@@ -144,7 +148,12 @@ def _assign_layers(view: View, sources: Sequence[_Source], receiver: RankRegistr
 
 def _transfer(source: _Source, view: View, receiver: RankRegistration) -> ViewTransfer:
     sender, theirs, geometry = source.sender, source.view, source.geometry
-    fragments = coalesce(pair_fragments(sender, theirs, receiver, view, geometry, source.assigned))
+    axis = token_axis(sender, theirs, receiver, view, geometry, source.assigned)
+    fragments = (
+        []
+        if geometry.reblocks
+        else coalesce(pair_fragments(sender, theirs, receiver, view, geometry, source.assigned))
+    )
     dup, peer_dup = duplication(
         geometry.local_heads, sender.tp_per_dp, geometry.peer_heads, receiver.tp_per_dp
     )
@@ -169,18 +178,23 @@ def _transfer(source: _Source, view: View, receiver: RankRegistration) -> ViewTr
         total_heads=geometry.total_heads,
         src_heads=src_heads,
         dst_heads=dst_heads,
+        axis=axis,
     )
 
 
 def _warnings(source: _Source, transfer: ViewTransfer) -> list[str]:
     if transfer.mapper != "nhd":
         return []
-    per_token = len(transfer.fragments) // max(1, source.geometry.tokens)
+    if transfer.periodic:
+        period = transfer.period_map
+        count, tokens, unit = len(period.spans), period.period_tokens, "period"
+    else:
+        count, tokens, unit = len(transfer.fragments), source.geometry.tokens, "block"
     return [
         f"NHD head mismatch on view {transfer.dst_view} (local_kv_heads={source.geometry.peer_heads}, "
         f"peer_kv_heads={source.geometry.local_heads}): one descriptor per token, "
-        f"{len(transfer.fragments)} per block from rank {source.sender.rank} "
-        f"(~{per_token} per transferred token); prefer HND layouts for heterogeneous TP"
+        f"{count} per {unit} from rank {source.sender.rank} "
+        f"(~{count // max(1, tokens)} per transferred token); prefer HND layouts for heterogeneous TP"
     ]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from kvroute.pictures.period import period_strip
 from kvroute.pictures.svg import LINE, Canvas, colour
 
 CELL = 44
@@ -143,6 +144,8 @@ def _grid(
     title = f"view {view_id} ({sample['owner']}, {'+'.join(sample['roles'])}, {sample['mapper']})"
     canvas.text(10, y, title, weight="bold")
     y += 8
+    if "period_tokens" in sample:
+        y = period_strip(canvas, sample, y)
     for column, head in enumerate(heads):
         name = "all" if replicated else f"h{head}"
         canvas.text(GRID_LEFT + column * CELL + CELL / 2, y + 12, name, size=11, anchor="middle")

@@ -2,7 +2,8 @@
 
 Reading path: memory (pool -> flat byte tensor; backends in shm, cuda_ipc) -> plan (a plan
 document made executable, checked for exactly-once) -> program (fragments folded into strided
-runs) -> engine (bounds checks and the copy strategies) -> jobs (what is submitted, its states) ->
+runs) -> passes (a job's blocks or token range split into block-pair passes and cut pieces) ->
+engine (bounds checks and the copy strategies) -> jobs (what is submitted, its states) ->
 workers (threads, CUDA streams, the bounded queue, drain) -> metrics.
 
 Typical use by the HTTP layer::
@@ -26,7 +27,14 @@ from kvroute.transfer.errors import (
     TransferValidationError,
     UnknownJob,
 )
-from kvroute.transfer.jobs import CopyResult, JobState, JobStatus, TransferJob, TransferLeg
+from kvroute.transfer.jobs import (
+    CopyResult,
+    JobState,
+    JobStatus,
+    TokenWindow,
+    TransferJob,
+    TransferLeg,
+)
 from kvroute.transfer.memory import (
     LocalBackend,
     MemoryBackend,
@@ -61,6 +69,7 @@ __all__ = [
     "ShmBackend",
     "Strategy",
     "StridedRun",
+    "TokenWindow",
     "TransferError",
     "TransferJob",
     "TransferLeg",

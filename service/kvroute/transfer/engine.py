@@ -1,9 +1,11 @@
 """The copy engine: executes a transfer job's fragments with a handful of tensor operations.
 
-For every sending rank and view of every leg the engine compiles the plan's fragments once (cached by
-plan fingerprint, see ``program``), checks them and the job's block ids against the concrete pools,
-then copies with one of three strategies over a strided view of each pool whose first dimension is
-the slot:
+For every sending rank and view of every leg the engine splits the job into passes (paired block
+lists for one fragment set: the job's block pairs, one block pair of a period in every period of a
+token range, or the few copies of the blocks a range cuts; see ``passes``), compiles each pass's
+fragments once (cached by plan fingerprint, see ``program``), checks them and the job's block ids
+against the concrete pools, then copies each pass with one of three strategies over a strided view
+of each pool whose first dimension is the slot:
 
 - ``blockwise``: per run of consecutive block pairs, one strided ``copy_`` of a whole slot region.
   No index tensors and no staging copy, so it runs near memcpy speed on the CPU (the default there).
@@ -13,8 +15,8 @@ the slot:
   widened per job by the block bases: one gather and one scatter in total, for irregular plans
   that compile to many runs.
 
-``bench/transfer_bench.py`` measures all three against a raw contiguous copy and a naive
-per-fragment loop; the defaults follow its numbers.
+``bench/transfer_bench.py`` measures all three strategies against a raw contiguous copy and a
+naive per-fragment loop; the defaults follow its numbers.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import torch
 from kvroute.transfer.errors import TransferValidationError
 from kvroute.transfer.jobs import CopyResult, TransferJob
 from kvroute.transfer.memory import PoolMemory
+from kvroute.transfer.passes import view_work
+from kvroute.transfer.plan import ViewCopy
 from kvroute.transfer.program import CopyProgram, StridedRun, compile_fragments
 
 GATHER_MAX_RUNS = 8  # above this many runs per pool pair, one indexed gather beats per-run kernels
@@ -73,24 +77,48 @@ class _LruCache(OrderedDict[K, V]):
 
 
 @dataclass(frozen=True, slots=True)
+class _Pass:
+    """A compiled fragment set and the block pairs it is applied to."""
+
+    # plan fingerprint, sender rank, view index (, period block pair); None: compiled for one job
+    cache_key: tuple[object, ...] | None
+    program: CopyProgram
+    src_blocks: np.ndarray
+    dst_blocks: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.program.nbytes * len(self.src_blocks)
+
+
+@dataclass(frozen=True, slots=True)
 class _ViewTask:
     """One view of one sending rank, bound to its opened pools."""
 
     group: tuple[int, int, int, int]  # leg, sender rank, src pool, dst pool
-    cache_key: tuple[str, int, int]  # plan fingerprint, sender rank, view index
-    program: CopyProgram
+    passes: tuple[_Pass, ...]
     src: PoolMemory
     dst: PoolMemory
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.passes)
+
+    @property
+    def fragments(self) -> int:
+        return sum(p.program.fragments * len(p.src_blocks) for p in self.passes)
 
 
 class CopyEngine:
     """Validates and executes transfer jobs; caches compiled plans. Safe to share between threads."""
 
     def __init__(self, *, cache_size: int = 1024, strategy: Strategy | None = None) -> None:
-        self._programs: _LruCache[tuple[str, int, int], CopyProgram] = _LruCache(cache_size)
+        self._programs: _LruCache[tuple[object, ...], CopyProgram] = _LruCache(cache_size)
         self._elements: _LruCache[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = (
             _LruCache(64)
         )
+        # validate() on the event loop and copy() on a worker split the same job: split it once
+        self._jobs: _LruCache[str, tuple[TransferJob, list[_ViewTask]]] = _LruCache(64)
         self._strategy = strategy
 
     def validate(self, job: TransferJob) -> None:
@@ -102,65 +130,85 @@ class CopyEngine:
         tasks = self._tasks(job)
         for _, grouped in groupby(tasks, key=lambda task: task.group):
             group = list(grouped)
-            chosen = strategy or self._strategy or self._choose(group, job.num_blocks)
+            chosen = strategy or self._strategy or self._choose(group)
             if chosen is Strategy.INDEXED:
-                _copy_indexed(group, job, self._elements)
+                _copy_indexed(group, self._elements)
             else:
+                copy_pass = _copy_blockwise if chosen is Strategy.BLOCKWISE else _copy_gathered
                 for task in group:
-                    copy_view = _copy_blockwise if chosen is Strategy.BLOCKWISE else _copy_gathered
-                    copy_view(task, job)
-        per_block = sum(task.program.nbytes for task in tasks)
-        fragments = sum(task.program.fragments for task in tasks)
-        return CopyResult(bytes=per_block * job.num_blocks, fragments=fragments * job.num_blocks)
+                    for part in task.passes:
+                        copy_pass(part, task)
+        return self.totals(job, tasks)
+
+    def totals(self, job: TransferJob, tasks: list[_ViewTask] | None = None) -> CopyResult:
+        """What ``copy`` moves for ``job``: bytes, and fragments counted once per block they copy."""
+        tasks = self._tasks(job) if tasks is None else tasks
+        return CopyResult(
+            bytes=sum(task.nbytes for task in tasks),
+            fragments=sum(task.fragments for task in tasks),
+        )
 
     def devices(self, job: TransferJob) -> set[torch.device]:
         """Devices the job touches: the worker makes its own stream current on each CUDA one."""
         return {memory.device for task in self._tasks(job) for memory in (task.src, task.dst)}
 
     @staticmethod
-    def _choose(group: list[_ViewTask], num_blocks: int) -> Strategy:
+    def _choose(group: list[_ViewTask]) -> Strategy:
         first = group[0]
         if first.src.device.type == "cpu" or first.dst.device.type == "cpu":
             return Strategy.BLOCKWISE
-        if sum(len(task.program.runs) for task in group) <= GATHER_MAX_RUNS:
+        passes = [part for task in group for part in task.passes]
+        if sum(len(part.program.runs) for part in passes) <= GATHER_MAX_RUNS:
             return Strategy.GATHER
-        elements = num_blocks * sum(task.program.nbytes for task in group) // _width(group)
+        elements = sum(part.nbytes for part in passes) // _width(passes, first.src, first.dst)
         return Strategy.INDEXED if elements <= INDEXED_MAX_ELEMENTS else Strategy.GATHER
 
     def _tasks(self, job: TransferJob) -> list[_ViewTask]:
+        cached = self._jobs.get(job.job_id)
+        if cached is not None and cached[0] is job:
+            return cached[1]
         _check_unique(job.dst_blocks)
-        tasks = []
-        for leg_index, leg in enumerate(job.legs):
-            for peer in leg.plan.senders:
-                for index, view in enumerate(peer.views):
-                    where = f"sender rank {peer.rank}"
-                    src = leg.src_pools.get((peer.rank, view.src_pool))
-                    dst = leg.dst_pools.get(view.dst_pool)
-                    if src is None or dst is None:
-                        missing = (
-                            f"{where} pool {view.src_pool}"
-                            if src is None
-                            else (f"receiver pool {view.dst_pool}")
-                        )
-                        raise TransferValidationError(
-                            f"legs[{leg_index}]", f"no opened memory for {missing}"
-                        )
-                    key = (leg.plan.fingerprint, peer.rank, index)
-                    program = self._programs.get_or_compute(
-                        key, partial(compile_fragments, view.fragments)
-                    )
-                    _check_extent(program.src_end, src, f"{where} pool {view.src_pool}")
-                    _check_extent(program.dst_end, dst, f"receiver pool {view.dst_pool}")
-                    _check_blocks(
-                        job.src_blocks, src, "src_blocks", f"{where} pool {view.src_pool}"
-                    )
-                    _check_blocks(
-                        job.dst_blocks, dst, "dst_blocks", f"receiver pool {view.dst_pool}"
-                    )
-                    group = (leg_index, peer.rank, view.src_pool, view.dst_pool)
-                    tasks.append(_ViewTask(group, key, program, src, dst))
+        tasks = [
+            self._task(job, leg_index, peer.rank, index, view)
+            for leg_index, leg in enumerate(job.legs)
+            for peer in leg.plan.senders
+            for index, view in enumerate(peer.views)
+        ]
         tasks.sort(key=lambda task: task.group)
+        self._jobs.get_or_compute(job.job_id, lambda: (job, tasks))
         return tasks
+
+    def _task(
+        self, job: TransferJob, leg_index: int, rank: int, index: int, view: ViewCopy
+    ) -> _ViewTask:
+        leg = job.legs[leg_index]
+        where = f"sender rank {rank}"
+        src = leg.src_pools.get((rank, view.src_pool))
+        dst = leg.dst_pools.get(view.dst_pool)
+        if src is None or dst is None:
+            missing = (
+                f"{where} pool {view.src_pool}" if src is None else f"receiver pool {view.dst_pool}"
+            )
+            raise TransferValidationError(f"legs[{leg_index}]", f"no opened memory for {missing}")
+        src_end, dst_end = view.extent
+        _check_extent(src_end, src, f"{where} pool {view.src_pool}")
+        _check_extent(dst_end, dst, f"receiver pool {view.dst_pool}")
+        _check_blocks(job.src_blocks, src, "src_blocks", f"{where} pool {view.src_pool}")
+        _check_blocks(job.dst_blocks, dst, "dst_blocks", f"receiver pool {view.dst_pool}")
+        key = (leg.plan.fingerprint, rank, index)
+        passes = tuple(
+            _Pass(
+                part.key, self._program(part.key, part.fragments), part.src_blocks, part.dst_blocks
+            )
+            for part in view_work(view, key, job, f"legs[{leg_index}].{where}.views[{index}]")
+        )
+        group = (leg_index, rank, view.src_pool, view.dst_pool)
+        return _ViewTask(group, passes, src, dst)
+
+    def _program(self, key: tuple[object, ...] | None, fragments: np.ndarray) -> CopyProgram:
+        if key is None:
+            return compile_fragments(fragments)
+        return self._programs.get_or_compute(key, partial(compile_fragments, fragments))
 
 
 def _check_unique(dst_blocks: np.ndarray) -> None:
@@ -191,10 +239,10 @@ def _check_blocks(blocks: np.ndarray, memory: PoolMemory, name: str, where: str)
         )
 
 
-def _width(group: list[_ViewTask]) -> int:
+def _width(passes: list[_Pass], src: PoolMemory, dst: PoolMemory, *more: int) -> int:
     """The widest element (8, 4, 2 or 1 bytes) that every offset, stride and address divides."""
-    values = [task.program.alignment for task in group]
-    for memory in (group[0].src, group[0].dst):
+    values = [part.program.alignment for part in passes] + list(more)
+    for memory in (src, dst):
         tensor = memory.tensor
         values += [memory.pool.slot_stride, tensor.data_ptr(), tensor.storage_offset()]
     common = reduce(math.gcd, values, 0)
@@ -224,21 +272,21 @@ def block_spans(src_blocks: np.ndarray, dst_blocks: np.ndarray) -> Iterator[tupl
     )
 
 
-def _copy_blockwise(task: _ViewTask, job: TransferJob) -> None:
-    width = _width([task])
-    spans = list(block_spans(job.src_blocks, job.dst_blocks))
-    for run in task.program.runs:
+def _copy_blockwise(part: _Pass, task: _ViewTask) -> None:
+    width = _width([part], task.src, task.dst)
+    spans = list(block_spans(part.src_blocks, part.dst_blocks))
+    for run in part.program.runs:
         src = _slot_view(task.src, width, run, "src")
         dst = _slot_view(task.dst, width, run, "dst")
         for src_block, dst_block, count in spans:
             dst[dst_block : dst_block + count].copy_(src[src_block : src_block + count])
 
 
-def _copy_gathered(task: _ViewTask, job: TransferJob) -> None:
-    width = _width([task])
-    src_index = torch.tensor(job.src_blocks, device=task.src.device)
-    dst_index = torch.tensor(job.dst_blocks, device=task.dst.device)
-    for run in task.program.runs:
+def _copy_gathered(part: _Pass, task: _ViewTask) -> None:
+    width = _width([part], task.src, task.dst)
+    src_index = torch.tensor(part.src_blocks, device=task.src.device)
+    dst_index = torch.tensor(part.dst_blocks, device=task.dst.device)
+    for run in part.program.runs:
         src = _slot_view(task.src, width, run, "src")
         dst = _slot_view(task.dst, width, run, "dst")
         dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device))
@@ -246,31 +294,56 @@ def _copy_gathered(task: _ViewTask, job: TransferJob) -> None:
 
 def _copy_indexed(
     group: list[_ViewTask],
-    job: TransferJob,
     cache: _LruCache[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]],
 ) -> None:
-    width = _width(group)
     src, dst = group[0].src, group[0].dst
-    key = (*(task.cache_key for task in group), width, src.device, dst.device)
+    passes = [part for task in group for part in task.passes]
+    if not passes:
+        return
+    width = _width(passes, src, dst)
+    src_parts, dst_parts = [], []
+    for part in passes:
+        src_rel, dst_rel = _relative_elements(part, width, src, dst, cache)
+        src_base = torch.tensor(part.src_blocks, device=src.device) * (
+            src.pool.slot_stride // width
+        )
+        dst_base = torch.tensor(part.dst_blocks, device=dst.device) * (
+            dst.pool.slot_stride // width
+        )
+        src_parts.append((src_base[:, None] + src_rel).reshape(-1))
+        dst_parts.append((dst_base[:, None] + dst_rel).reshape(-1))
+    src_flat = src.tensor.view(_DTYPE_BY_WIDTH[width])
+    dst_flat = dst.tensor.view(_DTYPE_BY_WIDTH[width])
+    gathered = src_flat.index_select(0, torch.cat(src_parts))
+    dst_flat.index_copy_(0, torch.cat(dst_parts), gathered.to(dst.device))
+
+
+def _relative_elements(
+    part: _Pass,
+    width: int,
+    src: PoolMemory,
+    dst: PoolMemory,
+    cache: _LruCache[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot-relative element indices of a pass's program, expanded once per plan and width."""
 
     def expand() -> tuple[torch.Tensor, torch.Tensor]:
-        parts = [task.program.element_offsets(width) for task in group]
-        src_rel = torch.from_numpy(np.concatenate([part[0] for part in parts])).to(src.device)
-        dst_rel = torch.from_numpy(np.concatenate([part[1] for part in parts])).to(dst.device)
+        src_rel, dst_rel = part.program.element_offsets(width)
+        src_rel = torch.from_numpy(src_rel).to(src.device)
+        dst_rel = torch.from_numpy(dst_rel).to(dst.device)
         for tensor in (src_rel, dst_rel):
             if tensor.is_cuda:
                 # other workers read the cached indices on their own streams: finish the upload first
                 torch.cuda.current_stream(tensor.device).synchronize()
         return src_rel, dst_rel
 
-    src_rel, dst_rel = cache.get_or_compute(key, expand)
+    if part.cache_key is None:
+        src_rel, dst_rel = expand()
+    else:
+        key = (*part.cache_key, width, src.device, dst.device)
+        src_rel, dst_rel = cache.get_or_compute(key, expand)
     for tensor in (src_rel, dst_rel):
         if tensor.is_cuda:
             # the cache may evict and free these while this stream still reads them
             tensor.record_stream(torch.cuda.current_stream(tensor.device))
-    src_base = torch.tensor(job.src_blocks, device=src.device) * (src.pool.slot_stride // width)
-    dst_base = torch.tensor(job.dst_blocks, device=dst.device) * (dst.pool.slot_stride // width)
-    src_flat = src.tensor.view(_DTYPE_BY_WIDTH[width])
-    dst_flat = dst.tensor.view(_DTYPE_BY_WIDTH[width])
-    gathered = src_flat.index_select(0, (src_base[:, None] + src_rel).reshape(-1))
-    dst_flat.index_copy_(0, (dst_base[:, None] + dst_rel).reshape(-1), gathered.to(dst.device))
+    return src_rel, dst_rel

@@ -23,11 +23,24 @@ class PoolMemoryError(TransferError):
 
 
 class TransferValidationError(TransferError, ValueError):
-    """A plan or a job that can never copy correctly; ``field`` names the offending input."""
+    """A plan or a job that can never copy correctly; ``field`` names the offending input.
 
-    def __init__(self, field: str, detail: str) -> None:
+    ``code`` is the problem code the REST layer answers with; ``extras`` are further members of its
+    problem body (a token range's first gap names the token and the list's coverage).
+    """
+
+    def __init__(
+        self,
+        field: str,
+        detail: str,
+        *,
+        code: str = "invalid_transfer",
+        extras: dict[str, object] | None = None,
+    ) -> None:
         self.field = field
         self.detail = detail
+        self.code = code
+        self.extras = extras or {}
         super().__init__(f"{field}: {detail}")
 
 

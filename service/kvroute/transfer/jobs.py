@@ -1,9 +1,14 @@
 """What a transfer job is, and the states it moves through.
 
-A job copies one set of block pairs for one or more receiver ranks of the same sender instance:
-each ``TransferLeg`` is one receiver rank's plan with the pool memories it needs already opened (so
-a pool that cannot be opened fails the request up front, not a queued job later). The block lists are
+A job copies one set of blocks for one or more receiver ranks of the same sender instance: each
+``TransferLeg`` is one receiver rank's plan with the pool memories it needs already opened (so a pool
+that cannot be opened fails the request up front, not a queued job later). The block lists are
 normalised to read-only ``int64`` arrays once, at construction.
+
+Without a ``TokenWindow`` the lists pair up one to one (block ``src_blocks[i]`` to ``dst_blocks[i]``),
+as before token ranges existed. With one, each list holds a run of the prompt (``geometry.ranges``):
+the window names the token range to move and, optionally, the first token of each list; a view pair
+planned by period is moved that way even without a window (both lists then start at token 0).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvroute.geometry import BlockList, TokenRange, TokenRangeError, resolve_lists
 from kvroute.job_state import JobState
 from kvroute.transfer.errors import PoolMemoryError, TransferValidationError
 from kvroute.transfer.memory import PoolMemory
@@ -38,14 +44,49 @@ def _blocks(blocks: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
     return array
 
 
+@dataclass(frozen=True, slots=True)
+class TokenWindow:
+    """Which tokens a job moves: ``tokens`` (None: every token either list holds) and each list's
+    first token (None: 0 without ``tokens``, else upstream's suffix rule against ``tokens.end``)."""
+
+    tokens: TokenRange | None = None
+    src_first_token: int | None = None
+    dst_first_token: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("src_first_token", "dst_first_token"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise TransferValidationError(name, f"{value} is below 0")
+
+    def lists(
+        self, src: np.ndarray, dst: np.ndarray, src_tokens: int, dst_tokens: int
+    ) -> tuple[TokenRange, BlockList, BlockList]:
+        """The range and both block lists for one view pair's block sizes."""
+        try:
+            return resolve_lists(
+                src.tolist(),
+                dst.tolist(),
+                src_tokens,
+                dst_tokens,
+                tokens=self.tokens,
+                src_first_token=self.src_first_token,
+                dst_first_token=self.dst_first_token,
+            )
+        except TokenRangeError as error:
+            raise TransferValidationError(error.field, error.detail) from error
+
+
 @dataclass(frozen=True, slots=True, eq=False, init=False)
 class TransferJob:
-    """Copy ``src_blocks[i]`` of every sender to ``dst_blocks[i]`` of the receiver, for each leg."""
+    """Copy the blocks of every sender to the receiver, for each leg: ``src_blocks[i]`` to
+    ``dst_blocks[i]``, or the tokens of ``window`` where one is given (see the module docstring)."""
 
     legs: tuple[TransferLeg, ...]
     src_blocks: np.ndarray
     dst_blocks: np.ndarray
     job_id: str
+    window: TokenWindow | None
 
     def __init__(
         self,
@@ -53,22 +94,22 @@ class TransferJob:
         src_blocks: Sequence[int] | np.ndarray,
         dst_blocks: Sequence[int] | np.ndarray,
         job_id: str | None = None,
+        *,
+        window: TokenWindow | None = None,
     ) -> None:
         src, dst = _blocks(src_blocks, "src_blocks"), _blocks(dst_blocks, "dst_blocks")
-        if len(src) != len(dst):
-            raise TransferValidationError(
-                "dst_blocks", f"has {len(dst)} ids but src_blocks has {len(src)}; they pair up"
-            )
         if not legs:
             raise TransferValidationError("receiver_ranks", "a job needs at least one leg")
         object.__setattr__(self, "legs", tuple(legs))
         object.__setattr__(self, "src_blocks", src)
         object.__setattr__(self, "dst_blocks", dst)
         object.__setattr__(self, "job_id", job_id or str(uuid.uuid4()))
+        object.__setattr__(self, "window", window)
 
     @property
     def num_blocks(self) -> int:
-        return len(self.src_blocks)
+        """Receiver blocks the job names."""
+        return len(self.dst_blocks)
 
     def verify_memory(self) -> None:
         """Re-checks every pool the job touches; the worker calls it right before copying.

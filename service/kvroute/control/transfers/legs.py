@@ -37,6 +37,14 @@ class TransferRequest:
     src_blocks: tuple[int, ...]
     dst_blocks: tuple[int, ...]
     sender_dp_rank: int = 0
+    tokens: tuple[int, int] | None = None  # [start, end) to move; None: the lists pair up
+    src_first_token: int | None = None
+    dst_first_token: int | None = None
+
+    @property
+    def names_tokens(self) -> bool:
+        """The request names a token range or a first token: the lists hold runs of the prompt."""
+        return (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
 
 
 class RankPoolMemoryError(PoolMemoryError):

@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry
 
 from kvroute.control.plans import PlanService
 from kvroute.control.transfers.journal import JobJournal
-from kvroute.control.transfers.legs import LegResolver, TransferRequest
+from kvroute.control.transfers.legs import Leg, LegResolver, TransferRequest
+from kvroute.geometry import TokenRange, TokenRangeError
 from kvroute.job_state import JobState
 from kvroute.store import jobs
 from kvroute.store.engine import SessionMaker
@@ -26,7 +27,7 @@ from kvroute.store.errors import Conflict, InvalidTransition
 from kvroute.store.records import TransferJobRecord
 from kvroute.transfer.engine import CopyEngine
 from kvroute.transfer.errors import TransferValidationError, UnknownJob
-from kvroute.transfer.jobs import TransferJob
+from kvroute.transfer.jobs import TokenWindow, TransferJob
 from kvroute.transfer.memory import PoolMemoryCache
 from kvroute.transfer.workers import DrainReport, WorkerPool
 
@@ -99,17 +100,17 @@ class TransferService:
 
     async def submit(self, request: TransferRequest, *, now: datetime) -> TransferJobRecord:
         """Check, store and queue one job; raises before storing anything when it cannot run."""
-        if len(request.src_blocks) != len(request.dst_blocks):
-            raise TransferValidationError(
-                "dst_blocks",
-                f"has {len(request.dst_blocks)} block ids but src_blocks has "
-                f"{len(request.src_blocks)}; they pair up one to one",
-            )
+        window = _window(request)
         await self._journal.recover(now)
         legs = await self._legs.legs(request, now=now)
+        if window is None:
+            _check_pairs(request, legs)
         opened = await asyncio.to_thread(self._legs.open, request, legs)
-        job = TransferJob(opened, request.src_blocks, request.dst_blocks, str(uuid.uuid4()))
-        self.pool.engine.validate(job)
+        job = TransferJob(
+            opened, request.src_blocks, request.dst_blocks, str(uuid.uuid4()), window=window
+        )
+        # Splits the job into its copies (refusing a gap) and counts what they move.
+        totals = self.pool.engine.totals(job)
         record = await self._journal.create(
             job.job_id,
             deployment=request.deployment,
@@ -119,8 +120,8 @@ class TransferService:
             src_blocks=request.src_blocks,
             dst_blocks=request.dst_blocks,
             plan_fingerprint=",".join(leg.copy_plan.fingerprint for leg in legs),
-            bytes_total=job.num_blocks * sum(leg.copy_plan.bytes_per_block for leg in legs),
-            fragments=job.num_blocks * sum(leg.copy_plan.fragments_per_block for leg in legs),
+            bytes_total=totals.bytes,
+            fragments=totals.fragments,
             now=now,
         )
         try:
@@ -151,3 +152,26 @@ class TransferService:
         except InvalidTransition:
             # The writer stored the pool's own report of this cancellation first.
             return await jobs.get_job(self._sessionmaker, job_id)
+
+
+def _check_pairs(request: TransferRequest, legs: list[Leg]) -> None:
+    """Lists without token members pair up one to one where both sides' blocks are one size
+    (view pairs planned by period then hold the tokens both lists cover, checked per job)."""
+    periodic = any(view.periodic for leg in legs for p in leg.copy_plan.senders for view in p.views)
+    if not periodic and len(request.src_blocks) != len(request.dst_blocks):
+        raise TransferValidationError(
+            "dst_blocks",
+            f"has {len(request.dst_blocks)} block ids but src_blocks has "
+            f"{len(request.src_blocks)}; they pair up one to one",
+        )
+
+
+def _window(request: TransferRequest) -> TokenWindow | None:
+    """The request's token window; None for lists that pair up one to one."""
+    if not request.names_tokens:
+        return None
+    try:
+        tokens = TokenRange(*request.tokens) if request.tokens is not None else None
+    except TokenRangeError as error:
+        raise TransferValidationError(error.field, error.detail) from error
+    return TokenWindow(tokens, request.src_first_token, request.dst_first_token)

@@ -1,0 +1,274 @@
+"""Plans between blocks of different sizes: one period of tokens that both sides cut evenly.
+
+A view pair's moved bytes are *rows*: for every moved layer and buffer, one row per moved head (HND
+and replicated views, where a head's tokens are contiguous) or one row of head slices (NHD, where a
+token's heads are contiguous). Inside a row, token t sits at ``base + (t mod tpb) x pitch`` of the
+block holding t, on each side. Over ``L = lcm(tpb_src, tpb_dst)`` tokens both sides cut evenly, so a
+plan states one period (L / tpb_src sender blocks to L / tpb_dst receiver blocks) and it repeats.
+
+Cutting [0, L) at every block boundary of either side gives pieces that each lie in one sender block
+and one receiver block. A row's piece is one fragment when the row's tokens are contiguous on both
+sides (pitch = width: HND heads, replicated rows, NHD rows of every head) and one fragment per token
+otherwise (NHD head slices). Those are maximal runs when the block sizes differ: two pieces of a row
+are split by a block boundary, and two rows only touch on both sides where a piece fills a whole
+block on both, which needs equal sizes.
+
+Every fragment (a *span*) names its token interval, and its bytes are those tokens in order, the same
+number per token on both sides, so any token range is cut from it by arithmetic (``ranges``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import pairwise
+from typing import Any
+
+from kvroute.geometry.mappers import held_heads
+from kvroute.geometry.model import Kind, RankRegistration, View
+from kvroute.geometry.pairs import PairGeometry
+
+Row = tuple[int, int, int, int, int]  # src_base, dst_base, src_pitch, dst_pitch, width (bytes)
+# (src_block, src_offset, dst_block, dst_offset, length, first_token, tokens): blocks are indices
+# within the period on each side, offsets are relative to that block's slot start, first_token is
+# relative to the period start; the ``length`` bytes are the ``tokens`` tokens in order.
+Span = tuple[int, int, int, int, int, int, int]
+SPAN_FIELDS = (
+    "src_block",
+    "src_offset",
+    "dst_block",
+    "dst_offset",
+    "length",
+    "first_token",
+    "tokens",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PeriodMap:
+    """One view pair's transfer over one period, as fragments with their token spans."""
+
+    src_tokens_per_block: int
+    dst_tokens_per_block: int
+    spans: tuple[Span, ...]  # sorted by (dst_block, dst_offset)
+
+    @property
+    def period_tokens(self) -> int:
+        return math.lcm(self.src_tokens_per_block, self.dst_tokens_per_block)
+
+    @property
+    def src_blocks_per_period(self) -> int:
+        return self.period_tokens // self.src_tokens_per_block
+
+    @property
+    def dst_blocks_per_period(self) -> int:
+        return self.period_tokens // self.dst_tokens_per_block
+
+    @property
+    def bytes_per_period(self) -> int:
+        return sum(span[4] for span in self.spans)
+
+    @property
+    def bytes_per_dst_block(self) -> int:
+        """Every receiver block of a period receives the same bytes: all rows, tpb_dst tokens."""
+        return self.bytes_per_period // self.dst_blocks_per_period
+
+    @property
+    def descriptors_per_dst_block(self) -> int:
+        """The most fragments any one receiver block of the period receives."""
+        counts = Counter(span[2] for span in self.spans)
+        return max(counts.values(), default=0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "descriptors_per_block": self.descriptors_per_dst_block,
+            "period_tokens": self.period_tokens,
+            "src_blocks_per_period": self.src_blocks_per_period,
+            "dst_blocks_per_period": self.dst_blocks_per_period,
+            "bytes_per_period": self.bytes_per_period,
+            "descriptors_per_period": len(self.spans),
+            "period_fragments": [list(span) for span in self.spans],
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> PeriodMap:
+        """Parses the period members of a plan's view pair; ``ValueError`` names what is wrong."""
+        period = _positive(doc, "period_tokens")
+        src_blocks = _positive(doc, "src_blocks_per_period")
+        dst_blocks = _positive(doc, "dst_blocks_per_period")
+        if period % src_blocks or period % dst_blocks:
+            raise ValueError(
+                f"period_tokens {period} is not a whole number of blocks "
+                f"({src_blocks} sender, {dst_blocks} receiver blocks per period)"
+            )
+        result = cls(period // src_blocks, period // dst_blocks, ())
+        if result.period_tokens != period:
+            raise ValueError(
+                f"period_tokens {period} is not the least common multiple of the block sizes "
+                f"{result.src_tokens_per_block} and {result.dst_tokens_per_block}"
+            )
+        raw = doc.get("period_fragments")
+        if not isinstance(raw, Sequence) or isinstance(raw, str):
+            raise ValueError("period_fragments must be a list of 7-integer fragments")
+        spans = tuple(result.checked_span(span, index) for index, span in enumerate(raw))
+        return cls(result.src_tokens_per_block, result.dst_tokens_per_block, spans)
+
+    def checked_span(self, span: object, index: int) -> Span:
+        """``span`` as a Span when it lies inside one block on each side; ``ValueError`` otherwise."""
+        where = f"period_fragments[{index}]"
+        if (
+            not isinstance(span, Sequence)
+            or len(span) != len(SPAN_FIELDS)
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in span)
+        ):
+            raise ValueError(f"{where} must be [{', '.join(SPAN_FIELDS)}] with integers >= 0")
+        src_block, _, dst_block, _, length, first, tokens = span
+        last = first + tokens - 1
+        ts, td = self.src_tokens_per_block, self.dst_tokens_per_block
+        if tokens == 0 or length == 0 or length % tokens:
+            raise ValueError(
+                f"{where}: length {length} is not a positive multiple of {tokens} tokens"
+            )
+        if last >= self.period_tokens:
+            raise ValueError(f"{where}: tokens [{first}, {last + 1}) leave the period")
+        if (first // ts, last // ts, first // td, last // td) != (
+            src_block,
+            src_block,
+            dst_block,
+            dst_block,
+        ):
+            raise ValueError(
+                f"{where}: tokens [{first}, {last + 1}) are not inside sender block {src_block} "
+                f"({ts} tokens each) and receiver block {dst_block} ({td} tokens each)"
+            )
+        return tuple(span)  # type: ignore[return-value]
+
+
+def _positive(doc: Mapping[str, Any], name: str) -> int:
+    value = doc.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1")
+    return value
+
+
+@dataclass(frozen=True)
+class TokenAxis:
+    """Where every moved token of one view pair lives on each side, from which periods are cut."""
+
+    src_tokens: int
+    dst_tokens: int
+    token_unit: int  # bytes per token-head (per token, replicated); 0: no exact per-token layout
+    head_major: bool  # HND and replicated: a head's tokens are contiguous
+    layers: tuple[tuple[int, int], ...]  # (src offset, dst offset) of each moved layer region
+    buffers: int
+    src_buffer: int
+    dst_buffer: int
+    src_held: int  # heads each side holds in the view
+    dst_held: int
+    src_first: int  # first moved head, counted from each side's first held head
+    dst_first: int
+    moved: int  # heads moved per layer buffer
+
+    @property
+    def periodic(self) -> bool:
+        """Block sizes differ: the plan must state a period (its block fragments cannot)."""
+        return self.src_tokens != self.dst_tokens
+
+    @cached_property
+    def rows(self) -> tuple[Row, ...]:
+        if not self.token_unit:
+            raise ValueError(
+                "the view pair's bytes per layer are not a whole number of token rows, so no "
+                "token range can be cut from its blocks"
+            )
+        unit, rows = self.token_unit, []
+        for src_layer, dst_layer in self.layers:
+            for buffer in range(self.buffers):
+                src = src_layer + buffer * self.src_buffer
+                dst = dst_layer + buffer * self.dst_buffer
+                if self.head_major:
+                    src += self.src_first * self.src_tokens * unit
+                    dst += self.dst_first * self.dst_tokens * unit
+                    src_pitch, dst_pitch = self.src_tokens * unit, self.dst_tokens * unit
+                    rows += [
+                        (src + k * src_pitch, dst + k * dst_pitch, unit, unit, unit)
+                        for k in range(self.moved)
+                    ]
+                else:
+                    rows.append(
+                        (
+                            src + self.src_first * unit,
+                            dst + self.dst_first * unit,
+                            self.src_held * unit,
+                            self.dst_held * unit,
+                            self.moved * unit,
+                        )
+                    )
+        return tuple(rows)
+
+    @cached_property
+    def period_map(self) -> PeriodMap:
+        return PeriodMap(self.src_tokens, self.dst_tokens, period_spans(self.rows, *self.tokens))
+
+    @property
+    def tokens(self) -> tuple[int, int]:
+        return self.src_tokens, self.dst_tokens
+
+
+def period_spans(rows: Iterable[Row], src_tokens: int, dst_tokens: int) -> tuple[Span, ...]:
+    """Fragments of one period: every row cut at every block boundary of either side."""
+    period = math.lcm(src_tokens, dst_tokens)
+    cuts = sorted({*range(0, period, src_tokens), *range(0, period, dst_tokens), period})
+    pieces = [(t0, t1, t0 // src_tokens, t0 // dst_tokens) for t0, t1 in pairwise(cuts)]
+    spans: list[Span] = []
+    for src_base, dst_base, src_pitch, dst_pitch, width in rows:
+        contiguous = src_pitch == width == dst_pitch
+        for t0, t1, sb, db in pieces:
+            src = src_base + (t0 - sb * src_tokens) * src_pitch
+            dst = dst_base + (t0 - db * dst_tokens) * dst_pitch
+            if contiguous:
+                spans.append((sb, src, db, dst, (t1 - t0) * width, t0, t1 - t0))
+            else:
+                spans += [
+                    (sb, src + k * src_pitch, db, dst + k * dst_pitch, width, t0 + k, 1)
+                    for k in range(t1 - t0)
+                ]
+    spans.sort(key=lambda span: (span[2], span[3]))
+    return tuple(spans)
+
+
+def token_axis(
+    sender: RankRegistration,
+    src: View,
+    receiver: RankRegistration,
+    dst: View,
+    geometry: PairGeometry,
+    layers: Iterable[int],
+) -> TokenAxis:
+    """The token layout of ``layers`` of a matched pair, sender to receiver (planner orientation)."""
+    if geometry.mapper == "replicated":
+        held, first, moved, head_major = (1, 1), (0, 0), 1, True
+    else:
+        s_lo, s_hi = held_heads(sender, geometry.total_heads)
+        r_lo, r_hi = held_heads(receiver, geometry.total_heads)
+        lo, hi = max(s_lo, r_lo), min(s_hi, r_hi)
+        held, first, moved = (s_hi - s_lo, r_hi - r_lo), (lo - s_lo, lo - r_lo), max(0, hi - lo)
+        head_major = src.kind is not Kind.NHD
+    return TokenAxis(
+        src_tokens=geometry.tokens,
+        dst_tokens=geometry.peer_tokens,
+        token_unit=geometry.token_unit,
+        head_major=head_major,
+        layers=tuple((src.offsets[layer], dst.offsets[layer]) for layer in layers),
+        buffers=src.buffers_per_layer,
+        src_buffer=src.buffer_bytes,
+        dst_buffer=dst.buffer_bytes,
+        src_held=held[0],
+        dst_held=held[1],
+        src_first=first[0],
+        dst_first=first[1],
+        moved=moved,
+    )

@@ -1,0 +1,212 @@
+"""Token ranges: the bytes of listed blocks that move for a range that may start or end mid-block.
+
+A transfer names one block list per side. Upstream's rule (reference/trtllm-native-disagg.md section
+5): a list is a suffix of the prompt range with the cached prefix implicit in its length, so it starts
+at token ``(ceil(end / tpb) - len(list)) x tpb``. A side may instead name its first token outright (a
+chunk's list, a receiver that already holds a prefix): ``blocks[0]`` holds that token at in-block
+position ``first % tpb``, and each later id holds the next whole block. A range is covered when every
+token of it lies in both lists; the first token that does not is the gap reported.
+
+Pure arithmetic over a ``PeriodMap``: data planes use ``range_copies`` where a range cuts blocks (or
+as the reference), and their own fused copies for whole periods (``full_periods``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvroute.geometry.periods import PeriodMap
+
+Copy = tuple[int, int, int, int, int]  # src block id, src offset, dst block id, dst offset, length
+
+
+class TokenRangeError(ValueError):
+    """A token range or block list that can never be transferred; ``field`` names the input."""
+
+    code = "invalid_token_range"
+
+    def __init__(self, field: str, detail: str, **extras: Any) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+        self.detail = detail
+        self.extras = extras
+
+
+class TokenGap(TokenRangeError):
+    """A token of the range that a side's block list does not hold (the first such token)."""
+
+    code = "token_range_not_covered"
+
+    def __init__(self, field: str, token: int, covered: tuple[int, int], tokens: TokenRange):
+        detail = (
+            f"holds tokens [{covered[0]}, {covered[1]}), so token {token} of the range "
+            f"[{tokens.start}, {tokens.end}) has no block"
+        )
+        super().__init__(
+            field, detail, token=token, covered=list(covered), tokens=[tokens.start, tokens.end]
+        )
+        self.token = token
+        self.covered = covered
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRange:
+    """The half-open range of prompt positions to move."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.end <= self.start:
+            raise TokenRangeError(
+                "tokens", f"[{self.start}, {self.end}) is not a non-empty range of positions >= 0"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class BlockList:
+    """One side's block ids: ``blocks[0]`` holds ``first_token``, later ids the next whole blocks."""
+
+    blocks: Sequence[int]
+    first_token: int
+    tokens_per_block: int
+
+    @classmethod
+    def suffix(
+        cls, blocks: Sequence[int], end: int, tokens_per_block: int, field: str
+    ) -> BlockList:
+        """Upstream's rule: the list ends with the block holding token ``end - 1``."""
+        first = (-(-end // tokens_per_block) - len(blocks)) * tokens_per_block
+        if first < 0:
+            raise TokenRangeError(
+                field,
+                f"{len(blocks)} blocks of {tokens_per_block} tokens ending at token {end} would "
+                f"start at token {first}; name the first token or send fewer blocks",
+            )
+        return cls(blocks, first, tokens_per_block)
+
+    @property
+    def first_block(self) -> int:
+        """The absolute block number (token // tokens_per_block) of ``blocks[0]``."""
+        return self.first_token // self.tokens_per_block
+
+    @property
+    def end_token(self) -> int:
+        return (self.first_block + len(self.blocks)) * self.tokens_per_block
+
+    def block_id(self, block: int) -> int:
+        """The id listed for absolute block number ``block``."""
+        return self.blocks[block - self.first_block]
+
+
+def resolve_lists(
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    src_tokens_per_block: int,
+    dst_tokens_per_block: int,
+    *,
+    tokens: TokenRange | None = None,
+    src_first_token: int | None = None,
+    dst_first_token: int | None = None,
+) -> tuple[TokenRange, BlockList, BlockList]:
+    """A transfer request's range and lists for one view pair's block sizes.
+
+    A side's first token defaults to upstream's suffix rule against ``tokens.end``, or to 0 when no
+    range is named; the range defaults to every token either list holds, so lists that hold
+    different tokens leave a gap (and lists of one block size pair up one to one).
+    """
+    sides = []
+    for blocks, first, size, field in (
+        (src_blocks, src_first_token, src_tokens_per_block, "src_blocks"),
+        (dst_blocks, dst_first_token, dst_tokens_per_block, "dst_blocks"),
+    ):
+        if first is None and tokens is not None:
+            sides.append(BlockList.suffix(blocks, tokens.end, size, field))
+        else:
+            sides.append(BlockList(blocks, first or 0, size))
+    span = tokens or TokenRange(
+        min(side.first_token for side in sides), max(side.end_token for side in sides)
+    )
+    return span, sides[0], sides[1]
+
+
+def first_gap(tokens: TokenRange, src: BlockList, dst: BlockList) -> TokenGap | None:
+    """The lowest token of the range either list lacks (the sender's list first on a tie)."""
+    gaps = []
+    for field, side in (("src_blocks", src), ("dst_blocks", dst)):
+        covered = (side.first_token, side.end_token)
+        if tokens.start < covered[0]:
+            gaps.append(TokenGap(field, tokens.start, covered, tokens))
+        elif tokens.end > covered[1]:
+            gaps.append(TokenGap(field, max(tokens.start, covered[1]), covered, tokens))
+    return min(gaps, key=lambda gap: gap.token, default=None)
+
+
+def check_covered(tokens: TokenRange, src: BlockList, dst: BlockList) -> None:
+    gap = first_gap(tokens, src, dst)
+    if gap is not None:
+        raise gap
+
+
+def full_periods(tokens: TokenRange, period_tokens: int) -> range:
+    """Indices of the periods that lie wholly inside the range."""
+    return range(-(-tokens.start // period_tokens), tokens.end // period_tokens)
+
+
+def whole_pieces(tokens: TokenRange, src_tokens: int, dst_tokens: int) -> TokenRange | None:
+    """The range from its first block boundary (of either side) to its last, if they differ.
+
+    Every token between them lies in a piece (the tokens one sender block and one receiver block
+    share) wholly inside the range, so data planes move it with the period's fragments as they
+    are; only the tokens before and after (fewer than a block of either side) need cutting.
+    """
+    start = min(-(-tokens.start // size) * size for size in (src_tokens, dst_tokens))
+    end = max(tokens.end // size * size for size in (src_tokens, dst_tokens))
+    return TokenRange(start, end) if start < end else None
+
+
+def periods_inside(
+    first_token: int, end_token: int, inner: TokenRange, period_tokens: int
+) -> range:
+    """The periods p whose tokens [p * L + first_token, p * L + end_token) lie inside ``inner``."""
+    low = -(-(inner.start - first_token) // period_tokens)
+    return range(low, (inner.end - end_token) // period_tokens + 1)
+
+
+def range_copies(
+    period: PeriodMap, tokens: TokenRange, src: BlockList, dst: BlockList
+) -> list[Copy]:
+    """Every copy the range needs, in period order; raises ``TokenGap`` when a list falls short."""
+    if (src.tokens_per_block, dst.tokens_per_block) != (
+        period.src_tokens_per_block,
+        period.dst_tokens_per_block,
+    ):
+        raise TokenRangeError(
+            "plan",
+            f"the plan cuts {period.src_tokens_per_block} -> {period.dst_tokens_per_block} tokens "
+            f"per block, the lists {src.tokens_per_block} -> {dst.tokens_per_block}",
+        )
+    check_covered(tokens, src, dst)
+    length_tokens = period.period_tokens
+    src_step, dst_step = period.src_blocks_per_period, period.dst_blocks_per_period
+    copies: list[Copy] = []
+    for index in range(tokens.start // length_tokens, -(-tokens.end // length_tokens)):
+        base = index * length_tokens
+        lo, hi = max(tokens.start - base, 0), min(tokens.end - base, length_tokens)
+        for sb, so, db, do, length, first, count in period.spans:
+            start, stop = max(first, lo), min(first + count, hi)
+            if start >= stop:
+                continue
+            per_token, skip = length // count, start - first
+            copies.append(
+                (
+                    src.block_id(index * src_step + sb),
+                    so + skip * per_token,
+                    dst.block_id(index * dst_step + db),
+                    do + skip * per_token,
+                    (stop - start) * per_token,
+                )
+            )
+    return copies

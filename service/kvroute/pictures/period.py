@@ -1,0 +1,48 @@
+"""A view pair's period as a picture: sender blocks above, receiver blocks below, cut between.
+
+Drawn under a view's title when its plan states a period (the two sides cut tokens into blocks
+of different sizes): one bar of sender blocks and one of receiver blocks over the period's tokens,
+and between them one box per piece (the tokens one sender block and one receiver block share),
+titled with the blocks and tokens it moves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvroute.pictures.svg import LINE, Canvas, colour
+from kvroute.render import period_pieces
+
+STRIP_WIDTH = 384  # px for one period of tokens
+ROW = 18
+LEFT = 130
+
+
+def period_strip(canvas: Canvas, view: dict[str, Any], y: float) -> float:
+    """Draws the strip from ``y``; returns the y below it."""
+    period = view["period_tokens"]
+    scale = STRIP_WIDTH / period
+    rows = (
+        ("sender", 0, view["src_blocks_per_period"]),
+        ("receiver", 2, view["dst_blocks_per_period"]),
+    )
+    for label, row, blocks in rows:
+        top, size = y + row * ROW, period // blocks
+        canvas.text(10, top + 13, f"{label} blocks", size=11)
+        for block in range(blocks):
+            x = LEFT + block * size * scale
+            canvas.box(x, top, size * scale - 1, ROW - 2, fill="#ffffff")
+            canvas.text(x + 3, top + 13, f"{label[0]}b{block}", size=11)
+    canvas.text(10, y + ROW + 13, "pieces", size=11)
+    for index, (src, dst, first, end) in enumerate(period_pieces(view)):
+        canvas.box(
+            LEFT + first * scale,
+            y + ROW,
+            (end - first) * scale - 1,
+            ROW - 2,
+            fill=colour(index),
+            title=f"tokens [{first}, {end}): sender block {src} -> receiver block {dst}",
+        )
+    note = f"{period} tokens per period, {view['descriptors_per_period']:,} fragments"
+    canvas.text(LEFT, y + 3 * ROW + 12, note, size=11)
+    return y + 3 * ROW + LINE + 8

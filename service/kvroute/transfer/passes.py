@@ -1,0 +1,119 @@
+"""One view's share of a job as passes: fragment sets applied to paired block id arrays.
+
+A token range splits at the block boundaries of either side into pieces that each lie in one sender
+block and one receiver block (``geometry.periods``). Between the first and the last such boundary
+inside the range, every piece is whole: it moves with the fragments of its (sender block, receiver
+block) pair of the period, the same in every period, so each pair becomes one pass over all the
+periods where it lies inside (with equal block sizes, the plan's block fragments over the whole
+blocks). The engine compiles each such pass once, cached by its key, and copies it with its fused
+strategies, so a range costs what its whole blocks cost.
+
+Only the tokens before the first boundary and after the last (fewer than one block of either side
+at each end: a receiver's cached prefix ending mid-block, a chunk boundary) are cut by arithmetic
+(``geometry.range_copies``); they form one small pass per block pair, compiled for the job alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvroute.geometry import (
+    BlockList,
+    TokenRange,
+    first_gap,
+    periods_inside,
+    range_copies,
+    whole_pieces,
+)
+from kvroute.transfer.errors import TransferValidationError
+from kvroute.transfer.jobs import TokenWindow, TransferJob
+from kvroute.transfer.plan import ViewCopy
+
+
+@dataclass(frozen=True, slots=True)
+class Pass:
+    """``fragments`` copied from each ``src_blocks[i]`` to ``dst_blocks[i]``."""
+
+    key: tuple[Hashable, ...] | None  # names ``fragments`` in the engine's cache; None: this job's
+    fragments: np.ndarray  # (n, 3) src_offset, dst_offset, length; sorted by dst_offset
+    src_blocks: np.ndarray
+    dst_blocks: np.ndarray
+
+
+def view_work(
+    view: ViewCopy, key: tuple[Hashable, ...], job: TransferJob, where: str
+) -> tuple[Pass, ...]:
+    """What ``job`` copies of ``view``; raises ``TransferValidationError`` naming a gap."""
+    if job.window is None and not view.periodic:
+        src, dst = job.src_blocks, job.dst_blocks
+        if len(src) != len(dst):
+            raise TransferValidationError(
+                "dst_blocks", f"has {len(dst)} ids but src_blocks has {len(src)}; they pair up"
+            )
+        return (Pass(key, view.fragments, src, dst),)
+    period = view.period
+    if period is None:
+        raise TransferValidationError(
+            where,
+            "has block fragments only; a token range needs the plan's period form "
+            "(GET .../plans?fragments=period)",
+        )
+    window = job.window or TokenWindow()
+    tokens, src, dst = window.lists(
+        job.src_blocks, job.dst_blocks, period.src_tokens_per_block, period.dst_tokens_per_block
+    )
+    gap = first_gap(tokens, src, dst)
+    if gap is not None:
+        raise TransferValidationError(gap.field, gap.detail, code=gap.code, extras=gap.extras)
+    inner = whole_pieces(tokens, src.tokens_per_block, dst.tokens_per_block)
+    if inner is None:
+        return tuple(_cut_passes(view, tokens, src, dst))
+    passes = list(_inner_passes(view, key, inner, job, src, dst))
+    for start, end in ((tokens.start, inner.start), (inner.end, tokens.end)):
+        if start < end:
+            passes += _cut_passes(view, TokenRange(start, end), src, dst)
+    return tuple(passes)
+
+
+def _inner_passes(
+    view: ViewCopy,
+    key: tuple[Hashable, ...],
+    inner: TokenRange,
+    job: TransferJob,
+    src: BlockList,
+    dst: BlockList,
+) -> Iterator[Pass]:
+    if not view.periodic:  # equal block sizes: whole blocks, by the plan's block fragments
+        size = src.tokens_per_block
+        blocks = np.arange(inner.start // size, inner.end // size, dtype=np.int64)
+        src_ids = job.src_blocks[blocks - src.first_block]
+        yield Pass(key, view.fragments, src_ids, job.dst_blocks[blocks - dst.first_block])
+        return
+    assert view.period is not None
+    length = view.period.period_tokens
+    src_step, dst_step = view.period.src_blocks_per_period, view.period.dst_blocks_per_period
+    for group in view.groups:
+        inside = periods_inside(group.first_token, group.end_token, inner, length)
+        if not inside:
+            continue
+        periods = np.arange(inside.start, inside.stop, dtype=np.int64)
+        src_ids = job.src_blocks[periods * src_step + group.src_block - src.first_block]
+        dst_ids = job.dst_blocks[periods * dst_step + group.dst_block - dst.first_block]
+        pair = (*key, group.src_block, group.dst_block)
+        yield Pass(pair, group.fragments, src_ids, dst_ids)
+
+
+def _cut_passes(view: ViewCopy, tokens: TokenRange, src: BlockList, dst: BlockList) -> list[Pass]:
+    """The copies of a range inside one piece per period end, one pass per block pair."""
+    assert view.period is not None
+    copies = np.array(range_copies(view.period, tokens, src, dst), dtype=np.int64).reshape(-1, 5)
+    copies = copies[np.lexsort((copies[:, 3], copies[:, 2], copies[:, 0]))]
+    breaks = np.flatnonzero(np.any(copies[1:, (0, 2)] != copies[:-1, (0, 2)], axis=1)) + 1
+    passes = []
+    for part in np.split(copies, breaks) if len(copies) else []:
+        fragments = np.ascontiguousarray(part[:, (1, 3, 4)])
+        passes.append(Pass(None, fragments, part[:1, 0].copy(), part[:1, 2].copy()))
+    return passes
