@@ -7,7 +7,6 @@ import logging
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sqlalchemy import text
 
 from kvroute.api.keys import (
     lifecycle_key,
@@ -20,6 +19,7 @@ from kvroute.api.problems import DEFAULT_RETRY_AFTER_S
 from kvroute.api.registration import utcnow
 from kvroute.api.transfers import transfer_checks
 from kvroute.store import lease_watch
+from kvroute.store.engine import ping
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ async def readyz(request: web.Request) -> web.Response:
 async def _database_check(request: web.Request) -> str:
     timeout = request.app[settings_key].readiness_timeout_seconds
     try:
-        async with asyncio.timeout(timeout), request.app[sessionmaker_key]() as session:
-            await session.execute(text("SELECT 1"))
+        async with asyncio.timeout(timeout):
+            await ping(request.app[sessionmaker_key])
     except TimeoutError:
         return f"no answer within {timeout:g}s"
     except Exception as exc:  # any failure means "not ready"; the reason is the answer

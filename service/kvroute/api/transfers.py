@@ -10,7 +10,6 @@ since importing them outside this lazily-entered path would import torch.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -97,13 +96,7 @@ async def post_transfer(request: web.Request) -> web.Response:
         src_first_token=body.get("src_first_token"),
         dst_first_token=body.get("dst_first_token"),
     )
-    try:
-        record = await service.submit(transfer, now=utcnow())
-    except Exception as error:
-        problem = _transfer_problem(error)
-        if problem is None:
-            raise
-        raise ProblemError(problem) from error
+    record = await service.submit(transfer, now=utcnow())  # refusals: the error table
     return web.json_response(
         job_json(record), status=202, headers={"Location": f"/v1/transfers/{record.id}"}
     )
@@ -165,40 +158,3 @@ def _service(app: web.Application) -> TransferService:
     if service is None:
         raise ProblemError(Problem(503, "Service Unavailable", NO_DATA_PLANE, "no_data_plane"))
     return service
-
-
-def _transfer_problem(error: Exception) -> Problem | None:
-    """A data-plane refusal as problem+json; None leaves the error to the error boundary."""
-    from kvroute.control.transfers import RankPoolMemoryError
-    from kvroute.transfer.errors import (
-        PoolDraining,
-        PoolMemoryError,
-        QueueFull,
-        TransferValidationError,
-    )
-
-    if isinstance(error, PoolMemoryError):
-        extras: dict[str, Any] = {
-            "pool": error.pool_id,
-            "backend": error.backend,
-            "reason": error.reason,
-        }
-        if isinstance(error, RankPoolMemoryError):
-            extras |= {"instance": error.instance, "rank": error.rank}
-        return _unprocessable(error, "pool_memory_unavailable", extras)
-    if isinstance(error, TransferValidationError):
-        return _unprocessable(error, error.code, {"field": error.field, **error.extras})
-    if isinstance(error, QueueFull):
-        retry = str(max(1, math.ceil(error.retry_after)))
-        return Problem(
-            429, "Too Many Requests", str(error), "queue_full", headers={"Retry-After": retry}
-        )
-    if isinstance(error, PoolDraining):
-        return Problem(
-            503, "Service Unavailable", str(error), "draining", headers={"Retry-After": "1"}
-        )
-    return None
-
-
-def _unprocessable(error: Exception, code: str, extras: dict[str, Any]) -> Problem:
-    return Problem(422, "Unprocessable Content", str(error), code, extras=extras)

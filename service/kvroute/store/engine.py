@@ -26,7 +26,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, CursorResult, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import (
@@ -48,6 +48,7 @@ READ_ONLY = "kvroute_read_only"
 CLIENT_TIMEOUT_MARGIN_S = 1.0
 
 SessionMaker = async_sessionmaker[AsyncSession]
+Engine = AsyncEngine  # the name the layers above use, so they need not import SQLAlchemy
 _AUTOCOMMIT: weakref.WeakKeyDictionary[AsyncEngine, AsyncEngine] = weakref.WeakKeyDictionary()
 # Each engine's timeouts, so its autocommit companion is bounded exactly like it.
 _TIMEOUTS: weakref.WeakKeyDictionary[AsyncEngine, DatabaseTimeouts] = weakref.WeakKeyDictionary()
@@ -124,6 +125,12 @@ async def reading(sessionmaker: SessionMaker) -> AsyncIterator[AsyncSession]:
     async with sessionmaker() as session:
         await session.connection(execution_options={READ_ONLY: True})
         yield session
+
+
+async def ping(sessionmaker: SessionMaker) -> None:
+    """One round trip to the database (readiness): raises whatever the driver raises."""
+    async with autocommit_connection(engine_of(sessionmaker)) as connection:
+        await connection.execute(text("SELECT 1"))
 
 
 def engine_of(sessionmaker: SessionMaker) -> AsyncEngine:
