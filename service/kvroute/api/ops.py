@@ -8,6 +8,7 @@ import logging
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvroute.api.clock import app_now
 from kvroute.api.keys import (
     lifecycle_key,
     metrics_key,
@@ -16,7 +17,6 @@ from kvroute.api.keys import (
     spec_text_key,
 )
 from kvroute.api.problems import DEFAULT_RETRY_AFTER_S
-from kvroute.api.registration import utcnow
 from kvroute.api.transfers import transfer_checks
 from kvroute.store import lease_watch
 from kvroute.store.engine import ping
@@ -61,7 +61,7 @@ async def metrics(request: web.Request) -> web.Response:
     gauges = app[metrics_key]
     try:
         async with asyncio.timeout(app[settings_key].readiness_timeout_seconds):
-            counts = await lease_watch.rank_counts(app[sessionmaker_key], now=utcnow())
+            counts = await lease_watch.rank_counts(app[sessionmaker_key], now=app_now(app))
     except Exception:
         # A scrape must not fail with the database; the rank gauges keep their last values.
         log.warning("could not refresh the rank gauges", exc_info=True)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from kvroute.api.clock import app_now
 from kvroute.api.keys import (
     copy_engine_key,
     metrics_key,
@@ -25,7 +26,6 @@ from kvroute.api.keys import (
     validated_key,
 )
 from kvroute.api.problems import Problem, ProblemError
-from kvroute.api.registration import utcnow
 from kvroute.store import jobs
 from kvroute.store.records import TransferJobRecord
 
@@ -64,7 +64,7 @@ async def transfer_context(app: web.Application) -> AsyncIterator[None]:
         ),
         replica=settings.replica_id,
     )
-    await service.start(now=utcnow())
+    await service.start(now=app_now(app))
     app[transfer_service_key] = service
     yield
     report = await service.close(settings.shutdown_timeout_seconds)
@@ -96,7 +96,7 @@ async def post_transfer(request: web.Request) -> web.Response:
         src_first_token=body.get("src_first_token"),
         dst_first_token=body.get("dst_first_token"),
     )
-    record = await service.submit(transfer, now=utcnow())  # refusals: the error table
+    record = await service.submit(transfer, now=app_now(request.app))  # refusals: the error table
     return web.json_response(
         job_json(record), status=202, headers={"Location": f"/v1/transfers/{record.id}"}
     )
@@ -122,7 +122,7 @@ async def list_transfers(request: web.Request) -> web.Response:
 async def delete_transfer(request: web.Request) -> web.Response:
     service = _service(request.app)
     job_id = request[validated_key].path["job_id"]
-    record = await service.cancel(job_id, now=utcnow())
+    record = await service.cancel(job_id, now=app_now(request.app))
     return web.json_response(job_json(record))
 
 
