@@ -156,10 +156,21 @@ def autocommit_engine(engine: AsyncEngine) -> AsyncEngine:
     """
     companion = _AUTOCOMMIT.get(engine)
     if companion is None:
+        timeouts = _TIMEOUTS.get(engine) or DatabaseTimeouts()
+        extra: dict[str, Any] = {}
+        if engine.dialect.name == "postgresql":
+            # Its only writes are lease renewals: soft state a worker repeats every lease/3. Not
+            # waiting for each one's WAL flush is what lets a fleet's heartbeats through; a
+            # PostgreSQL crash can forget the last few hundred milliseconds of renewals, which
+            # shortens those leases and nothing else. Registrations keep synchronous commits.
+            args = _postgres_connect_args(timeouts)
+            args["server_settings"]["synchronous_commit"] = "off"
+            extra["connect_args"] = args
         companion = create_engine(
             engine.url.render_as_string(hide_password=False),
-            _TIMEOUTS.get(engine),
+            timeouts,
             isolation_level="AUTOCOMMIT",
+            **extra,
         )
         _AUTOCOMMIT[engine] = companion
     return companion
