@@ -18,11 +18,12 @@ from typing import Any
 
 from cachetools import LRUCache
 
+from kvroute.control.state_reads import StateReads
 from kvroute.geometry import GeometryError, Plan, build_plan
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import Conflict
 from kvroute.store.registrations import RegistrationCache, RegistrationMoved
-from kvroute.store.snapshots import InstanceState, instance_states
+from kvroute.store.snapshots import InstanceState
 
 
 class PlanUnavailable(Conflict):
@@ -60,12 +61,11 @@ class PlanService:
     ) -> None:
         self.sessionmaker = sessionmaker
         self.registrations = registrations or RegistrationCache(sessionmaker)
+        self._states = StateReads(sessionmaker)
         self._plans: LRUCache[PlanKey, tuple[tuple[object, ...], ServedPlan]] = LRUCache(cache_size)
 
     async def get(self, key: PlanKey, *, now: datetime) -> ServedPlan:
-        states = await instance_states(
-            self.sessionmaker, key.deployment, [key.sender, key.receiver], now=now
-        )
+        states = await self._states.states(key.deployment, [key.sender, key.receiver], now=now)
         sender, receiver = states[key.sender], states[key.receiver]
         _require_live(sender, receiver, key.receiver_rank)
         generations = (tuple(sorted(sender.live.items())), receiver.live[key.receiver_rank])

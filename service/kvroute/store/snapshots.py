@@ -36,7 +36,12 @@ class InstanceState:
 
 
 async def instance_states(
-    sessionmaker: SessionMaker, deployment: str, instances: Sequence[str], *, now: datetime
+    sessionmaker: SessionMaker,
+    deployment: str,
+    instances: Sequence[str],
+    *,
+    now: datetime,
+    missing_ok: bool = False,
 ) -> dict[str, InstanceState]:
     """Generations of the instances' live ranks and the numbers of their expired ones.
 
@@ -47,6 +52,8 @@ async def instance_states(
         sessionmaker, _INSTANCES, {"deployment": deployment, "names": list(instances)}, now
     )
     missing = [name for name in instances if name not in states]
+    if missing_ok:
+        return states
     if missing:
         raise NotFound(f"instance {missing[0]!r} of deployment {deployment!r} does not exist")
     return {name: states[name] for name in instances}

@@ -1,0 +1,71 @@
+"""Instance states for plan reads, one database read per wave of concurrent requests.
+
+Every plan read, cache hits included, must see the registry as of after it arrived: a plan may
+never be older than the request asking for it. Under load, hundreds of such reads per second would
+each pay a database round trip. Instead the requests that arrive while one read is in flight wait
+for the next read, which starts after all of them arrived and fetches every instance they asked
+for in one statement; so each request's answer still comes from a read that began after it did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from datetime import datetime
+
+from kvroute.store.engine import SessionMaker
+from kvroute.store.errors import NotFound
+from kvroute.store.snapshots import InstanceState, instance_states
+
+States = dict[str, InstanceState]
+Waiting = tuple[set[str], datetime, "asyncio.Future[States]"]  # instances, clock reading, answer
+
+
+class StateReads:
+    def __init__(self, sessionmaker: SessionMaker) -> None:
+        self._sessionmaker = sessionmaker
+        self._waiting: dict[str, list[Waiting]] = {}
+        self._reading: set[str] = set()
+
+    async def states(
+        self, deployment: str, instances: Sequence[str], *, now: datetime
+    ) -> dict[str, InstanceState]:
+        """``instance_states`` of the instances, from a read that started after this call."""
+        answer: asyncio.Future[States] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(deployment, []).append((set(instances), now, answer))
+        if deployment not in self._reading:
+            self._reading.add(deployment)
+            asyncio.get_running_loop().create_task(self._read_waves(deployment))
+        states = await answer
+        missing = [name for name in instances if name not in states]
+        if missing:
+            raise NotFound(f"instance {missing[0]!r} of deployment {deployment!r} does not exist")
+        return {name: states[name] for name in instances}
+
+    async def _read_waves(self, deployment: str) -> None:
+        try:
+            while wave := self._waiting.pop(deployment, []):
+                await self._read(deployment, wave)
+        finally:
+            self._reading.discard(deployment)
+
+    async def _read(
+        self,
+        deployment: str,
+        wave: list[Waiting],
+    ) -> None:
+        names = sorted(set().union(*(wanted for wanted, _, _ in wave)))
+        # Leases are judged at the latest clock reading among the wave's requests.
+        now = max(at for _, at, _ in wave)
+        try:
+            states = await instance_states(
+                self._sessionmaker, deployment, names, now=now, missing_ok=True
+            )
+        except Exception as error:
+            for _, _, answer in wave:
+                if not answer.done():
+                    answer.set_exception(error)
+            return
+        for _, _, answer in wave:
+            if not answer.done():
+                answer.set_result(states)
