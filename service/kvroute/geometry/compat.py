@@ -1,8 +1,9 @@
 """Peer compatibility and the full registration check (DESIGN.md "Rejected at the boundary").
 
-Checks run stage by stage across all peers (rank-wide fields, then view matching, then per-view head
-geometry), so a draft-layer mismatch is always reported as such, never as the head-geometry error it
-would otherwise surface as on the draft views.
+Checks run stage by stage across all peers (rank-wide fields, then view matching, then per-pair
+geometry: KV heads and sliding windows of block views, SSM heads, TP-aggregated bytes and conv
+sections of state views), so a draft-layer mismatch is always reported as such, never as the
+geometry error it would otherwise surface as on the draft views.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.matching import match_view
 from kvroute.geometry.model import DTYPE_BITS, RankRegistration, View
 from kvroute.geometry.pairs import pair_geometry
+from kvroute.geometry.state import state_geometry
 from kvroute.geometry.validate import check_instance, check_self
 
 MatchedPair = tuple[RankRegistration, View, RankRegistration, View]
@@ -68,12 +70,19 @@ def matched_pairs(reg: RankRegistration, peer: RankRegistration) -> list[Matched
     return pairs
 
 
+def check_pair(local: RankRegistration, view: View, peer: RankRegistration, theirs: View) -> object:
+    """One matched pair's geometry: KV heads and windows for block views, 2.10 for state views."""
+    if view.is_state:
+        return state_geometry(local, view, peer, theirs)
+    return pair_geometry(local, view, peer, theirs)
+
+
 def check_peers(reg: RankRegistration, peers: Sequence[RankRegistration]) -> None:
     ordered = sorted(peers, key=lambda p: (p.instance, p.rank))
     stages: list[Callable[[RankRegistration], object]] = [
         lambda peer: check_rank_fields(reg, peer),
         lambda peer: matched_pairs(reg, peer),
-        lambda peer: [pair_geometry(*pair) for pair in matched_pairs(reg, peer)],
+        lambda peer: [check_pair(*pair) for pair in matched_pairs(reg, peer)],
     ]
     for stage in stages:
         for peer in ordered:

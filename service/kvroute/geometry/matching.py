@@ -1,9 +1,11 @@
 """View matching between a rank and a peer rank.
 
-A view matches a peer view with the same role set (set equality), the same owner and overlapping
-layers. Where the peer is responsible for some of a view's layers, exactly one peer view must carry
-them all; anything else would leave destination bytes unwritten or written twice, so it is refused:
-missing, ambiguous ("overlaps several peer views"), misplaced, or of another mapper kind.
+A view matches a peer view with the same role set (set equality), the same owner, the same slot axis
+(per-token blocks or per-request state: a hybrid model may list one global layer id in both, so
+matching stays within one axis) and overlapping layers. Where the peer is responsible for some of a
+view's layers, exactly one peer view must carry them all; anything else would leave destination
+bytes unwritten or written twice, so it is refused: missing, ambiguous ("overlaps several peer
+views"), misplaced, or of another mapper kind.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ def match_view(view: View, owner_rank: RankRegistration, peer: RankRegistration)
         theirs
         for theirs in peer.views
         if theirs.owner is view.owner
+        and theirs.axis is view.axis
         and theirs.roles == view.roles
         and theirs.layer_ids & view.layer_ids
     ]
     field = _field(owner_rank, view)
     if not candidates:
+        what = f"{view.owner} {'state ' if view.is_state else ''}view"
         raise _match_error(
             "view_missing",
-            f"{peer.label()} holds layers {_span(needed)} of {view.label()} but has no {view.owner} view "
+            f"{peer.label()} holds layers {_span(needed)} of {view.label()} but has no {what} "
             f"with roles {sorted(view.roles)} for them",
             field,
             view,

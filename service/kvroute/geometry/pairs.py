@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.heads import pair_total
 from kvroute.geometry.model import Kind, RankRegistration, View
+from kvroute.geometry.window import Window, pair_window
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,7 @@ class PairGeometry:
     peer_heads: int
     unit: int  # bytes per head (hnd), per token-head (nhd), per layer (intact, replicated)
     tokens: int
+    window: Window | None = None  # the sliding window the pair moves; None: every block
 
     @property
     def slices_heads(self) -> bool:
@@ -39,7 +41,7 @@ def pair_geometry(
     local: RankRegistration, view: View, peer: RankRegistration, theirs: View
 ) -> PairGeometry:
     """Checks one matched pair and describes how it moves; raises on any mismatch."""
-    fail = _Failer(local, view, peer)
+    fail = PairFailer(local, view, peer)
     if view.buffers_per_layer != theirs.buffers_per_layer:
         raise fail(
             "buffers_mismatch",
@@ -49,6 +51,7 @@ def pair_geometry(
         )
     if view.dtype and theirs.dtype and view.dtype != theirs.dtype:
         raise fail("view_dtype_mismatch", "dtype", view.dtype, theirs.dtype)
+    window = pair_window(local, view, peer, theirs)
     if view.kind is Kind.REPLICATED:
         if view.bytes_per_layer != theirs.bytes_per_layer:
             raise fail(
@@ -57,7 +60,7 @@ def pair_geometry(
                 view.bytes_per_layer,
                 theirs.bytes_per_layer,
             )
-        return PairGeometry("replicated", 1, 1, 1, view.bytes_per_layer, local.tokens(view))
+        return PairGeometry("replicated", 1, 1, 1, view.bytes_per_layer, local.tokens(view), window)
     local_heads, peer_heads = local.heads(view), peer.heads(theirs)
     total = pair_total(
         local_heads,
@@ -86,7 +89,7 @@ def pair_geometry(
                 theirs.bytes_per_layer,
             )
         return PairGeometry(
-            "intact", total.total, local_heads, peer_heads, view.bytes_per_layer, tokens
+            "intact", total.total, local_heads, peer_heads, view.bytes_per_layer, tokens, window
         )
     unit = _head_unit(view, local_heads, tokens)
     peer_unit = _head_unit(theirs, peer_heads, peer_tokens)
@@ -100,7 +103,7 @@ def pair_geometry(
             reason=f"{view.kind} {what} mismatch: local={unit}, peer={peer_unit} "
             f"(local heads={local_heads}, peer heads={peer_heads})",
         )
-    return PairGeometry(view.kind.value, total.total, local_heads, peer_heads, unit, tokens)
+    return PairGeometry(view.kind.value, total.total, local_heads, peer_heads, unit, tokens, window)
 
 
 def _head_unit(view: View, heads: int, tokens: int) -> int:
@@ -109,7 +112,7 @@ def _head_unit(view: View, heads: int, tokens: int) -> int:
     return view.bytes_per_layer // per
 
 
-class _Failer:
+class PairFailer:
     """Builds pair errors that name both views, both values and the peer rank."""
 
     def __init__(self, local: RankRegistration, view: View, peer: RankRegistration) -> None:

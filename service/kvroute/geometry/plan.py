@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvroute.geometry.mappers import Fragment
+from kvroute.geometry.window import Window
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,13 +32,14 @@ class ViewTransfer:
     total_heads: int
     src_heads: tuple[int, int]  # global head range the sender holds (under total_heads)
     dst_heads: tuple[int, int]  # global head range this pair writes on the receiver
+    window: Window | None = None  # sliding window: only the blocks in it move
 
     @property
     def bytes_per_block(self) -> int:
         return sum(length for _, _, length in self.fragments)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "src_view": self.src_view,
             "dst_view": self.dst_view,
             "src_pool": self.src_pool,
@@ -57,6 +59,63 @@ class ViewTransfer:
             "descriptors_per_block": len(self.fragments),
             "fragments": [list(fragment) for fragment in self.fragments],
         }
+        if self.window is not None:
+            doc["window"] = self.window.to_json()
+        return doc
+
+
+@dataclass(frozen=True, slots=True)
+class StateTransfer:
+    """One matched recurrent-state view pair as sent by one sender rank.
+
+    Fragments are relative to a request's state slot on each side (not to a block), and are
+    copied once per request, from the sender's state slot to the receiver's.
+    """
+
+    src_view: int
+    dst_view: int
+    src_pool: int
+    dst_pool: int
+    mapper: str  # "ssm" | "conv" | "replicated"
+    duplicate_head_factor: int
+    peer_duplicate_head_factor: int
+    fragments: tuple[Fragment, ...]
+    layers: tuple[int, ...]
+    owner: str
+    roles: tuple[str, ...]
+    mamba_tp: tuple[tuple[int, int], tuple[int, int]]  # (tp, rank) of the sender, the receiver
+    shard_unit: str  # "head" (ssm), "part" (conv: lcm of the TPs), "whole" (replicated)
+    shard_total: int
+    src_shard: tuple[int, int]  # positions of every section the sender holds
+    dst_shard: tuple[int, int]  # positions this pair writes on the receiver
+
+    @property
+    def nbytes(self) -> int:
+        return sum(length for _, _, length in self.fragments)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "src_view": self.src_view,
+            "dst_view": self.dst_view,
+            "src_pool": self.src_pool,
+            "dst_pool": self.dst_pool,
+            "mapper": self.mapper,
+            "duplicate_head_factor": self.duplicate_head_factor,
+            "peer_duplicate_head_factor": self.peer_duplicate_head_factor,
+            "owner": self.owner,
+            "roles": list(self.roles),
+            "layers": list(self.layers),
+            "mamba_tp": {"src": list(self.mamba_tp[0]), "dst": list(self.mamba_tp[1])},
+            "shard": {
+                "unit": self.shard_unit,
+                "total": self.shard_total,
+                "src": list(self.src_shard),
+                "dst": list(self.dst_shard),
+            },
+            "bytes": self.nbytes,
+            "descriptors": len(self.fragments),
+            "fragments": [list(fragment) for fragment in self.fragments],
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +126,16 @@ class PeerPlan:
     pp_rank: int
     tp_rank: int
     views: tuple[ViewTransfer, ...]
+    states: tuple[StateTransfer, ...] = ()
 
     @property
     def sends(self) -> bool:
-        return any(view.fragments for view in self.views)
+        return any(view.fragments for view in self.views) or any(s.fragments for s in self.states)
+
+    @property
+    def state_bytes(self) -> int:
+        """Recurrent bytes this rank writes per request."""
+        return sum(state.nbytes for state in self.states)
 
     @property
     def bytes_per_block(self) -> int:
@@ -81,7 +146,7 @@ class PeerPlan:
         return sum(len(view.fragments) for view in self.views)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "rank": self.rank,
             "pp_rank": self.pp_rank,
             "tp_rank": self.tp_rank,
@@ -90,6 +155,10 @@ class PeerPlan:
             "descriptors_per_block": self.descriptors_per_block,
             "views": [view.to_json() for view in self.views],
         }
+        if self.states:
+            doc["state_bytes"] = self.state_bytes
+            doc["states"] = [state.to_json() for state in self.states]
+        return doc
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +186,19 @@ class Plan:
     def fragments_per_block(self) -> int:
         return sum(peer.descriptors_per_block for peer in self.peers)
 
+    @property
+    def state_bytes(self) -> int:
+        """Recurrent bytes the receiver gets per request: what a bounce region adds for state."""
+        return sum(peer.state_bytes for peer in self.peers)
+
+    @property
+    def state_fragments(self) -> int:
+        return sum(len(state.fragments) for peer in self.peers for state in peer.states)
+
+    @property
+    def has_state(self) -> bool:
+        return any(peer.states for peer in self.peers)
+
     def to_json(
         self,
         *,
@@ -124,7 +206,7 @@ class Plan:
         receiver_generation: int | None = None,
     ) -> dict[str, Any]:
         generations = sender_generations or {}
-        return {
+        doc: dict[str, Any] = {
             "deployment": self.deployment,
             "sender": {
                 "instance": self.sender_instance,
@@ -144,3 +226,7 @@ class Plan:
             "warnings": list(self.warnings),
             "peers": [peer.to_json() for peer in self.peers],
         }
+        if self.has_state:
+            doc["state_bytes"] = self.state_bytes
+            doc["state_fragments"] = self.state_fragments
+        return doc

@@ -3,6 +3,7 @@
 For every receiver view and every layer of it, the sender ranks that overlap the receiver in TP
 position and hold that layer in the matching view are grouped by the heads they hold; each group
 holds identical bytes, and exactly one of its ranks (elected) writes them (DESIGN.md rule 3).
+Recurrent-state views are planned per request slot by ``state_planner`` under the same rule.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from kvroute.geometry.mappers import coalesce, held_heads, pair_fragments
 from kvroute.geometry.matching import match_view
 from kvroute.geometry.model import RankRegistration, Role, View
 from kvroute.geometry.pairs import PairGeometry, duplication, pair_geometry
-from kvroute.geometry.plan import PeerPlan, Plan, ViewTransfer
+from kvroute.geometry.plan import PeerPlan, Plan, StateTransfer, ViewTransfer
+from kvroute.geometry.state_planner import plan_state_view
 from kvroute.geometry.topology import candidate_senders, elect
 
 
@@ -46,9 +48,16 @@ def build_plan(
     check_peers(receiver, senders)
     candidates = candidate_senders(senders, receiver, sender_dp_rank)
     transfers: dict[int, list[ViewTransfer]] = defaultdict(list)
+    states: dict[int, list[StateTransfer]] = defaultdict(list)
     heard: set[int] = set()
     warnings: list[str] = []
     for view in sorted(receiver.views, key=lambda v: v.view_id):
+        if view.is_state:
+            heard_state, sent = plan_state_view(view, candidates, receiver)
+            heard.update(heard_state)
+            for rank, state in sent:
+                states[rank].append(state)
+            continue
         sources = _sources(view, candidates, receiver)
         _assign_layers(view, sources, receiver)
         for source in sources:
@@ -59,7 +68,13 @@ def build_plan(
                 warnings.extend(_warnings(source, transfer))
     by_rank = {s.rank: s for s in senders}
     peers = tuple(
-        PeerPlan(rank, by_rank[rank].pp_rank, by_rank[rank].tp_rank, tuple(transfers.get(rank, ())))
+        PeerPlan(
+            rank,
+            by_rank[rank].pp_rank,
+            by_rank[rank].tp_rank,
+            tuple(transfers.get(rank, ())),
+            tuple(states.get(rank, ())),
+        )
         for rank in sorted(heard)
     )
     writers = [peer.bytes_per_block for peer in peers if peer.sends]
@@ -77,9 +92,10 @@ def build_plan(
             view_pairs=[
                 (v.mapper, v.duplicate_head_factor, v.peer_duplicate_head_factor)
                 for peer in peers
-                for v in peer.views
+                for v in (*peer.views, *peer.states)
             ],
             writer_bytes=writers,
+            state=any(peer.states for peer in peers),
         ),
         warnings=tuple(dict.fromkeys(warnings)),
     )
@@ -167,6 +183,7 @@ def _transfer(source: _Source, view: View, receiver: RankRegistration) -> ViewTr
         total_heads=geometry.total_heads,
         src_heads=src_heads,
         dst_heads=dst_heads,
+        window=geometry.window,
     )
 
 

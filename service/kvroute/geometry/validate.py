@@ -149,6 +149,8 @@ def _check_view(reg: RankRegistration, index: int, view: View) -> None:
             )
     if view.kind.sharded:
         _check_view_heads(reg, field, view)
+    elif view.kind.recurrent:
+        _check_state_view(field, view)
     elif view.bytes_per_layer % view.buffers_per_layer:
         raise _self_error(
             "bytes_per_layer_not_divisible",
@@ -236,9 +238,53 @@ def _check_view_heads(reg: RankRegistration, field: str, view: View) -> None:
         )
 
 
+def _check_state_view(field: str, view: View) -> None:
+    """A recurrent view is one buffer per layer whose bytes split into whole heads or sections."""
+    if view.buffers_per_layer != 1:
+        raise _self_error(
+            "state_buffers_invalid",
+            f"{view.label()}: recurrent state is one region per layer, not "
+            f"buffers_per_layer={view.buffers_per_layer}",
+            f"{field}.buffers_per_layer",
+            view.buffers_per_layer,
+            1,
+        )
+    if view.kind is Kind.SSM:
+        unit = view.ssm_bytes_per_head or 1
+        if view.bytes_per_layer % unit:
+            raise _self_error(
+                "bytes_per_layer_not_divisible",
+                f"{view.label()}: bytes_per_layer {view.bytes_per_layer} is not a whole number of "
+                f"SSM heads of ssm_bytes_per_head={unit} bytes",
+                f"{field}.bytes_per_layer",
+                view.bytes_per_layer,
+                unit,
+            )
+        return
+    sections = view.conv_sections or ()
+    if sum(sections) != view.bytes_per_layer:
+        raise _self_error(
+            "conv_sections_sum_mismatch",
+            f"{view.label()}: conv_sections {list(sections)} sum to {sum(sections)} bytes, "
+            f"not bytes_per_layer={view.bytes_per_layer}",
+            f"{field}.conv_sections",
+            sum(sections),
+            view.bytes_per_layer,
+        )
+
+
 def _check_no_overlap(reg: RankRegistration) -> None:
+    """Views of one slot axis must not overlap. A block view and a state view may: a slot of a
+    shared pool holds a KV block or one request's state, never both (the data plane refuses a job
+    naming one slot both ways where their regions overlap)."""
     regions = sorted(
-        (view.pool_id, slot.offset, slot.offset + view.bytes_per_layer, view.view_id, slot.layer)
+        (
+            (view.pool_id, view.axis.value),
+            slot.offset,
+            slot.offset + view.bytes_per_layer,
+            view.view_id,
+            slot.layer,
+        )
         for view in reg.views
         for slot in view.layers
     )
@@ -246,7 +292,7 @@ def _check_no_overlap(reg: RankRegistration) -> None:
         if before[0] == after[0] and after[1] < before[2]:
             raise _self_error(
                 "views_overlap",
-                f"pool {before[0]}: view {before[3]} layer {before[4]} [{before[1]}, {before[2]}) overlaps "
+                f"pool {before[0][0]}: view {before[3]} layer {before[4]} [{before[1]}, {before[2]}) overlaps "
                 f"view {after[3]} layer {after[4]} starting at {after[1]}",
                 "views",
                 [before[3], before[4]],
@@ -315,6 +361,7 @@ def _compare_instance_views(reg: RankRegistration, other: RankRegistration) -> N
             if (
                 theirs.owner is not view.owner
                 or theirs.roles != view.roles
+                or theirs.axis is not view.axis
                 or not view.layer_ids & theirs.layer_ids
             ):
                 continue
@@ -346,6 +393,9 @@ def _view_signature(
             view.total_kv_heads or theirs.total_kv_heads,
             theirs.total_kv_heads or view.total_kv_heads,
         ),
+        ("ssm_bytes_per_head", view.ssm_bytes_per_head, theirs.ssm_bytes_per_head),
+        ("conv_sections", view.conv_sections, theirs.conv_sections),
+        ("sliding_window", view.sliding_window, theirs.sliding_window),
     )
 
 
