@@ -28,6 +28,18 @@ PALETTE = (
     "#499894",
     "#f1ce63",
 )
+STATE_COLUMNS = (
+    "sender",
+    "view",
+    "owner",
+    "roles",
+    "mapper",
+    "mamba tp",
+    "writes",
+    "layers",
+    "bytes/request",
+    "fragments",
+)
 COLUMNS = (
     "sender",
     "sends",
@@ -93,8 +105,23 @@ def plan_text(plan: dict[str, Any]) -> str:
         f"bytes/block {plan['bytes_per_block']}  fragments/block {plan['fragments_per_block']}",
         "",
     ]
-    rows = [COLUMNS, *plan_rows(plan)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines += _table(COLUMNS, plan_rows(plan))
+    lines += window_lines(plan)
+    if "state_bytes" in plan:
+        lines += [
+            "",
+            f"recurrent state, once per request slot: {plan['state_bytes']} bytes/request, "
+            f"{plan['state_fragments']} fragments",
+            *_table(STATE_COLUMNS, state_rows(plan)),
+        ]
+    lines += [f"warning: {w}" for w in plan.get("warnings", [])]
+    return "\n".join(lines) + "\n"
+
+
+def _table(columns: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
+    rows = [columns, *body]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = []
     for index, row in enumerate(rows):
         lines.append(
             "  ".join(
@@ -104,8 +131,58 @@ def plan_text(plan: dict[str, Any]) -> str:
         )
         if index == 0:
             lines.append("  ".join("-" * w for w in widths))
-    lines += [f"warning: {w}" for w in plan.get("warnings", [])]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def window_lines(plan: dict[str, Any]) -> list[str]:
+    """One line per windowed view pair: the window it moves and the first block that is sent."""
+    windows = {
+        (v["src_view"], v["dst_view"]): v["window"]
+        for p in plan["peers"]
+        for v in p["views"]
+        if "window" in v
+    }
+    return [
+        f"window {src}->{dst}: last {w['tokens']} tokens (sender {_tokens(w['sender'])}, "
+        f"receiver {_tokens(w['receiver'])}); request blocks from "
+        f"floor((prompt_tokens + 1 - {w['tokens']}) / {w['tokens_per_block']}) are sent"
+        for (src, dst), w in sorted(windows.items())
+    ]
+
+
+def _tokens(window: int | None) -> str:
+    return "full" if window is None else str(window)
+
+
+def state_rows(plan: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for peer in plan["peers"]:
+        for state in peer.get("states", []):
+            (s_tp, s_rank), (r_tp, r_rank) = state["mamba_tp"]["src"], state["mamba_tp"]["dst"]
+            rows.append(
+                (
+                    str(peer["rank"]),
+                    f"{state['src_view']}->{state['dst_view']}",
+                    state["owner"],
+                    "+".join(state["roles"]),
+                    state["mapper"],
+                    f"{s_rank}/{s_tp}->{r_rank}/{r_tp}",
+                    _shard(state),
+                    _layers(state["layers"]),
+                    str(state["bytes"]),
+                    str(state["descriptors"]),
+                )
+            )
+    return rows
+
+
+def _shard(state: dict[str, Any]) -> str:
+    shard = state["shard"]
+    if shard["unit"] == "whole":
+        return "all"
+    lo, hi = shard["dst"]
+    unit = "heads" if shard["unit"] == "head" else f"parts of {shard['total']}"
+    return f"{unit} {lo}" if hi - lo == 1 else f"{unit} {lo}-{hi - 1}"
 
 
 def _bands(
@@ -143,7 +220,7 @@ def plan_svg(plan: dict[str, Any]) -> str:
         heads, bands = _bands(plan, view_id)
         title = (
             f"view {view_id} ({sample['owner']}, {'+'.join(sample['roles'])}, {sample['mapper']})"
-        )
+        ) + (f" window {sample['window']['tokens']}" if "window" in sample else "")
         title_lengths.append(len(title))
         parts.append(f'<text x="10" y="{y}" font-weight="bold">{escape(title)}</text>')
         y += 8
@@ -170,6 +247,8 @@ def plan_svg(plan: dict[str, Any]) -> str:
                 )
             y += cell
         y += 24
+    y, state_columns = _state_grids(plan, parts, title_lengths, y, cell, label_width)
+    grid = max(grid, label_width + cell * state_columns + 20)
     header = (
         f"{plan['sender']['instance']} -> {plan['receiver']['instance']} rank {plan['receiver']['rank']}: "
         f"{plan['expected_writers']} writers, bounce safe {plan['fanin_bounce_safe']}"
@@ -180,3 +259,60 @@ def plan_svg(plan: dict[str, Any]) -> str:
         f'<rect width="100%" height="100%" fill="#fafafa"/>'
         f'<text x="10" y="24" font-size="14">{escape(header)}</text>{"".join(parts)}</svg>\n'
     )
+
+
+def _state_cells(
+    plan: dict[str, Any], dst_view: int
+) -> tuple[list[int], list[tuple[list[int], dict[int, int]]]]:
+    """Receiver shard positions of one state view, and layer runs with one position -> writer map."""
+    writer: dict[int, dict[int, int]] = {}
+    units: set[int] = set()
+    for peer in plan["peers"]:
+        for state in peer.get("states", []):
+            if state["dst_view"] == dst_view:
+                lo, hi = state["shard"]["dst"]
+                units.update(range(lo, hi))
+                for layer in state["layers"]:
+                    writer.setdefault(layer, {}).update(dict.fromkeys(range(lo, hi), peer["rank"]))
+    bands: list[tuple[list[int], dict[int, int]]] = []
+    for layer in sorted(writer):
+        if bands and bands[-1][1] == writer[layer] and bands[-1][0][-1] == layer - 1:
+            bands[-1][0].append(layer)
+        else:
+            bands.append(([layer], writer[layer]))
+    return sorted(units), bands
+
+
+def _state_grids(
+    plan: dict[str, Any], parts: list[str], titles: list[int], y: int, cell: int, left: int
+) -> tuple[int, int]:
+    """One grid per receiver state view, below the block views: columns are the receiver's shard
+    positions (SSM heads, conv parts), rows are layer runs, cells name the writing sender rank."""
+    states = sorted({s["dst_view"]: s for p in plan["peers"] for s in p.get("states", [])}.items())
+    columns = 0
+    for view_id, sample in states:
+        units, bands = _state_cells(plan, view_id)
+        columns = max(columns, len(units))
+        title = f"state view {view_id} ({sample['owner']}, {'+'.join(sample['roles'])}, {sample['mapper']}, per request)"
+        titles.append(len(title))
+        parts.append(f'<text x="10" y="{y}" font-weight="bold">{escape(title)}</text>')
+        prefix = {"head": "h", "part": "p"}.get(sample["shard"]["unit"])
+        parts += [
+            f'<text x="{left + column * cell + cell / 2}" y="{y + 20}" text-anchor="middle" font-size="11">{f"{prefix}{unit}" if prefix else "all"}</text>'
+            for column, unit in enumerate(units)
+        ]
+        y += 26
+        for layers, mapping in bands:
+            parts.append(
+                f'<text x="10" y="{y + cell / 2 + 4}" font-size="12">layers {_layers(layers)}</text>'
+            )
+            for column, unit in enumerate(units):
+                rank, x = mapping.get(unit), left + column * cell
+                fill = PALETTE[rank % len(PALETTE)] if rank is not None else "#ffffff"
+                parts.append(
+                    f'<rect x="{x}" y="{y}" width="{cell - 2}" height="{cell - 2}" fill="{fill}" stroke="#333"><title>state {sample["shard"]["unit"]} {unit}, layers {_layers(layers)}: sender rank {rank}</title></rect>'
+                    f'<text x="{x + cell / 2 - 1}" y="{y + cell / 2 + 4}" text-anchor="middle" font-size="12">{"-" if rank is None else f"r{rank}"}</text>'
+                )
+            y += cell
+        y += 24
+    return y, columns
