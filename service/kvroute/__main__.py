@@ -2,6 +2,6 @@
 
 import sys
 
-from kvroute.cli import main
+from kvroute.cli.main import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.cli import build_parser, main
+from kvroute.cli.main import build_parser, main
 from kvroute.store import migrate
 
 

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from kvroute.cli import main
+from kvroute.cli.main import main
 from tests.api.conftest import WORKER_TOKEN, register
 from tests.api.documents import rank_document
 

@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.api.plan_answers import PLAN_BUILD_BUCKETS_SECONDS
+from kvroute.control.plan_answers import PLAN_BUILD_BUCKETS_SECONDS
 from tests.api.conftest import ADMIN, WORKER, rank_path, register
 from tests.api.documents import rank_document
 

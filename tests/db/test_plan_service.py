@@ -6,8 +6,8 @@ from datetime import timedelta
 
 import pytest
 
+from kvroute.control.plans import PlanKey, PlanService, PlanUnavailable
 from kvroute.geometry import GeometryError
-from kvroute.plans import PlanKey, PlanService, PlanUnavailable
 from kvroute.store import registry
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import NotFound

@@ -15,15 +15,15 @@ from openapi_core import OpenAPI
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from kvroute.api.metrics import Metrics
-from kvroute.api.plan_answers import PlanAnswers
 from kvroute.api.scopes import Scope
 from kvroute.api.spec import SpecValidator, ValidatedRequest
-from kvroute.plans import PlanService
+from kvroute.control.plan_answers import PlanAnswers
+from kvroute.control.plans import PlanService
 from kvroute.settings import Settings
 
 if TYPE_CHECKING:  # the data plane imports torch, which the control plane may lack
+    from kvroute.control.transfers import TransferService
     from kvroute.transfer.engine import CopyEngine
-    from kvroute.transfer.service import TransferService
 
 
 @dataclass

@@ -21,16 +21,11 @@ from kvroute.api.keys import (
     sessionmaker_key,
     validated_key,
 )
-from kvroute.api.plan_answers import MEDIA_TYPES, EncodedPlan, PlanAnswers, PlanMetrics
 from kvroute.api.registration import utcnow
+from kvroute.control.plan_answers import MEDIA_TYPES, EncodedPlan, PlanAnswers, PlanMetrics
+from kvroute.control.plans import PlanKey, PlanService, PlanUnavailable
 from kvroute.geometry import GeometryError
-from kvroute.plans import PlanKey, PlanService, PlanUnavailable
 from kvroute.store.errors import NotFound
-from kvroute.store.snapshots import instance_state
-
-# A batch is re-read when a sender rank re-registers between two of its plans; past this many
-# reads the instance is changing too fast to answer one consistent set.
-PLAN_SET_ATTEMPTS = 3
 
 
 async def plan_context(app: web.Application) -> AsyncIterator[None]:
@@ -108,7 +103,9 @@ async def get_plan_set(request: web.Request) -> web.Response:
     async def answer() -> web.Response:
         validated = request[validated_key]
         plan_format = validated.query.get("format", "json")
-        plans = await _plan_set(request, plan_format)
+        plans = await request.app[plan_answers_key].plan_set(
+            _plan_key(request, 0), plan_format, now=utcnow()
+        )
         if plan_format == "text":
             body = b"\n".join(plan.body for plan in plans)
         else:
@@ -127,35 +124,3 @@ async def get_plan_set(request: web.Request) -> web.Response:
         )
 
     return await _counted(request, answer)
-
-
-async def _plan_set(request: web.Request, plan_format: str) -> list[EncodedPlan]:
-    """Plans of every rank of the receiver instance, all built from one set of sender generations."""
-    answers: PlanAnswers = request.app[plan_answers_key]
-    key = _plan_key(request, 0)
-    for _ in range(PLAN_SET_ATTEMPTS):
-        now = utcnow()
-        receiver = await instance_state(
-            request.app[sessionmaker_key], key.deployment, key.receiver, now=now
-        )
-        missing = sorted(set(range(receiver.expected_ranks)) - set(receiver.live))
-        if missing and receiver.role == "generation":
-            live = ",".join(map(str, sorted(receiver.live))) or "none"
-            raise PlanUnavailable(
-                f"receiver instance {key.receiver} has ranks {live} of {receiver.expected_ranks} "
-                f"live (missing or expired: {','.join(map(str, missing))})"
-            )
-        plans = [
-            await answers.answer(
-                PlanKey(key.deployment, key.sender, key.receiver, rank, key.sender_dp_rank),
-                plan_format,
-                now=now,
-            )
-            for rank in range(receiver.expected_ranks)
-        ]
-        if len({plan.sender_generations for plan in plans}) <= 1:
-            return plans
-    raise PlanUnavailable(
-        f"sender instance {key.sender} re-registered ranks while its plans were read "
-        f"{PLAN_SET_ATTEMPTS} times; retry"
-    )

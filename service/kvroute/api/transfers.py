@@ -31,7 +31,7 @@ from kvroute.store import jobs
 from kvroute.store.records import TransferJobRecord
 
 if TYPE_CHECKING:
-    from kvroute.transfer.service import TransferService
+    from kvroute.control.transfers import TransferService
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ NO_DATA_PLANE = (
 async def transfer_context(app: web.Application) -> AsyncIterator[None]:
     """Start the worker pool; on shutdown (readiness is already 503) drain it, then unmap pools."""
     try:
-        from kvroute.transfer.service import TransferService
+        from kvroute.control.transfers import TransferService
     except ImportError as error:
         log.warning("transfer endpoints disabled: %s (%s)", NO_DATA_PLANE, error)
         yield
@@ -75,7 +75,7 @@ def transfer_checks(app: web.Application) -> dict[str, str]:
 
 async def post_transfer(request: web.Request) -> web.Response:
     service = _service(request.app)
-    from kvroute.transfer.service import TransferRequest  # importable: the service exists
+    from kvroute.control.transfers import TransferRequest  # importable: the service exists
 
     validated = request[validated_key]
     body = validated.body
@@ -149,13 +149,13 @@ def _service(app: web.Application) -> TransferService:
 
 def _transfer_problem(error: Exception) -> Problem | None:
     """A data-plane refusal as problem+json; None leaves the error to the error boundary."""
+    from kvroute.control.transfers import RankPoolMemoryError
     from kvroute.transfer.errors import (
         PoolDraining,
         PoolMemoryError,
         QueueFull,
         TransferValidationError,
     )
-    from kvroute.transfer.service import RankPoolMemoryError
 
     if isinstance(error, PoolMemoryError):
         extras: dict[str, Any] = {

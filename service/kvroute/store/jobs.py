@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 
 from kvroute.store.engine import SessionMaker, affected_rows, reading
 from kvroute.store.errors import InvalidTransition, NotFound
@@ -45,10 +45,11 @@ async def create_job(
     fragments: int,
     now: datetime,
     replica: str = "",
+    job_id: str | None = None,
 ) -> TransferJobRecord:
-    """Stores a new queued job under a fresh UUID and returns it."""
+    """Stores a new queued job under ``job_id`` (a fresh UUID by default) and returns it."""
     job = TransferJob(
-        id=str(uuid.uuid4()),
+        id=job_id or str(uuid.uuid4()),
         deployment=deployment,
         sender=sender,
         receiver=receiver,
@@ -65,6 +66,16 @@ async def create_job(
     async with sessionmaker.begin() as session:
         session.add(job)
     return _record(job)
+
+
+async def discard_job(sessionmaker: SessionMaker, job_id: str) -> None:
+    """Deletes a queued job that never reached a worker (its submission was refused)."""
+    async with sessionmaker.begin() as session:
+        await session.execute(
+            delete(TransferJob).where(
+                TransferJob.id == job_id, TransferJob.state == JobState.QUEUED.value
+            )
+        )
 
 
 async def get_job(sessionmaker: SessionMaker, job_id: str) -> TransferJobRecord:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, tuple_
+from sqlalchemy import ColumnElement, select, tuple_
 
 from kvroute.store import ranks as repo
 from kvroute.store.engine import SessionMaker, reading
@@ -40,10 +40,30 @@ async def instance_states(
 ) -> dict[str, InstanceState]:
     """Generations of the instances' live ranks and the numbers of their expired ones.
 
-    One session and three small queries for any number of instances: this runs on every plan
-    read, cache hits included.
+    One joined statement for any number of instances: this runs on every plan read, cache hits
+    included.
     """
-    # One joined statement: this runs on every plan read, cache hits included.
+    states = await _states(sessionmaker, deployment, now, Instance.name.in_(instances))
+    missing = [name for name in instances if name not in states]
+    if missing:
+        raise NotFound(f"instance {missing[0]!r} of deployment {deployment!r} does not exist")
+    return {name: states[name] for name in instances}
+
+
+async def deployment_states(
+    sessionmaker: SessionMaker, deployment: str, *, now: datetime
+) -> list[InstanceState]:
+    """Every instance of a deployment, by name; ``NotFound`` for an unknown deployment."""
+    async with reading(sessionmaker) as session:
+        if await session.get(Deployment, deployment) is None:
+            raise NotFound(f"deployment {deployment!r} does not exist")
+    states = await _states(sessionmaker, deployment, now)
+    return [states[name] for name in sorted(states)]
+
+
+async def _states(
+    sessionmaker: SessionMaker, deployment: str, now: datetime, *where: ColumnElement[bool]
+) -> dict[str, InstanceState]:
     query = (
         select(
             Deployment.checked_at,
@@ -59,29 +79,32 @@ async def instance_states(
         .outerjoin(
             Rank, (Rank.deployment == Instance.deployment) & (Rank.instance == Instance.name)
         )
-        .where(Deployment.name == deployment, Instance.name.in_(instances))
+        .where(Deployment.name == deployment, *where)
     )
     async with reading(sessionmaker) as session:
         rows = (await session.execute(query)).all()
     layouts: dict[str, tuple[str, int, int]] = {}
-    live: dict[str, dict[int, int]] = {name: {} for name in instances}
-    expired: dict[str, list[int]] = {name: [] for name in instances}
+    live: dict[str, dict[int, int]] = {}
+    expired: dict[str, list[int]] = {}
     for checked_at, name, role, tp_size, pp_size, rank, generation, expires in rows:
         layouts[name] = (role, tp_size, pp_size)
+        live.setdefault(name, {})
+        expired.setdefault(name, [])
         if rank is None:
             continue
         if expires > repo.judged_at_time(checked_at, now):
             live[name][rank] = generation
         else:
             expired[name].append(rank)
-    missing = [name for name in instances if name not in layouts]
-    if missing:
-        raise NotFound(f"instance {missing[0]!r} of deployment {deployment!r} does not exist")
     return {
         name: InstanceState(
-            deployment, name, *layouts[name], live[name], tuple(sorted(expired[name]))
+            deployment,
+            name,
+            *layout,
+            dict(sorted(live[name].items())),
+            tuple(sorted(expired[name])),
         )
-        for name in instances
+        for name, layout in layouts.items()
     }
 
 

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from kvroute.geometry import GeometryError, Plan, RankRegistration, build_plan
+from cachetools import LRUCache
+
+from kvroute.control.registrations import RegistrationCache, RegistrationMoved
+from kvroute.geometry import GeometryError, Plan, build_plan
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import Conflict
-from kvroute.store.snapshots import InstanceState, instance_states, rank_documents
+from kvroute.store.snapshots import InstanceState, instance_states
 
 
 class PlanUnavailable(Conflict):
@@ -49,35 +51,29 @@ class ServedPlan:
 class PlanService:
     """Builds and caches plans; one per process, shared by the plan and transfer endpoints."""
 
-    def __init__(self, sessionmaker: SessionMaker, *, cache_size: int = 4096) -> None:
-        self._sessionmaker = sessionmaker
-        self._plans: OrderedDict[PlanKey, tuple[tuple[object, ...], ServedPlan]] = OrderedDict()
-        self._registrations: OrderedDict[tuple[str, str, int, int], RankRegistration] = (
-            OrderedDict()
-        )
-        self._cache_size = cache_size
+    def __init__(
+        self,
+        sessionmaker: SessionMaker,
+        registrations: RegistrationCache | None = None,
+        *,
+        cache_size: int = 4096,
+    ) -> None:
+        self.sessionmaker = sessionmaker
+        self.registrations = registrations or RegistrationCache(sessionmaker)
+        self._plans: LRUCache[PlanKey, tuple[tuple[object, ...], ServedPlan]] = LRUCache(cache_size)
 
     async def get(self, key: PlanKey, *, now: datetime) -> ServedPlan:
         states = await instance_states(
-            self._sessionmaker, key.deployment, [key.sender, key.receiver], now=now
+            self.sessionmaker, key.deployment, [key.sender, key.receiver], now=now
         )
         sender, receiver = states[key.sender], states[key.receiver]
         _require_live(sender, receiver, key.receiver_rank)
         generations = (tuple(sorted(sender.live.items())), receiver.live[key.receiver_rank])
         hit = self._plans.get(key)
         if hit is not None and hit[0] == generations:
-            self._plans.move_to_end(key)
-            served = hit[1]
-            return ServedPlan(
-                served.plan,
-                served.sender_generations,
-                served.receiver_generation,
-                served.document,
-                True,
-                None,
-            )
+            return replace(hit[1], cached=True, build_seconds=None)
         served = await self._build(key, sender, receiver.live[key.receiver_rank])
-        self._remember(self._plans, key, (generations, served))
+        self._plans[key] = (generations, served)
         return served
 
     async def _build(
@@ -85,7 +81,10 @@ class PlanService:
     ) -> ServedPlan:
         wanted = [(key.sender, rank, gen) for rank, gen in sorted(sender.live.items())]
         wanted.append((key.receiver, key.receiver_rank, receiver_generation))
-        registrations = await self._registrations_at(key.deployment, wanted)
+        try:
+            registrations = await self.registrations.at(key.deployment, wanted)
+        except RegistrationMoved as moved:
+            raise PlanUnavailable(f"{moved} (while its plan was built)") from None
         senders, receiver = registrations[:-1], registrations[-1]
         started = time.perf_counter()
         # Planning is CPU-bound (milliseconds for per-token NHD plans): keep it off the event loop.
@@ -98,32 +97,6 @@ class PlanService:
             sender_generations=sender_generations, receiver_generation=receiver_generation
         )
         return ServedPlan(plan, sender_generations, receiver_generation, document, False, elapsed)
-
-    async def _registrations_at(
-        self, deployment: str, wanted: list[tuple[str, int, int]]
-    ) -> list[RankRegistration]:
-        """Parsed registrations at exactly these generations; uncached documents in one read."""
-        found = {w: self._registrations.get((deployment, *w)) for w in wanted}
-        missing = [w for w, reg in found.items() if reg is None]
-        documents = await rank_documents(self._sessionmaker, deployment, missing)
-        for instance, rank, generation in missing:
-            document = documents.get((instance, rank))
-            if document is None:
-                raise PlanUnavailable(
-                    f"{instance} rank {rank} re-registered or left while its plan was built; retry"
-                )
-            reg = RankRegistration.from_json(
-                document, deployment=deployment, instance=instance, rank=rank
-            )
-            found[(instance, rank, generation)] = reg
-            self._remember(self._registrations, (deployment, instance, rank, generation), reg)
-        return [reg for reg in found.values() if reg is not None]
-
-    def _remember(self, cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:
-        cache[key] = value
-        cache.move_to_end(key)
-        while len(cache) > self._cache_size:
-            cache.popitem(last=False)
 
 
 def _require_live(sender: InstanceState, receiver: InstanceState, receiver_rank: int) -> None:

@@ -30,7 +30,7 @@ from rich.table import Table
 from kvroute.client import KvrouteClient, KvrouteError, TransferStatus
 
 if TYPE_CHECKING:
-    from kvroute import demo
+    from kvroute.cli import demo_workers as demo
 
 REPLY_WAIT_S = 120.0
 console = Console(highlight=False, width=110)
@@ -42,7 +42,7 @@ def embedded_kvroute(directory: Path) -> Iterator[tuple[str, str, str]]:
     from aiohttp import web
 
     from kvroute.api import create_app
-    from kvroute.cli import prepare_schema
+    from kvroute.cli.serve import prepare_schema
     from kvroute.settings import Settings
 
     with socket.socket() as probe:
@@ -79,7 +79,7 @@ class Workers:
     """The worker processes and their command/reply queues."""
 
     def __init__(self, url: str, token: str, model: demo.Model) -> None:
-        from kvroute import demo
+        from kvroute.cli import demo_workers as demo
 
         context = multiprocessing.get_context("spawn")
         self.replies: Any = context.Queue()
@@ -142,7 +142,7 @@ class Workers:
 
 def refuse_incompatible(client: KvrouteClient, model: demo.Model) -> KvrouteError | None:
     """A generation instance whose blocks hold half the tokens: kvroute must refuse it."""
-    from kvroute import demo
+    from kvroute.cli import demo_workers as demo
     from kvroute.client.pools import Parallel, SharedKvPool, rank_document
 
     halved = [
@@ -168,7 +168,7 @@ def run_jobs(
     client: KvrouteClient, model: demo.Model, jobs: int, progress: Progress
 ) -> tuple[list[TransferStatus], list[tuple[int, int]]]:
     """Moves disjoint block batches (reversed order on the receiver) through kvroute's worker pool."""
-    from kvroute import demo
+    from kvroute.cli import demo_workers as demo
 
     per_job = model.num_slots // jobs
     task = progress.add_task(f"{jobs} transfer jobs on kvroute's worker pool", total=jobs)
@@ -249,7 +249,7 @@ def summary_table(
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute import demo  # torch is imported only when the demo runs
+    from kvroute.cli import demo_workers as demo  # torch is imported only when the demo runs
 
     model = demo.SMALL if args.small else demo.FULL
     with (

@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Literal
 
+from cachetools import LRUCache
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvroute.plans import PlanKey, PlanService, ServedPlan
+from kvroute.control.plans import PlanKey, PlanService, PlanUnavailable, ServedPlan
 from kvroute.render import plan_svg, plan_text
+from kvroute.store.snapshots import instance_state
 
 PlanFormat = Literal["json", "text", "svg"]
+# A plan set is re-read when a sender rank re-registers between two of its plans; past this many
+# reads the instance is changing too fast to answer one consistent set.
+PLAN_SET_ATTEMPTS = 3
 
 MEDIA_TYPES: dict[str, str] = {
     "json": "application/json",
@@ -107,8 +111,7 @@ class PlanAnswers:
         self.service = service
         self.metrics = metrics
         # Per key only the newest version is kept: an older one can never be current again.
-        self._encoded: OrderedDict[PlanKey, tuple[str, dict[str, bytes]]] = OrderedDict()
-        self._cache_size = cache_size
+        self._encoded: LRUCache[PlanKey, tuple[str, dict[str, bytes]]] = LRUCache(cache_size)
 
     async def answer(self, key: PlanKey, plan_format: str, *, now: datetime) -> EncodedPlan:
         served = await self.service.get(key, now=now)
@@ -123,9 +126,6 @@ class PlanAnswers:
         if entry is None or entry[0] != version:
             entry = (version, {})
             self._encoded[key] = entry
-        self._encoded.move_to_end(key)
-        while len(self._encoded) > self._cache_size:
-            self._encoded.popitem(last=False)
         body = entry[1].get(plan_format)
         if body is None:
             encoder = ENCODERS[plan_format]
@@ -137,4 +137,27 @@ class PlanAnswers:
             body=body,
             sender_generations=tuple(sorted(served.sender_generations.items())),
             receiver_generation=served.receiver_generation,
+        )
+
+    async def plan_set(self, key: PlanKey, plan_format: str, *, now: datetime) -> list[EncodedPlan]:
+        """Plans of every rank of ``key``'s receiver instance, all from one set of sender generations."""
+        sessionmaker = self.service.sessionmaker
+        for _ in range(PLAN_SET_ATTEMPTS):
+            receiver = await instance_state(sessionmaker, key.deployment, key.receiver, now=now)
+            missing = sorted(set(range(receiver.expected_ranks)) - set(receiver.live))
+            if missing and receiver.role == "generation":
+                live = ",".join(map(str, sorted(receiver.live))) or "none"
+                raise PlanUnavailable(
+                    f"receiver instance {key.receiver} has ranks {live} of {receiver.expected_ranks} "
+                    f"live (missing or expired: {','.join(map(str, missing))})"
+                )
+            plans = [
+                await self.answer(replace(key, receiver_rank=rank), plan_format, now=now)
+                for rank in range(receiver.expected_ranks)
+            ]
+            if len({plan.sender_generations for plan in plans}) <= 1:
+                return plans
+        raise PlanUnavailable(
+            f"sender instance {key.sender} re-registered ranks while its plans were read "
+            f"{PLAN_SET_ATTEMPTS} times; retry"
         )

@@ -1,0 +1,1 @@
+"""The ``kvroute`` command line; the entry point is ``kvroute.cli.main:main``."""

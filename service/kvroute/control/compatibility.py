@@ -1,0 +1,117 @@
+"""The context x generation compatibility matrix of a deployment, for operators.
+
+Registration already refuses a rank incompatible with the live peers it meets, but a deployment
+can still hold pairs that would refuse each other: rows admitted before a rule existed (an older
+kvroute), or ranks checked against peers that were expired at the time. The matrix re-runs the
+boundary's peer check (``check_peers``) on the live registrations, every rank of a generation
+instance against all ranks of a context instance, and names the first refusal. An instance with
+missing or expired ranks is reported as incomplete: its pairs are not guessed at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from kvroute.control.registrations import RegistrationCache
+from kvroute.geometry import GeometryError, RankRegistration, check_peers
+from kvroute.store.engine import SessionMaker
+from kvroute.store.snapshots import deployment_states
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRanks:
+    name: str
+    role: str
+    expected_ranks: int
+    live: tuple[RankRegistration, ...]  # ordered by rank
+
+    @property
+    def missing(self) -> list[int]:
+        return sorted(set(range(self.expected_ranks)) - {reg.rank for reg in self.live})
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "instance": self.name,
+            "expected_ranks": self.expected_ranks,
+            "live_ranks": [reg.rank for reg in self.live],
+            "missing_ranks": self.missing,
+            "complete": not self.missing,
+        }
+
+
+def _refusal(
+    error: GeometryError, receiver: RankRegistration, senders: Sequence[RankRegistration]
+) -> dict[str, Any]:
+    context_rank = error.peer_rank
+    if context_rank is None:
+        # The stage that refused did not name its peer: find the first rank it refuses alone.
+        for sender in senders:
+            try:
+                check_peers(receiver, [sender])
+            except GeometryError as alone:
+                if alone.code == error.code:
+                    context_rank = sender.rank
+                    break
+    return {
+        "code": error.code,
+        "field": error.field,
+        "detail": error.detail,
+        "local": error.local,
+        "peer": error.peer,
+        "generation_rank": receiver.rank,
+        "context_rank": context_rank,
+    }
+
+
+def pair_verdict(context: InstanceRanks, generation: InstanceRanks) -> dict[str, Any]:
+    """One cell of the matrix; ``local`` is the generation rank's value, ``peer`` the context's."""
+    cell: dict[str, Any] = {"context": context.name, "generation": generation.name}
+    incomplete = {side.name: side.missing for side in (context, generation) if side.missing}
+    if incomplete:
+        return cell | {"status": "incomplete", "compatible": None, "missing_ranks": incomplete}
+    for receiver in generation.live:
+        try:
+            check_peers(receiver, context.live)
+        except GeometryError as error:
+            refusal = _refusal(error, receiver, context.live)
+            return cell | {"status": "incompatible", "compatible": False, "refusal": refusal}
+    return cell | {"status": "compatible", "compatible": True}
+
+
+def compatibility_matrix(deployment: str, instances: Sequence[InstanceRanks]) -> dict[str, Any]:
+    contexts = [item for item in instances if item.role == "context"]
+    generations = [item for item in instances if item.role == "generation"]
+    return {
+        "deployment": deployment,
+        "context": [item.to_json() for item in contexts],
+        "generation": [item.to_json() for item in generations],
+        "pairs": [pair_verdict(c, g) for c in contexts for g in generations],
+    }
+
+
+async def deployment_matrix(
+    sessionmaker: SessionMaker,
+    registrations: RegistrationCache,
+    deployment: str,
+    *,
+    now: datetime,
+) -> dict[str, Any]:
+    """The matrix of the deployment's live registrations; ``NotFound`` for an unknown one."""
+    states = await deployment_states(sessionmaker, deployment, now=now)
+    wanted = [(s.instance, rank, gen) for s in states for rank, gen in s.live.items()]
+    live = await registrations.at(deployment, wanted)
+    instances = [
+        InstanceRanks(
+            state.instance,
+            state.role,
+            state.expected_ranks,
+            tuple(reg for reg in live if reg.instance == state.instance),
+        )
+        for state in states
+    ]
+    # check_peers is CPU work proportional to ranks x views: keep it off the event loop.
+    return await asyncio.to_thread(compatibility_matrix, deployment, instances)

@@ -1,0 +1,176 @@
+"""Leg resolution: one receiver rank of a transfer request -> its plan and its opened pool memory.
+
+A leg's plan comes from the registry (``PlanService``), so a job never runs a plan of a rank that
+re-registered; its pools come from the registrations at exactly the generations the plan was built
+from (the shared ``RegistrationCache``). Everything a request can get wrong (block ids outside a pool, a pool this process cannot
+open) is refused here, before a job row exists or anything is queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from cachetools import LRUCache
+
+from kvroute.control.plans import PlanKey, PlanService, PlanUnavailable, ServedPlan
+from kvroute.control.registrations import RankAt, RegistrationMoved
+from kvroute.geometry import Pool
+from kvroute.transfer.errors import PoolMemoryError, TransferValidationError
+from kvroute.transfer.jobs import TransferLeg
+from kvroute.transfer.memory import PoolMemory, PoolMemoryCache
+from kvroute.transfer.plan import CopyPlan
+
+_BlockTarget = tuple[str, tuple[int, ...], str, int, Pool]  # list name, ids, instance, rank, pool
+COPY_PLAN_CACHE_SIZE = 1024  # compiled plans are immutable, keyed by fingerprint
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRequest:
+    """One ``POST /v1/deployments/{d}/transfers`` body, after schema validation."""
+
+    deployment: str
+    sender: str
+    receiver: str
+    receiver_ranks: tuple[int, ...]
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    sender_dp_rank: int = 0
+
+
+class RankPoolMemoryError(PoolMemoryError):
+    """A pool of a named rank cannot be opened by this process."""
+
+    def __init__(self, error: PoolMemoryError, instance: str, rank: int) -> None:
+        super().__init__(error.pool_id, error.backend, error.reason)
+        self.instance = instance
+        self.rank = rank
+
+    def __str__(self) -> str:
+        return (
+            f"pool {self.pool_id} of {self.instance} rank {self.rank} ({self.backend} memory): "
+            f"{self.reason}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Leg:
+    """One receiver rank's plan with the pools of its rank documents (memory not yet opened)."""
+
+    copy_plan: CopyPlan
+    receiver_rank: int
+    sender_pools: dict[tuple[int, int], Pool]  # (sender rank, pool id)
+    receiver_pools: dict[int, Pool]
+
+
+class LegResolver:
+    """Turns requests into checked legs; caches compiled plans and rank pools per generation."""
+
+    def __init__(self, plans: PlanService, memories: PoolMemoryCache) -> None:
+        self._plans = plans
+        self._memories = memories
+        self._copy_plans: LRUCache[str, CopyPlan] = LRUCache(COPY_PLAN_CACHE_SIZE)
+
+    async def legs(self, request: TransferRequest, *, now: datetime) -> list[Leg]:
+        """Every receiver rank's leg, each block id checked against the pools it addresses."""
+        legs = [await self._leg(request, rank, now) for rank in request.receiver_ranks]
+        for leg in legs:
+            _check_blocks(request, leg)
+        return legs
+
+    def open(self, request: TransferRequest, legs: Iterable[Leg]) -> list[TransferLeg]:
+        """Maps every pool a job touches (blocking: a backend may map memory or a device)."""
+        opened = []
+        for leg in legs:
+            src = {
+                (rank, pool_id): self._open(leg.sender_pools[rank, pool_id], request.sender, rank)
+                for rank, pool_id in sending_pools(leg.copy_plan)
+            }
+            dst = {
+                pool_id: self._open(
+                    leg.receiver_pools[pool_id], request.receiver, leg.receiver_rank
+                )
+                for pool_id in receiving_pools(leg.copy_plan)
+            }
+            opened.append(TransferLeg(leg.copy_plan, src, dst))
+        return opened
+
+    async def _leg(self, request: TransferRequest, receiver_rank: int, now: datetime) -> Leg:
+        key = PlanKey(
+            request.deployment,
+            request.sender,
+            request.receiver,
+            receiver_rank,
+            request.sender_dp_rank,
+        )
+        served = await self._plans.get(key, now=now)
+        copy_plan = self._copy_plan(served)
+        senders = {rank for rank, _ in sending_pools(copy_plan)}
+        wanted = [(request.sender, rank, served.sender_generations[rank]) for rank in senders]
+        wanted.append((request.receiver, receiver_rank, served.receiver_generation))
+        pools = await self._pools(request.deployment, wanted)
+        return Leg(
+            copy_plan,
+            receiver_rank,
+            {
+                (rank, pool.pool_id): pool
+                for rank in senders
+                for pool in pools[request.sender, rank]
+            },
+            {pool.pool_id: pool for pool in pools[request.receiver, receiver_rank]},
+        )
+
+    def _copy_plan(self, served: ServedPlan) -> CopyPlan:
+        fingerprint = served.plan.fingerprint
+        copy_plan = self._copy_plans.get(fingerprint)
+        if copy_plan is None:
+            copy_plan = CopyPlan.from_plan(served.plan)
+            self._copy_plans[fingerprint] = copy_plan
+        return copy_plan
+
+    async def _pools(
+        self, deployment: str, wanted: Sequence[RankAt]
+    ) -> dict[tuple[str, int], tuple[Pool, ...]]:
+        """Each rank's pools at the generation its plan was built from."""
+        try:
+            registrations = await self._plans.registrations.at(deployment, wanted)
+        except RegistrationMoved as moved:
+            raise PlanUnavailable(f"{moved} (while the job was checked)") from None
+        return {(reg.instance, reg.rank): reg.pools for reg in registrations}
+
+    def _open(self, pool: Pool, instance: str, rank: int) -> PoolMemory:
+        try:
+            return self._memories.open_pool(pool.memory, pool)
+        except PoolMemoryError as error:
+            raise RankPoolMemoryError(error, instance, rank) from error
+
+
+def sending_pools(plan: CopyPlan) -> list[tuple[int, int]]:
+    return sorted({(peer.rank, view.src_pool) for peer in plan.senders for view in peer.views})
+
+
+def receiving_pools(plan: CopyPlan) -> list[int]:
+    return sorted({view.dst_pool for peer in plan.senders for view in peer.views})
+
+
+def _block_targets(request: TransferRequest, leg: Leg) -> Iterator[_BlockTarget]:
+    for rank, pool_id in sending_pools(leg.copy_plan):
+        pool = leg.sender_pools[rank, pool_id]
+        yield "src_blocks", request.src_blocks, request.sender, rank, pool
+    for pool_id in receiving_pools(leg.copy_plan):
+        pool = leg.receiver_pools[pool_id]
+        yield "dst_blocks", request.dst_blocks, request.receiver, leg.receiver_rank, pool
+
+
+def _check_blocks(request: TransferRequest, leg: Leg) -> None:
+    """Every block id within every pool it addresses; names the id, the pool and its rank."""
+    for name, blocks, instance, rank, pool in _block_targets(request, leg):
+        if min(blocks) >= 0 and max(blocks) < pool.num_slots:
+            continue
+        index = next(i for i, block in enumerate(blocks) if not 0 <= block < pool.num_slots)
+        raise TransferValidationError(
+            f"{name}[{index}]",
+            f"block id {blocks[index]} is outside pool {pool.pool_id} of {instance} rank {rank} "
+            f"(num_slots {pool.num_slots})",
+        )

@@ -1,0 +1,148 @@
+"""Transfer jobs as the REST layer sees them: checked requests in, durable job records out.
+
+The facade over three parts the worker pool knows nothing about: leg resolution (``legs``: plans
+from the registry, pool memory opened at the plans' generations, block ids checked), the journal
+(``journal``: one row per job, written before the job is queued) and the worker pool itself. A
+request that cannot run is refused before anything is stored or queued; one the pool refuses
+(queue full, draining) loses its row again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from datetime import datetime
+
+from prometheus_client import CollectorRegistry
+
+from kvroute.control.plans import PlanService
+from kvroute.control.transfers.journal import JobJournal
+from kvroute.control.transfers.legs import LegResolver, TransferRequest
+from kvroute.job_state import JobState
+from kvroute.store import jobs
+from kvroute.store.engine import SessionMaker
+from kvroute.store.errors import Conflict, InvalidTransition
+from kvroute.store.records import TransferJobRecord
+from kvroute.transfer.engine import CopyEngine
+from kvroute.transfer.errors import TransferValidationError, UnknownJob
+from kvroute.transfer.jobs import TransferJob
+from kvroute.transfer.memory import PoolMemoryCache
+from kvroute.transfer.workers import DrainReport, WorkerPool
+
+log = logging.getLogger(__name__)
+
+CANCELLED = "cancelled before it started"
+
+
+class ForeignJob(Conflict):
+    """The job is queued or running in another kvroute process; only that one can cancel it."""
+
+
+class TransferService:
+    """Owns the worker pool, the opened pool memory and the job rows of this process."""
+
+    def __init__(
+        self,
+        sessionmaker: SessionMaker,
+        plans: PlanService,
+        *,
+        workers: int,
+        queue_size: int,
+        registry: CollectorRegistry,
+        engine: CopyEngine | None = None,
+        memories: PoolMemoryCache | None = None,
+        replica: str = "",
+    ) -> None:
+        self._sessionmaker = sessionmaker
+        self.workers = workers
+        self._memories = memories if memories is not None else PoolMemoryCache()
+        self._legs = LegResolver(plans, self._memories)
+        self._journal = JobJournal(sessionmaker, replica=replica)
+        self.pool = WorkerPool(
+            workers, queue_size, registry, engine=engine, on_update=self._journal.on_update
+        )
+
+    async def start(self, *, now: datetime) -> None:
+        """Start the workers and fail the jobs a previous process left in flight.
+
+        An unreachable database must not stop the app from starting (readiness reports it);
+        recovery is then retried before the first submission, which needs the database anyway.
+        """
+        await self.pool.start()
+        self._journal.start()
+        try:
+            await self._journal.recover(now)
+        except Exception:
+            log.warning("could not fail interrupted transfer jobs yet; retrying on submit")
+
+    async def close(self, grace_seconds: float) -> DrainReport:
+        """Drain the pool, store the final states it reported, then release the pool memory."""
+        report = await self.pool.drain(grace_seconds)
+        await self._journal.close(grace_seconds)
+        self._memories.close()
+        return report
+
+    def readiness(self) -> str:
+        """``ok``, or why this process cannot take transfer jobs now."""
+        if not self.pool.accepting:
+            return "the transfer worker pool is not accepting jobs"
+        alive = self.pool.alive_workers
+        if alive < self.workers:
+            return f"{alive} of {self.workers} transfer workers alive"
+        return "ok"
+
+    async def submit(self, request: TransferRequest, *, now: datetime) -> TransferJobRecord:
+        """Check, store and queue one job; raises before storing anything when it cannot run."""
+        if len(request.src_blocks) != len(request.dst_blocks):
+            raise TransferValidationError(
+                "dst_blocks",
+                f"has {len(request.dst_blocks)} block ids but src_blocks has "
+                f"{len(request.src_blocks)}; they pair up one to one",
+            )
+        await self._journal.recover(now)
+        legs = await self._legs.legs(request, now=now)
+        opened = await asyncio.to_thread(self._legs.open, request, legs)
+        job = TransferJob(opened, request.src_blocks, request.dst_blocks, str(uuid.uuid4()))
+        self.pool.engine.validate(job)
+        record = await self._journal.create(
+            job.job_id,
+            deployment=request.deployment,
+            sender=request.sender,
+            receiver=request.receiver,
+            receiver_ranks=request.receiver_ranks,
+            src_blocks=request.src_blocks,
+            dst_blocks=request.dst_blocks,
+            plan_fingerprint=",".join(leg.copy_plan.fingerprint for leg in legs),
+            bytes_total=job.num_blocks * sum(leg.copy_plan.bytes_per_block for leg in legs),
+            fragments=job.num_blocks * sum(leg.copy_plan.fragments_per_block for leg in legs),
+            now=now,
+        )
+        try:
+            await self.pool.submit(job)
+        except BaseException:
+            await self._journal.discard(job.job_id)
+            raise
+        return record
+
+    async def cancel(self, job_id: str, *, now: datetime) -> TransferJobRecord:
+        """Cancel a job queued in this process; ``Conflict`` once it runs, ended or lives elsewhere."""
+        record = await jobs.get_job(self._sessionmaker, job_id)
+        if JobState(record.state).terminal:
+            raise InvalidTransition(f"transfer job {job_id} already {record.state}")
+        try:
+            cancelled = self.pool.cancel(job_id)
+        except UnknownJob:
+            raise ForeignJob(
+                f"transfer job {job_id} is {record.state} in another kvroute process; "
+                "only the process that accepted it can cancel it"
+            ) from None
+        if not cancelled:
+            raise InvalidTransition(f"transfer job {job_id} is already running; it cannot stop")
+        try:
+            return await jobs.set_state(
+                self._sessionmaker, job_id, JobState.CANCELLED, now=now, error=CANCELLED
+            )
+        except InvalidTransition:
+            # The writer stored the pool's own report of this cancellation first.
+            return await jobs.get_job(self._sessionmaker, job_id)
