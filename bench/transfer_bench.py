@@ -1,15 +1,17 @@
 """Transfer-engine throughput against the physical limit and a naive per-fragment loop.
 
-For each layout (HND head slicing, NHD head mismatch, a fragmented block list) and each device
-(CPU, and CUDA when present) it times every copy strategy of ``kvroute.transfer.CopyEngine`` on a
-64-block job and prints GB/s, the ratio to a raw contiguous copy of the same number of bytes on
-the same device, and the speed-up over one ``copy_`` per fragment. Every strategy's result is
-checked byte for byte against the naive loop's.
+For each layout (HND head slicing, NHD head mismatch, a fragmented block list, and a hybrid
+request: KV blocks plus Mamba2 SSM and conv state) and each device (CPU, and CUDA when present) it
+times every copy strategy of ``kvroute.transfer.CopyEngine`` on a 64-block job and prints GB/s, the
+ratio to a raw contiguous copy of the same number of bytes on the same device, and the speed-up
+over one ``copy_`` per fragment. Every strategy's result is checked byte for byte against the naive
+loop's.
 
     .venv/bin/python bench/transfer_bench.py [--blocks 64] [--device cpu|cuda|all]
 
 Model: 32 layers x 2 buffers (K, V) x 8 KV heads x 32 tokens x 128 dims bf16 on the sender
-(4 MiB per block); the receiver holds half the heads (2 MiB per block).
+(4 MiB per block); the receiver holds half the heads (2 MiB per block). The hybrid request is
+``plan_bench.Hybrid`` (52 layers, 24 Mamba2: 128 SSM heads of 64 x 128 bf16, conv [x | B | C]).
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvroute.geometry import Pool
+import plan_bench  # bench/ is the script's directory, so its sibling imports as a module
+from kvroute.geometry import Pool, RankRegistration, build_plan
 from kvroute.transfer import (
     CopyEngine,
     CopyPlan,
     LocalBackend,
+    PoolMemory,
     PoolMemoryCache,
     Strategy,
     TransferJob,
@@ -166,6 +170,84 @@ def bench_device(device: torch.device, blocks: int, table: Table, verdicts: list
     cache.close()
 
 
+def _hybrid_pools(
+    backend: LocalBackend,
+    cache: PoolMemoryCache,
+    name: str,
+    reg: RankRegistration,
+    slots: int,
+    device: torch.device,
+    fill: bool,
+) -> dict[int, PoolMemory]:
+    opened = {}
+    for pool in reg.pools:
+        size = slots * pool.slot_bytes
+        tensor = (torch.randint(0, 256, (size,), dtype=torch.uint8) if fill
+                  else torch.zeros(size, dtype=torch.uint8)).to(device)  # fmt: skip
+        backend.register(f"{name}-{pool.pool_id}", tensor)
+        memory = Pool(pool.pool_id, pool.slot_bytes, pool.slot_bytes, slots)
+        opened[pool.pool_id] = cache.open_pool(
+            {"backend": "local", "name": f"{name}-{pool.pool_id}"}, memory
+        )
+    return opened
+
+
+def naive_hybrid(job: TransferJob) -> None:
+    """One copy per fragment: per block pair for KV views, once for the request's state."""
+    (leg,) = job.legs
+    block_pairs = list(zip(job.src_blocks.tolist(), job.dst_blocks.tolist(), strict=True))
+    for peer in leg.plan.senders:
+        for view in peer.copies:
+            src, dst = leg.src_pools[(peer.rank, view.src_pool)], leg.dst_pools[view.dst_pool]
+            pairs = [(job.src_state_slot, job.dst_state_slot)] if view.state else block_pairs
+            for src_slot, dst_slot in pairs:
+                src_base = src_slot * src.pool.slot_stride
+                dst_base = dst_slot * dst.pool.slot_stride
+                for src_offset, dst_offset, length in view.fragments.tolist():
+                    d, s = dst_base + dst_offset, src_base + src_offset
+                    dst.tensor[d : d + length].copy_(src.tensor[s : s + length])
+
+
+def bench_hybrid(device: torch.device, blocks: int, table: Table) -> None:
+    """A Nemotron-H-like request (plan_bench.Hybrid) from context TP4 to generation TP2 rank 0:
+    its KV blocks of 4 attention layers plus the Mamba2 SSM and conv state of 24 layers."""
+    ctx = plan_bench.instance(plan_bench.Hybrid(), "context", "ctx", 4, 1)
+    gen = plan_bench.instance(plan_bench.Hybrid(), "generation", "gen", 2, 1)
+    plan = CopyPlan.from_plan(build_plan(ctx, gen[0]))
+    backend, slots = LocalBackend(), blocks + blocks // 2
+    cache = PoolMemoryCache([backend])
+    src_pools = {
+        (peer.rank, pool_id): memory
+        for peer in plan.senders
+        for pool_id, memory in _hybrid_pools(backend, cache, f"ctx{peer.rank}", ctx[peer.rank], slots, device, True).items()
+    }  # fmt: skip
+    dst_pools = _hybrid_pools(backend, cache, "gen0", gen[0], slots, device, False)
+    job = TransferJob([TransferLeg(plan, src_pools, dst_pools)], np.arange(blocks),
+                      np.arange(blocks)[::-1].copy(), src_state_slot=1, dst_state_slot=2)  # fmt: skip
+    nbytes = plan.bytes_per_block * blocks + plan.state_bytes
+    flat_src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    flat_dst = torch.empty_like(flat_src)
+    limit = timed(lambda: flat_dst.copy_(flat_src), device, 5)
+    naive = timed(lambda: naive_hybrid(job), device, 1)
+    reference = {pool_id: memory.tensor.clone() for pool_id, memory in dst_pools.items()}
+    label = f"Hybrid request, TP4 -> TP2 [{device.type}]"
+    shape = f"{plan.fragments_per_block}/block + {plan.state_fragments} state"
+    table.add_row(label, "contiguous copy", shape, f"{nbytes / limit / 1e9:.2f}", "1.00", "")
+    table.add_row(
+        label, "naive loop", "", f"{nbytes / naive / 1e9:.2f}", f"{limit / naive:.2f}", "1.0x"
+    )
+    engine = CopyEngine()
+    for strategy in Strategy:
+        for memory in dst_pools.values():
+            memory.tensor.zero_()
+        seconds = timed(lambda s=strategy: engine.copy(job, strategy=s), device, 5)
+        if any(not torch.equal(dst_pools[p].tensor, reference[p]) for p in dst_pools):
+            raise SystemExit(f"{strategy} copied wrong bytes for {label}")
+        table.add_row(label, str(strategy), "", f"{nbytes / seconds / 1e9:.2f}",
+                      f"{limit / seconds:.2f}", f"{naive / seconds:.1f}x")  # fmt: skip
+    cache.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=64)
@@ -180,6 +262,7 @@ def main() -> None:
     verdicts: list[str] = []
     for device in devices:
         bench_device(device, args.blocks, table, verdicts)
+        bench_hybrid(device, args.blocks, table)
     console = Console(width=120)
     console.print(table)
     console.print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "

@@ -61,7 +61,7 @@ def test_block_lists_are_suffixes_of_the_prompt_blocks() -> None:
     assert window_skip(4, 4, 10, 3) == 1  # the whole prompt
     assert window_skip(4, 4, 10, 2) == 0  # block 0 cached: the list starts at block 1
     assert window_skip(1, 4, 10, 2) == 2
-    with pytest.raises(ValueError, match="spans 3 blocks"):
+    with pytest.raises(ValueError, match="has only 3 of 4 tokens"):
         window_skip(4, 4, 10, 4)
 
 

@@ -95,8 +95,8 @@ def window_skip(window: int, tokens_per_block: int, prompt_tokens: int, list_len
     start = blocks - list_length
     if start < 0:
         raise ValueError(
-            f"{list_length} block ids for a prompt of {prompt_tokens} tokens, which spans "
-            f"{blocks} blocks of {tokens_per_block} tokens"
+            f"{list_length} block ids for a prompt of {prompt_tokens} tokens, which has only "
+            f"{blocks} of {tokens_per_block} tokens"
         )
     first = first_window_block(window, tokens_per_block, prompt_tokens)
     return min(list_length, max(0, first - start))

@@ -2,8 +2,9 @@
 
 Reading path: memory (pool -> flat byte tensor; backends in shm, cuda_ipc) -> plan (a plan
 document made executable, checked for exactly-once) -> program (fragments folded into strided
-runs) -> engine (bounds checks and the copy strategies) -> jobs (what is submitted, its states) ->
-workers (threads, CUDA streams, the bounded queue, drain) -> metrics.
+runs) -> jobs (what is submitted, its states) -> slots (which block pairs or state slots each view
+copies) -> engine (bounds checks and the copy strategies) -> workers (threads, CUDA streams, the
+bounded queue, drain) -> metrics.
 
 Typical use by the HTTP layer::
 
@@ -35,7 +36,7 @@ from kvroute.transfer.memory import (
     default_backends,
 )
 from kvroute.transfer.metrics import TransferMetrics
-from kvroute.transfer.plan import CopyPlan, PeerCopy, ViewCopy
+from kvroute.transfer.plan import CopyPlan, PeerCopy, ViewCopy, WindowCopy
 from kvroute.transfer.program import CopyProgram, StridedRun, compile_fragments
 from kvroute.transfer.shm import ShmBackend
 from kvroute.transfer.workers import DrainReport, JobHandle, WorkerPool
@@ -68,6 +69,7 @@ __all__ = [
     "TransferValidationError",
     "UnknownJob",
     "ViewCopy",
+    "WindowCopy",
     "WorkerPool",
     "compile_fragments",
     "default_backends",

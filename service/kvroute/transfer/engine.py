@@ -1,9 +1,10 @@
 """The copy engine: executes a transfer job's fragments with a handful of tensor operations.
 
 For every sending rank and view of every leg the engine compiles the plan's fragments once (cached by
-plan fingerprint, see ``program``), checks them and the job's block ids against the concrete pools,
-then copies with one of three strategies over a strided view of each pool whose first dimension is
-the slot:
+plan fingerprint, see ``program``), checks them and the slots they copy against the concrete pools
+(``slots``: the job's block pairs, a windowed view's from its window on, or the request's state slot
+pair for recurrent state), then copies with one of three strategies over a strided view of each pool
+whose first dimension is the slot:
 
 - ``blockwise``: per run of consecutive block pairs, one strided ``copy_`` of a whole slot region.
   No index tensors and no staging copy, so it runs near memcpy speed on the CPU (the default there).
@@ -36,6 +37,7 @@ from kvroute.transfer.errors import TransferValidationError
 from kvroute.transfer.jobs import CopyResult, TransferJob
 from kvroute.transfer.memory import PoolMemory
 from kvroute.transfer.program import CopyProgram, StridedRun, compile_fragments
+from kvroute.transfer.slots import JobSlots
 
 GATHER_MAX_RUNS = 8  # above this many runs per pool pair, one indexed gather beats per-run kernels
 INDEXED_MAX_ELEMENTS = 1 << 24  # 128 MiB of int64 indices per side: beyond that, gather per run
@@ -74,13 +76,16 @@ class _LruCache(OrderedDict[K, V]):
 
 @dataclass(frozen=True, slots=True)
 class _ViewTask:
-    """One view of one sending rank, bound to its opened pools."""
+    """One view of one sending rank, bound to its opened pools and the slots it copies: the job's
+    block pairs (a windowed view's from its window on) or the request's state slot pair."""
 
-    group: tuple[int, int, int, int]  # leg, sender rank, src pool, dst pool
+    group: tuple[int, int, int, int, int]  # leg, sender rank, src pool, dst pool, slot selection
     cache_key: tuple[str, int, int]  # plan fingerprint, sender rank, view index
     program: CopyProgram
     src: PoolMemory
     dst: PoolMemory
+    src_slots: np.ndarray
+    dst_slots: np.ndarray
 
 
 class CopyEngine:
@@ -102,37 +107,43 @@ class CopyEngine:
         tasks = self._tasks(job)
         for _, grouped in groupby(tasks, key=lambda task: task.group):
             group = list(grouped)
-            chosen = strategy or self._strategy or self._choose(group, job.num_blocks)
+            chosen = strategy or self._strategy or self._choose(group)
             if chosen is Strategy.INDEXED:
-                _copy_indexed(group, job, self._elements)
+                _copy_indexed(group, self._elements)
             else:
                 for task in group:
                     copy_view = _copy_blockwise if chosen is Strategy.BLOCKWISE else _copy_gathered
-                    copy_view(task, job)
-        per_block = sum(task.program.nbytes for task in tasks)
-        fragments = sum(task.program.fragments for task in tasks)
-        return CopyResult(bytes=per_block * job.num_blocks, fragments=fragments * job.num_blocks)
+                    copy_view(task)
+        return CopyResult(
+            bytes=sum(task.program.nbytes * len(task.src_slots) for task in tasks),
+            fragments=sum(task.program.fragments * len(task.src_slots) for task in tasks),
+        )
 
     def devices(self, job: TransferJob) -> set[torch.device]:
         """Devices the job touches: the worker makes its own stream current on each CUDA one."""
         return {memory.device for task in self._tasks(job) for memory in (task.src, task.dst)}
 
     @staticmethod
-    def _choose(group: list[_ViewTask], num_blocks: int) -> Strategy:
+    def _choose(group: list[_ViewTask]) -> Strategy:
         first = group[0]
         if first.src.device.type == "cpu" or first.dst.device.type == "cpu":
             return Strategy.BLOCKWISE
         if sum(len(task.program.runs) for task in group) <= GATHER_MAX_RUNS:
             return Strategy.GATHER
-        elements = num_blocks * sum(task.program.nbytes for task in group) // _width(group)
+        slots = len(first.src_slots)
+        elements = slots * sum(task.program.nbytes for task in group) // _width(group)
         return Strategy.INDEXED if elements <= INDEXED_MAX_ELEMENTS else Strategy.GATHER
 
     def _tasks(self, job: TransferJob) -> list[_ViewTask]:
         _check_unique(job.dst_blocks)
         tasks = []
         for leg_index, leg in enumerate(job.legs):
+            slots = JobSlots(job, leg, leg_index)
             for peer in leg.plan.senders:
-                for index, view in enumerate(peer.views):
+                for index, view in enumerate(peer.copies):
+                    selection, src_slots, dst_slots = slots.select(view)
+                    if not len(src_slots):
+                        continue  # every block of the list is outside the view's window
                     where = f"sender rank {peer.rank}"
                     src = leg.src_pools.get((peer.rank, view.src_pool))
                     dst = leg.dst_pools.get(view.dst_pool)
@@ -151,14 +162,10 @@ class CopyEngine:
                     )
                     _check_extent(program.src_end, src, f"{where} pool {view.src_pool}")
                     _check_extent(program.dst_end, dst, f"receiver pool {view.dst_pool}")
-                    _check_blocks(
-                        job.src_blocks, src, "src_blocks", f"{where} pool {view.src_pool}"
-                    )
-                    _check_blocks(
-                        job.dst_blocks, dst, "dst_blocks", f"receiver pool {view.dst_pool}"
-                    )
-                    group = (leg_index, peer.rank, view.src_pool, view.dst_pool)
-                    tasks.append(_ViewTask(group, key, program, src, dst))
+                    slots.check(view, src, f"{where} pool {view.src_pool}", "src")
+                    slots.check(view, dst, f"receiver pool {view.dst_pool}", "dst")
+                    group = (leg_index, peer.rank, view.src_pool, view.dst_pool, selection)
+                    tasks.append(_ViewTask(group, key, program, src, dst, src_slots, dst_slots))
         tasks.sort(key=lambda task: task.group)
         return tasks
 
@@ -178,16 +185,6 @@ def _check_extent(end: int, memory: PoolMemory, where: str) -> None:
             "plan.fragments",
             f"a fragment ends at byte {end} of a slot, beyond slot_bytes "
             f"{memory.pool.slot_bytes} of {where}",
-        )
-
-
-def _check_blocks(blocks: np.ndarray, memory: PoolMemory, name: str, where: str) -> None:
-    bad = np.flatnonzero((blocks < 0) | (blocks >= memory.pool.num_slots))
-    if len(bad):
-        index = int(bad[0])
-        raise TransferValidationError(
-            f"{name}[{index}]",
-            f"block id {int(blocks[index])} is outside {where} (num_slots {memory.pool.num_slots})",
         )
 
 
@@ -224,9 +221,9 @@ def _block_spans(src_blocks: np.ndarray, dst_blocks: np.ndarray) -> Iterator[tup
     )
 
 
-def _copy_blockwise(task: _ViewTask, job: TransferJob) -> None:
+def _copy_blockwise(task: _ViewTask) -> None:
     width = _width([task])
-    spans = list(_block_spans(job.src_blocks, job.dst_blocks))
+    spans = list(_block_spans(task.src_slots, task.dst_slots))
     for run in task.program.runs:
         src = _slot_view(task.src, width, run, "src")
         dst = _slot_view(task.dst, width, run, "dst")
@@ -234,10 +231,10 @@ def _copy_blockwise(task: _ViewTask, job: TransferJob) -> None:
             dst[dst_block : dst_block + count].copy_(src[src_block : src_block + count])
 
 
-def _copy_gathered(task: _ViewTask, job: TransferJob) -> None:
+def _copy_gathered(task: _ViewTask) -> None:
     width = _width([task])
-    src_index = torch.tensor(job.src_blocks, device=task.src.device)
-    dst_index = torch.tensor(job.dst_blocks, device=task.dst.device)
+    src_index = torch.tensor(task.src_slots, device=task.src.device)
+    dst_index = torch.tensor(task.dst_slots, device=task.dst.device)
     for run in task.program.runs:
         src = _slot_view(task.src, width, run, "src")
         dst = _slot_view(task.dst, width, run, "dst")
@@ -246,7 +243,6 @@ def _copy_gathered(task: _ViewTask, job: TransferJob) -> None:
 
 def _copy_indexed(
     group: list[_ViewTask],
-    job: TransferJob,
     cache: _LruCache[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]],
 ) -> None:
     width = _width(group)
@@ -268,8 +264,10 @@ def _copy_indexed(
         if tensor.is_cuda:
             # the cache may evict and free these while this stream still reads them
             tensor.record_stream(torch.cuda.current_stream(tensor.device))
-    src_base = torch.tensor(job.src_blocks, device=src.device) * (src.pool.slot_stride // width)
-    dst_base = torch.tensor(job.dst_blocks, device=dst.device) * (dst.pool.slot_stride // width)
+    # Every task of a group selects the same slots (the group key includes the selection).
+    src_slots, dst_slots = group[0].src_slots, group[0].dst_slots
+    src_base = torch.tensor(src_slots, device=src.device) * (src.pool.slot_stride // width)
+    dst_base = torch.tensor(dst_slots, device=dst.device) * (dst.pool.slot_stride // width)
     src_flat = src.tensor.view(_DTYPE_BY_WIDTH[width])
     dst_flat = dst.tensor.view(_DTYPE_BY_WIDTH[width])
     gathered = src_flat.index_select(0, (src_base[:, None] + src_rel).reshape(-1))

@@ -40,12 +40,23 @@ def _blocks(blocks: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True, eq=False, init=False)
 class TransferJob:
-    """Copy ``src_blocks[i]`` of every sender to ``dst_blocks[i]`` of the receiver, for each leg."""
+    """Copy ``src_blocks[i]`` of every sender to ``dst_blocks[i]`` of the receiver, for each leg.
+
+    A job moves one request. Its block lists are the last blocks of the request's prompt (a cached
+    prefix is implicit in a shorter list); windowed views copy only those holding a token the
+    next token attends to, which needs ``prompt_tokens``. Recurrent-state views copy the
+    request's ``src_state_slot`` (the same on every sender rank, as block ids are) to its
+    ``dst_state_slot`` once. Both are required when a leg's plan moves state and are ignored
+    otherwise.
+    """
 
     legs: tuple[TransferLeg, ...]
     src_blocks: np.ndarray
     dst_blocks: np.ndarray
     job_id: str
+    src_state_slot: int | None
+    dst_state_slot: int | None
+    prompt_tokens: int | None
 
     def __init__(
         self,
@@ -53,6 +64,10 @@ class TransferJob:
         src_blocks: Sequence[int] | np.ndarray,
         dst_blocks: Sequence[int] | np.ndarray,
         job_id: str | None = None,
+        *,
+        src_state_slot: int | None = None,
+        dst_state_slot: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         src, dst = _blocks(src_blocks, "src_blocks"), _blocks(dst_blocks, "dst_blocks")
         if len(src) != len(dst):
@@ -61,10 +76,22 @@ class TransferJob:
             )
         if not legs:
             raise TransferValidationError("receiver_ranks", "a job needs at least one leg")
+        for name, value in (
+            ("src_state_slot", src_state_slot),
+            ("dst_state_slot", dst_state_slot),
+            ("prompt_tokens", prompt_tokens),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0
+            ):
+                raise TransferValidationError(name, f"must be an integer >= 0, got {value!r}")
         object.__setattr__(self, "legs", tuple(legs))
         object.__setattr__(self, "src_blocks", src)
         object.__setattr__(self, "dst_blocks", dst)
         object.__setattr__(self, "job_id", job_id or str(uuid.uuid4()))
+        object.__setattr__(self, "src_state_slot", src_state_slot)
+        object.__setattr__(self, "dst_state_slot", dst_state_slot)
+        object.__setattr__(self, "prompt_tokens", prompt_tokens)
 
     @property
     def num_blocks(self) -> int:
@@ -74,7 +101,7 @@ class TransferJob:
 @dataclass(frozen=True, slots=True)
 class CopyResult:
     bytes: int
-    fragments: int  # fragments x blocks
+    fragments: int  # fragments x blocks (x 1 state slot for state views)
 
 
 @dataclass(frozen=True, slots=True)

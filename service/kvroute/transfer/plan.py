@@ -1,9 +1,11 @@
 """The executable form of a plan: only what the data plane needs, checked once.
 
 A plan document (API.md "Plans") is parsed into frozen dataclasses whose fragments are read-only
-``int64`` arrays sorted by destination offset. Parsing refuses anything that can never copy exactly
-once: malformed fragments, and destination bytes written by two fragments (of one view, of two views,
-or of two sender ranks). Bounds against concrete pools are checked later, per job.
+``int64`` arrays sorted by destination offset: block views (copied per block pair, a windowed one
+only within its window) and recurrent-state views (``states``, copied once per request between the
+request's state slots). Parsing refuses anything that can never copy exactly once: malformed
+fragments, and destination bytes written by two fragments (of one view, of two views, or of two
+sender ranks). Bounds against concrete pools are checked later, per job.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -22,9 +24,21 @@ from kvroute.transfer.errors import TransferValidationError
 SRC, DST, LENGTH = 0, 1, 2  # columns of a fragment array
 
 
+@dataclass(frozen=True, slots=True)
+class WindowCopy:
+    """A windowed view pair moves only request blocks from the window's first on."""
+
+    tokens: int
+    tokens_per_block: int
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class ViewCopy:
-    """One matched view pair of one sender rank: fragments relative to a slot start."""
+    """One matched view pair of one sender rank: fragments relative to a slot start.
+
+    A block view's slots are the job's block ids; a state view's (``state``) are the request's
+    state slots, copied once per job.
+    """
 
     src_view: int
     dst_view: int
@@ -32,6 +46,8 @@ class ViewCopy:
     dst_pool: int
     mapper: str
     fragments: np.ndarray = field(repr=False)  # (n, 3) int64: src_offset, dst_offset, length
+    window: WindowCopy | None = None
+    state: bool = False
 
     @property
     def bytes_per_block(self) -> int:
@@ -43,6 +59,11 @@ class PeerCopy:
     rank: int
     sends: bool
     views: tuple[ViewCopy, ...]
+    states: tuple[ViewCopy, ...] = ()
+
+    @property
+    def copies(self) -> tuple[ViewCopy, ...]:
+        return self.views + self.states
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +72,13 @@ class CopyPlan:
 
     fingerprint: str
     peers: tuple[PeerCopy, ...]
+    # Receiver pools whose block and state regions overlap in a slot: there, one slot id must never
+    # be both a block and the state slot of one job.
+    shared_slot_pools: frozenset[int] = frozenset()
 
     @property
     def senders(self) -> tuple[PeerCopy, ...]:
-        return tuple(peer for peer in self.peers if peer.sends and peer.views)
+        return tuple(peer for peer in self.peers if peer.sends and peer.copies)
 
     @property
     def fragments_per_block(self) -> int:
@@ -63,6 +87,23 @@ class CopyPlan:
     @property
     def bytes_per_block(self) -> int:
         return sum(view.bytes_per_block for peer in self.senders for view in peer.views)
+
+    @property
+    def state_bytes(self) -> int:
+        """Recurrent-state bytes per request (copied once, from state slot to state slot)."""
+        return sum(state.bytes_per_block for peer in self.senders for state in peer.states)
+
+    @property
+    def state_fragments(self) -> int:
+        return sum(len(state.fragments) for peer in self.senders for state in peer.states)
+
+    @property
+    def has_state(self) -> bool:
+        return any(peer.states for peer in self.senders)
+
+    @property
+    def windowed(self) -> bool:
+        return any(view.window for peer in self.senders for view in peer.views)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> CopyPlan:
@@ -77,7 +118,7 @@ class CopyPlan:
             fingerprint = "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
         plan = cls(fingerprint=fingerprint, peers=peers)
         _check_exactly_once(plan)
-        return plan
+        return replace(plan, shared_slot_pools=_shared_slot_pools(plan))
 
     @classmethod
     def from_plan(cls, plan: Plan) -> CopyPlan:
@@ -105,15 +146,22 @@ def _parse_peer(doc: Any, path: str) -> PeerCopy:
         raise TransferValidationError(f"{path}.sends", "must be a boolean")
     if not isinstance(views_doc, list):
         raise TransferValidationError(f"{path}.views", "must be a list")
+    states_doc = doc.get("states", [])
+    if not isinstance(states_doc, list):
+        raise TransferValidationError(f"{path}.states", "must be a list")
     views = tuple(_parse_view(view, f"{path}.views[{i}]") for i, view in enumerate(views_doc))
+    states = tuple(
+        _parse_view(state, f"{path}.states[{i}]", state=True) for i, state in enumerate(states_doc)
+    )
     return PeerCopy(
         rank=_field_int(doc, "rank", path),
         sends=sends,
         views=tuple(view for view in views if len(view.fragments)),
+        states=tuple(state for state in states if len(state.fragments)),
     )
 
 
-def _parse_view(doc: Any, path: str) -> ViewCopy:
+def _parse_view(doc: Any, path: str, *, state: bool = False) -> ViewCopy:
     if not isinstance(doc, Mapping):
         raise TransferValidationError(path, "must be an object")
     mapper = doc.get("mapper", "")
@@ -124,6 +172,18 @@ def _parse_view(doc: Any, path: str) -> ViewCopy:
         dst_pool=_field_int(doc, "dst_pool", path),
         mapper=mapper if isinstance(mapper, str) else "",
         fragments=_parse_fragments(doc.get("fragments"), f"{path}.fragments"),
+        window=None if state else _parse_window(doc.get("window"), f"{path}.window"),
+        state=state,
+    )
+
+
+def _parse_window(doc: Any, path: str) -> WindowCopy | None:
+    if doc is None:
+        return None
+    if not isinstance(doc, Mapping):
+        raise TransferValidationError(path, "must be an object")
+    return WindowCopy(
+        _field_int(doc, "tokens", path, 1), _field_int(doc, "tokens_per_block", path, 1)
     )
 
 
@@ -148,12 +208,14 @@ def _parse_fragments(doc: Any, path: str) -> np.ndarray:
 
 
 def _check_exactly_once(plan: CopyPlan) -> None:
-    """Refuse a plan in which two fragments write the same destination byte."""
-    by_pool: dict[int, list[tuple[np.ndarray, int, int]]] = {}
+    """Refuse a plan in which two fragments write the same destination byte of a block (or of a
+    state slot: block and state regions of one pool may share slot bytes, never a slot)."""
+    by_pool: dict[tuple[int, bool], list[tuple[np.ndarray, int, int]]] = {}
     for peer in plan.senders:
-        for index, view in enumerate(peer.views):
-            by_pool.setdefault(view.dst_pool, []).append((view.fragments, peer.rank, index))
-    for pool_id, parts in by_pool.items():
+        for index, view in enumerate(peer.copies):
+            key = (view.dst_pool, view.state)
+            by_pool.setdefault(key, []).append((view.fragments, peer.rank, index))
+    for (pool_id, _), parts in by_pool.items():
         starts = np.concatenate([p[0][:, DST] for p in parts])
         ends = starts + np.concatenate([p[0][:, LENGTH] for p in parts])
         owners = np.concatenate([np.full(len(p[0]), n) for n, p in enumerate(parts)])
@@ -167,3 +229,32 @@ def _check_exactly_once(plan: CopyPlan) -> None:
                 f"destination bytes of pool {pool_id} at offset {int(starts[second])} are written "
                 f"twice: by rank {a[1]} view #{a[2]} and by rank {b[1]} view #{b[2]}",
             )
+
+
+def _spans(fragments: list[np.ndarray]) -> np.ndarray:
+    """Sorted, merged [start, end) destination spans of some fragment arrays."""
+    if not fragments:
+        return np.empty((0, 2), dtype=np.int64)
+    joined = np.concatenate(fragments)
+    spans = np.stack([joined[:, DST], joined[:, DST] + joined[:, LENGTH]], axis=1)
+    return spans[np.argsort(spans[:, 0], kind="stable")]
+
+
+def _shared_slot_pools(plan: CopyPlan) -> frozenset[int]:
+    shared = set()
+    pools = {view.dst_pool for peer in plan.senders for view in peer.states}
+    for pool_id in pools:
+        blocks = _spans(
+            [v.fragments for p in plan.senders for v in p.views if v.dst_pool == pool_id]
+        )
+        states = _spans(
+            [v.fragments for p in plan.senders for v in p.states if v.dst_pool == pool_id]
+        )
+        if len(blocks) and len(states):
+            # Two sorted span lists intersect iff some state span starts before a block span ends
+            # that starts before the state span ends.
+            ends = np.maximum.accumulate(blocks[:, 1])
+            index = np.searchsorted(blocks[:, 0], states[:, 1], side="left") - 1
+            if ((index >= 0) & (ends[np.maximum(index, 0)] > states[:, 0])).any():
+                shared.add(pool_id)
+    return frozenset(shared)
