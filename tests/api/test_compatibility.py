@@ -16,7 +16,8 @@ from aiohttp.test_utils import TestClient
 
 from kvroute.api.keys import sessionmaker_key
 from kvroute.geometry import RankRegistration
-from kvroute.store import ranks as repo
+from kvroute.store.admission import write_admitted
+from kvroute.store.engine import engine_of
 from tests.api.conftest import ADMIN, WORKER, register
 from tests.api.documents import rank_document
 
@@ -29,9 +30,8 @@ async def admit_without_checks(
 ) -> None:
     reg = RankRegistration.from_json(doc, deployment="llama", instance=instance, rank=rank)
     now = datetime.now(UTC)
-    async with client.app[sessionmaker_key].begin() as session:
-        await repo.upsert_instance(session, reg, now)
-        await repo.write_rank(session, reg, generation=1, at=now, existing=None)
+    async with engine_of(client.app[sessionmaker_key]).begin() as connection:
+        await write_admitted(connection, reg, now, existing=None)
 
 
 async def matrix(client: Client) -> dict[str, Any]:

@@ -10,10 +10,11 @@ from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvroute.geometry import GeometryError
-from kvroute.store import registry
+from kvroute.store import registry, snapshots
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import LeaseExpired, NotFound
 from kvroute.store.models import PoolRow, ViewRow
+from kvroute.store.registrations import RegistrationCache
 from tests.db.conftest import dump_tables
 from tests.db.documents import T0, registration
 
@@ -255,7 +256,7 @@ async def test_unknown_names_raise_not_found(sessionmaker: SessionMaker) -> None
         lambda: registry.list_instances(sessionmaker, "nope", now=T0),
         lambda: registry.get_instance(sessionmaker, "llama", "nope", now=T0),
         lambda: registry.get_rank(sessionmaker, "llama", "ctx0", 9, now=T0),
-        lambda: registry.live_ranks(sessionmaker, "llama", "nope", now=T0),
+        lambda: snapshots.instance_state(sessionmaker, "llama", "nope", now=T0),
         lambda: registry.delete_rank(sessionmaker, "llama", "ctx0", 9),
         lambda: registry.delete_instance(sessionmaker, "llama", "nope"),
     ]
@@ -268,11 +269,13 @@ async def test_live_ranks_feed_plans_in_rank_order(sessionmaker: SessionMaker) -
     await register_context(sessionmaker, tp_size=2, lease_seconds=10)
     await registry.heartbeat(sessionmaker, "llama", "ctx0", 1, now=T0 + seconds(5))
 
-    live = await registry.live_ranks(sessionmaker, "llama", "ctx0", now=T0)
-    assert [(reg.rank, generation) for reg, generation in live] == [(0, 1), (1, 1)]
-    assert live[1][0] == registration("llama", "ctx0", 1, tp_size=2, lease_seconds=10)
-    later = await registry.live_ranks(sessionmaker, "llama", "ctx0", now=T0 + seconds(12))
-    assert [reg.rank for reg, _ in later] == [1]
+    state = await snapshots.instance_state(sessionmaker, "llama", "ctx0", now=T0)
+    assert list(state.live.items()) == [(0, 1), (1, 1)]
+    wanted = [("ctx0", rank, generation) for rank, generation in state.live.items()]
+    live = await RegistrationCache(sessionmaker).at("llama", wanted)
+    assert live[1] == registration("llama", "ctx0", 1, tp_size=2, lease_seconds=10)
+    later = await snapshots.instance_state(sessionmaker, "llama", "ctx0", now=T0 + seconds(12))
+    assert list(later.live) == [1]
 
 
 async def test_pools_and_views_are_queryable_and_cascade(

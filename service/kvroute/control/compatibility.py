@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from kvroute.control.registrations import RegistrationCache
 from kvroute.geometry import GeometryError, RankRegistration, check_peers
 from kvroute.store.engine import SessionMaker
+from kvroute.store.registrations import RegistrationCache
 from kvroute.store.snapshots import deployment_states
 
 

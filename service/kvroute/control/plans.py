@@ -18,10 +18,10 @@ from typing import Any
 
 from cachetools import LRUCache
 
-from kvroute.control.registrations import RegistrationCache, RegistrationMoved
 from kvroute.geometry import GeometryError, Plan, build_plan
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import Conflict
+from kvroute.store.registrations import RegistrationCache, RegistrationMoved
 from kvroute.store.snapshots import InstanceState, instance_states
 
 

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.matching import match_view
 from kvroute.geometry.model import DTYPE_BITS, RankRegistration, View
-from kvroute.geometry.pairs import pair_geometry
-from kvroute.geometry.state import state_geometry
+from kvroute.geometry.pairs import PairGeometry, pair_geometry
+from kvroute.geometry.state import StateGeometry, state_geometry
 from kvroute.geometry.validate import check_instance, check_self
 
 MatchedPair = tuple[RankRegistration, View, RankRegistration, View]
@@ -70,23 +70,34 @@ def matched_pairs(reg: RankRegistration, peer: RankRegistration) -> list[Matched
     return pairs
 
 
-def check_pair(local: RankRegistration, view: View, peer: RankRegistration, theirs: View) -> object:
+def check_pair(
+    local: RankRegistration, view: View, peer: RankRegistration, theirs: View
+) -> PairGeometry | StateGeometry:
     """One matched pair's geometry: KV heads and windows for block views, 2.10 for state views."""
     if view.is_state:
         return state_geometry(local, view, peer, theirs)
     return pair_geometry(local, view, peer, theirs)
 
 
+def matched_geometries(
+    reg: RankRegistration, peer: RankRegistration
+) -> list[PairGeometry | StateGeometry]:
+    return [check_pair(*pair) for pair in matched_pairs(reg, peer)]
+
+
+# The peer checks in order; each raises the pair's first failure at its stage.
+PEER_STAGES: tuple[Callable[[RankRegistration, RankRegistration], object], ...] = (
+    check_rank_fields,
+    matched_pairs,
+    matched_geometries,
+)
+
+
 def check_peers(reg: RankRegistration, peers: Sequence[RankRegistration]) -> None:
     ordered = sorted(peers, key=lambda p: (p.instance, p.rank))
-    stages: list[Callable[[RankRegistration], object]] = [
-        lambda peer: check_rank_fields(reg, peer),
-        lambda peer: matched_pairs(reg, peer),
-        lambda peer: [check_pair(*pair) for pair in matched_pairs(reg, peer)],
-    ]
-    for stage in stages:
+    for stage in PEER_STAGES:
         for peer in ordered:
-            stage(peer)
+            stage(reg, peer)
 
 
 def check_registration(

@@ -217,6 +217,13 @@ class RankRegistration:
         canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
+    @cached_property
+    def class_digest(self) -> str:
+        """sha256 of the geometry peer checks see: ranks of one PP stage of an instance share it."""
+        from kvroute.geometry.classes import class_digest
+
+        return class_digest(self)
+
     @property
     def key(self) -> tuple[str, int]:
         return self.instance, self.rank

@@ -21,6 +21,7 @@ from typing import Any, cast
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, CursorResult, make_url
 from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
@@ -58,6 +59,21 @@ async def reading(sessionmaker: SessionMaker) -> AsyncIterator[AsyncSession]:
     async with sessionmaker() as session:
         await session.connection(execution_options={READ_ONLY: True})
         yield session
+
+
+def engine_of(sessionmaker: SessionMaker) -> AsyncEngine:
+    return cast("AsyncEngine", sessionmaker.kw["bind"])
+
+
+@asynccontextmanager
+async def read_connection(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A Core connection in autocommit mode for single-statement reads on hot paths.
+
+    No BEGIN, no ROLLBACK, no ORM session: one round trip per statement. Each statement sees its
+    own snapshot, so a read that must be consistent across tables is one (joined) statement.
+    """
+    async with engine.connect() as connection:
+        yield await connection.execution_options(isolation_level="AUTOCOMMIT")
 
 
 async def affected_rows(session: AsyncSession, statement: Executable) -> int:

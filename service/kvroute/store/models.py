@@ -139,6 +139,12 @@ class Rank(Base):
     registered_at: Mapped[datetime]
     document: Mapped[dict[str, Any]]
     canonical_sha256: Mapped[str] = mapped_column(String(64))
+    # The rank's geometry class (``RankRegistration.class_digest``): admission checks one rank per
+    # class, so ranks of one PP stage of an instance cost one check, not one each.
+    geometry_class: Mapped[str] = mapped_column(String(64))
+    # Set by an admission that judged this rank expired: a fenced rank is never renewed by a
+    # heartbeat (it was not checked against what that admission let in); it must register again.
+    fenced_at: Mapped[datetime | None]
 
     # lazy="raise": under asyncio an implicit load would be hidden blocking I/O; load with
     # selectinload. passive_deletes: the database's ON DELETE CASCADE removes the children.

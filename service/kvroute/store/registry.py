@@ -20,9 +20,12 @@ from sqlalchemy import ColumnElement, case, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute
 
-from kvroute.geometry import GeometryError, RankRegistration, check_registration
+from kvroute.geometry import GeometryError, RankRegistration
+from kvroute.geometry.classes import VerdictMemo
+from kvroute.store import leases
 from kvroute.store import ranks as repo
-from kvroute.store.engine import SessionMaker, affected_rows, reading
+from kvroute.store.admission import admit
+from kvroute.store.engine import SessionMaker, affected_rows, engine_of, read_connection, reading
 from kvroute.store.errors import LeaseExpired, NotFound
 from kvroute.store.models import Deployment, Instance, Rank
 from kvroute.store.records import (
@@ -36,6 +39,7 @@ from kvroute.store.records import (
     RejectionRecord,
     lease_state,
 )
+from kvroute.store.registrations import RegistrationCache
 from kvroute.store.rejections import (
     DEFAULT_LOG_SIZE,
     insert_rejection,
@@ -50,17 +54,25 @@ async def register_rank(
     *,
     now: datetime,
     rejection_log_size: int = DEFAULT_LOG_SIZE,
+    registrations: RegistrationCache | None = None,
+    verdicts: VerdictMemo | None = None,
 ) -> RegisterOutcome:
     """Admits, renews or re-registers a rank, or refuses it without changing any registry row.
 
     An identical document keeps its generation and only renews the lease; a changed document gets
     the next generation; a rank without a row is created (a first registration gets generation 1,
     one registering again after a delete continues its old sequence). A refusal raises the
-    ``GeometryError`` after recording it in the bounded rejection log.
+    ``GeometryError`` after recording it in the bounded rejection log. ``registrations`` and
+    ``verdicts`` are the process's caches (see ``kvroute.store.admission``); fresh ones by default.
     """
     try:
-        async with sessionmaker.begin() as session:
-            return await _admit(session, reg, now)
+        return await admit(
+            sessionmaker,
+            reg,
+            now=now,
+            registrations=registrations or RegistrationCache(sessionmaker),
+            verdicts={} if verdicts is None else verdicts,
+        )
     except GeometryError as error:
         await record_rejection(
             sessionmaker,
@@ -72,26 +84,6 @@ async def register_rank(
             keep=rejection_log_size,
         )
         raise
-
-
-async def _admit(session: AsyncSession, reg: RankRegistration, now: datetime) -> RegisterOutcome:
-    await repo.lock_deployment(session, reg.deployment)
-    deployment = await repo.ensure_deployment(session, reg.deployment, now)
-    at = repo.judged_at(deployment, now)
-    members = await repo.live_registrations(session, reg.deployment, at, instance=reg.instance)
-    peers = await repo.live_registrations(session, reg.deployment, at, role=reg.role.opposite)
-    check_registration(
-        reg, [member for member, _ in members if member.rank != reg.rank], [p for p, _ in peers]
-    )
-    deployment.checked_at = at
-    await repo.upsert_instance(session, reg, now)
-    existing = await session.get(Rank, (reg.deployment, reg.instance, reg.rank))
-    if existing is not None and existing.canonical_sha256 == repo.canonical_digest(reg):
-        existing.lease_expires_at = at + timedelta(seconds=reg.lease_seconds)
-        return RegisterOutcome(existing.generation, existing.lease_expires_at, created=False)
-    generation = await repo.next_generation(session, reg)
-    row = await repo.write_rank(session, reg, generation=generation, at=at, existing=existing)
-    return RegisterOutcome(generation, row.lease_expires_at, created=existing is None)
 
 
 async def record_rejection(
@@ -125,25 +117,28 @@ async def heartbeat(
 ) -> datetime:
     """Renews a live rank's lease by its ``lease_seconds`` and returns the new expiry.
 
-    Raises ``NotFound`` for an unknown rank and ``LeaseExpired`` (a ``NotFound``) for an expired
-    one, whatever the grace period: the worker must register again (see the module docstring).
+    One conditional UPDATE, without the deployment lock: it renews only an unfenced rank whose lease
+    is live at ``max(now, checked_at)``, so it never waits for an admission and never revives a rank
+    an admission skipped (see ``kvroute.store.admission``). Raises ``NotFound`` for an unknown rank
+    and ``LeaseExpired`` (a ``NotFound``) for an expired or fenced one, whatever the grace period:
+    the worker must register again.
     """
-    async with sessionmaker.begin() as session:
-        await repo.lock_deployment(session, deployment)
-        row = await session.get(Rank, (deployment, instance, rank))
-        owner = await session.get(Deployment, deployment)
-        if row is None or owner is None:
-            raise NotFound(
-                f"rank {rank} of instance {instance!r} in {deployment!r} is not registered"
+    engine = engine_of(sessionmaker)
+    renewed = await leases.renew(engine, deployment, instance, rank, now)
+    if renewed is not None:
+        return renewed
+    async with read_connection(engine) as connection:
+        found = await connection.scalar(
+            select(Rank.lease_expires_at).where(
+                Rank.deployment == deployment, Rank.instance == instance, Rank.rank == rank
             )
-        at = repo.judged_at(owner, now)
-        if row.lease_expires_at <= at:
-            raise LeaseExpired(
-                f"the lease of rank {rank} of instance {instance!r} in {deployment!r} expired at "
-                f"{row.lease_expires_at.isoformat()}; register the rank again"
-            )
-        row.lease_expires_at = at + timedelta(seconds=row.lease_seconds)
-        return row.lease_expires_at
+        )
+    if found is None:
+        raise NotFound(f"rank {rank} of instance {instance!r} in {deployment!r} is not registered")
+    raise LeaseExpired(
+        f"the lease of rank {rank} of instance {instance!r} in {deployment!r} expired at "
+        f"{found.isoformat()}; register the rank again"
+    )
 
 
 async def get_rank(
@@ -196,22 +191,6 @@ async def delete_instance(sessionmaker: SessionMaker, deployment: str, instance:
         )
         if deleted == 0:
             raise NotFound(f"instance {instance!r} of deployment {deployment!r} does not exist")
-
-
-async def live_ranks(
-    sessionmaker: SessionMaker, deployment: str, instance: str, *, now: datetime
-) -> list[tuple[RankRegistration, int]]:
-    """The instance's live ranks with their generations, ordered by rank (input to plans).
-
-    Raises ``NotFound`` when the instance does not exist; an instance whose ranks all expired
-    answers an empty list.
-    """
-    async with reading(sessionmaker) as session:
-        owner = await session.get(Deployment, deployment)
-        if owner is None or await session.get(Instance, (deployment, instance)) is None:
-            raise NotFound(f"instance {instance!r} of deployment {deployment!r} does not exist")
-        at = repo.judged_at(owner, now)
-        return await repo.live_registrations(session, deployment, at, instance=instance)
 
 
 async def count_live_ranks(sessionmaker: SessionMaker, *, now: datetime) -> int:

@@ -7,15 +7,14 @@ cache miss, and then only at the generations that were seen, so a plan never mix
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
-from sqlalchemy import ColumnElement, select, tuple_
+from sqlalchemy import ColumnElement, select
 
 from kvroute.store import ranks as repo
-from kvroute.store.engine import SessionMaker, reading
+from kvroute.store.engine import SessionMaker, engine_of, read_connection
 from kvroute.store.errors import NotFound
 from kvroute.store.models import Deployment, Instance, Rank
 
@@ -54,10 +53,14 @@ async def deployment_states(
     sessionmaker: SessionMaker, deployment: str, *, now: datetime
 ) -> list[InstanceState]:
     """Every instance of a deployment, by name; ``NotFound`` for an unknown deployment."""
-    async with reading(sessionmaker) as session:
-        if await session.get(Deployment, deployment) is None:
-            raise NotFound(f"deployment {deployment!r} does not exist")
     states = await _states(sessionmaker, deployment, now)
+    if not states:
+        async with read_connection(engine_of(sessionmaker)) as connection:
+            found = await connection.scalar(
+                select(Deployment.name).where(Deployment.name == deployment)
+            )
+        if found is None:
+            raise NotFound(f"deployment {deployment!r} does not exist")
     return [states[name] for name in sorted(states)]
 
 
@@ -81,8 +84,8 @@ async def _states(
         )
         .where(Deployment.name == deployment, *where)
     )
-    async with reading(sessionmaker) as session:
-        rows = (await session.execute(query)).all()
+    async with read_connection(engine_of(sessionmaker)) as connection:
+        rows = (await connection.execute(query)).all()
     layouts: dict[str, tuple[str, int, int]] = {}
     live: dict[str, dict[int, int]] = {}
     expired: dict[str, list[int]] = {}
@@ -112,20 +115,3 @@ async def instance_state(
     sessionmaker: SessionMaker, deployment: str, instance: str, *, now: datetime
 ) -> InstanceState:
     return (await instance_states(sessionmaker, deployment, [instance], now=now))[instance]
-
-
-async def rank_documents(
-    sessionmaker: SessionMaker, deployment: str, wanted: Iterable[tuple[str, int, int]]
-) -> dict[tuple[str, int], dict[str, Any]]:
-    """Documents of (instance, rank, generation) triples; a rank that moved on is absent."""
-    keys = list(wanted)
-    if not keys:
-        return {}
-    async with reading(sessionmaker) as session:
-        rows = await session.execute(
-            select(Rank.instance, Rank.rank, Rank.document).where(
-                Rank.deployment == deployment,
-                tuple_(Rank.instance, Rank.rank, Rank.generation).in_(keys),
-            )
-        )
-        return {(instance, rank): document for instance, rank, document in rows}

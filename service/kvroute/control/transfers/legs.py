@@ -15,8 +15,8 @@ from datetime import datetime
 from cachetools import LRUCache
 
 from kvroute.control.plans import PlanKey, PlanService, PlanUnavailable, ServedPlan
-from kvroute.control.registrations import RankAt, RegistrationMoved
 from kvroute.geometry import Pool
+from kvroute.store.registrations import RankAt, RegistrationMoved
 from kvroute.transfer.errors import PoolMemoryError, TransferValidationError
 from kvroute.transfer.jobs import TransferLeg
 from kvroute.transfer.memory import PoolMemory, PoolMemoryCache

@@ -1,4 +1,5 @@
-"""Parsed registrations by generation: one process-wide cache for plans, transfers and the matrix.
+"""Parsed registrations by generation: one process-wide cache for admission, plans, transfers and
+the compatibility matrix.
 
 A rank's document at a given generation never changes, so ``(deployment, instance, rank,
 generation)`` identifies one immutable ``RankRegistration``. Callers first read generations (cheap
@@ -9,13 +10,16 @@ parsed are read, all in one query.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from cachetools import LRUCache
+from sqlalchemy import select, tuple_
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from kvroute.geometry import RankRegistration
-from kvroute.store.engine import SessionMaker
+from kvroute.store.engine import SessionMaker, engine_of, read_connection
 from kvroute.store.errors import Conflict
-from kvroute.store.snapshots import rank_documents
+from kvroute.store.models import Rank
 
 RankAt = tuple[str, int, int]  # instance, rank, generation
 DEFAULT_SIZE = 16_384  # a 1,024-rank fleet twice over, with room for re-registrations
@@ -30,17 +34,24 @@ class RegistrationCache:
         self._sessionmaker = sessionmaker
         self._parsed: LRUCache[tuple[str, str, int, int], RankRegistration] = LRUCache(size)
 
-    async def at(self, deployment: str, wanted: Sequence[RankAt]) -> list[RankRegistration]:
+    async def at(
+        self,
+        deployment: str,
+        wanted: Sequence[RankAt],
+        connection: AsyncConnection | None = None,
+    ) -> list[RankRegistration]:
         """The registrations at exactly these generations, in ``wanted`` order.
 
-        Raises ``RegistrationMoved`` when a rank no longer has the generation asked for.
+        Missing documents are read on ``connection`` when given (inside the caller's transaction),
+        else on a connection of their own. Raises ``RegistrationMoved`` when a rank no longer has
+        the generation asked for.
         """
         parsed: dict[RankAt, RankRegistration] = {}
         for key in wanted:
             if (reg := self._parsed.get((deployment, *key))) is not None:
                 parsed[key] = reg
         missing = [key for key in wanted if key not in parsed]
-        documents = await rank_documents(self._sessionmaker, deployment, missing)
+        documents = await self._documents(deployment, missing, connection)
         for instance, rank, generation in missing:
             document = documents.get((instance, rank))
             if document is None:
@@ -57,3 +68,19 @@ class RegistrationCache:
     def remember(self, reg: RankRegistration, generation: int) -> None:
         """Keeps a registration this process just parsed (e.g. on admission)."""
         self._parsed[reg.deployment, reg.instance, reg.rank, generation] = reg
+
+    async def _documents(
+        self, deployment: str, wanted: list[RankAt], connection: AsyncConnection | None
+    ) -> dict[tuple[str, int], dict[str, Any]]:
+        if not wanted:
+            return {}
+        query = select(Rank.instance, Rank.rank, Rank.document).where(
+            Rank.deployment == deployment,
+            tuple_(Rank.instance, Rank.rank, Rank.generation).in_(wanted),
+        )
+        if connection is not None:
+            rows = await connection.execute(query)
+        else:
+            async with read_connection(engine_of(self._sessionmaker)) as own:
+                rows = await own.execute(query)
+        return {(instance, rank): document for instance, rank, document in rows}

@@ -1,0 +1,317 @@
+"""Fleet-scale benchmark: one deployment of 1,024 ranks on a live kvroute, 16 concurrent clients.
+
+The deployment is issue 9's: a Llama-70B-like model (80 layers, 8 KV heads, head_dim 128, bf16,
+32 tokens per block, one Eagle draft layer with 2 KV heads in the same pool), 32 context instances
+of TP8 x PP2 and 32 generation instances of TP4 x PP4, 16 ranks each. Phases, in order:
+
+* register every rank (instances interleaved, as a fleet comes up), with the p50 of the first and
+  the last quarter of registrations: their ratio shows whether admission grows with the deployment;
+* heartbeats of random ranks;
+* plan reads: each (ctx_i, gen_i, rank) plan once (uncached), then random cached reads;
+* the compatibility matrix (first call, then the median of repeated calls).
+
+Each configuration runs on a fresh database: ``postgres`` (one ``kvroute serve``), ``sqlite`` (one
+server on a temp file) and ``postgres-2`` (two servers on one PostgreSQL, clients alternating).
+The load generator shares the machine with the server(s), as in the issue. One table, one column
+per configuration, and the two-replica throughput as a ratio of the one-replica figure.
+
+    python bench/scale_bench.py [--configs postgres,sqlite,postgres-2] [--profile DIR]
+
+``--profile DIR`` records each server with py-spy (collapsed stacks, one file per server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import asyncpg
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.engine import make_url
+
+from kvroute.geometry import RankRegistration
+from kvroute.live import LiveServer
+from kvroute.store import migrate
+from plan_bench import Model, instance
+
+MODEL = Model(layers=80, kv_heads=8, draft_heads=2, indexer=False)
+INSTANCES = 32  # of each role: 1,024 ranks
+CONTEXT_LAYOUT, GENERATION_LAYOUT = (8, 2), (4, 4)
+CLIENTS = 16
+LEASE_SECONDS = 3600  # leases outlive the run: an expiry would turn plan reads into 409s
+WORKER_TOKEN = "bench-worker-token-0123456789"
+ADMIN_TOKEN = "bench-admin-token-0123456789ab"
+POSTGRES_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/kvroute_scale_bench"
+REQUEST_TIMEOUT_SECONDS = 60.0
+
+Request = Callable[[aiohttp.ClientSession, str], Awaitable[None]]
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)  # in submission order
+
+    @property
+    def throughput(self) -> float:
+        return len(self.latencies) / self.seconds if self.seconds else 0.0
+
+    def percentile(self, fraction: float, samples: list[float] | None = None) -> float:
+        ordered = sorted(self.latencies if samples is None else samples)
+        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+    def quarter_p50(self, which: int) -> float:
+        size = len(self.latencies) // 4
+        return self.percentile(0.5, self.latencies[which * size : (which + 1) * size])
+
+
+def expect(method: str, path: str, status: int, body: Any = None, token: str = WORKER_TOKEN):
+    headers = {"Authorization": f"Bearer {token}"}
+
+    async def request(session: aiohttp.ClientSession, base: str) -> None:
+        async with session.request(method, base + path, json=body, headers=headers) as response:
+            await response.read()
+            if response.status != status:
+                raise RuntimeError(f"{method} {path}: {response.status}, expected {status}")
+
+    return request
+
+
+async def drive(
+    session: aiohttp.ClientSession, bases: list[str], name: str, requests: list[Request]
+) -> Phase:
+    """Runs ``requests`` on ``CLIENTS`` closed-loop clients; client ``c`` talks to server ``c % n``."""
+    phase = Phase(name, latencies=[0.0] * len(requests))
+    pending = iter(enumerate(requests))
+
+    async def client(base: str) -> None:
+        for index, request in pending:
+            started = time.perf_counter()
+            await request(session, base)
+            phase.latencies[index] = time.perf_counter() - started
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client(bases[c % len(bases)]) for c in range(CLIENTS)))
+    phase.seconds = time.perf_counter() - started
+    return phase
+
+
+def fleet(instances: int) -> list[tuple[str, RankRegistration]]:
+    """Every rank, instances interleaved (ctx0, gen0, ctx1, ...) as a fleet comes up."""
+    context = instance(MODEL, "context", "ctx", *CONTEXT_LAYOUT)
+    generation = instance(MODEL, "generation", "gen", *GENERATION_LAYOUT)
+    ranks = []
+    for index in range(instances):
+        ranks += [(f"ctx{index}", reg) for reg in context]
+        ranks += [(f"gen{index}", reg) for reg in generation]
+    return ranks
+
+
+def rank_path(name: str, rank: int) -> str:
+    return f"/v1/deployments/fleet/instances/{name}/ranks/{rank}"
+
+
+def plan_path(index: int, rank: int) -> str:
+    return f"/v1/deployments/fleet/plans?sender=ctx{index}&receiver=gen{index}&receiver_rank={rank}"
+
+
+async def run_phases(bases: list[str], instances: int, seed: int) -> list[Phase]:
+    rng = random.Random(seed)
+    ranks = fleet(instances)
+    connector = aiohttp.TCPConnector(limit=CLIENTS)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        register = [
+            expect("PUT", rank_path(name, reg.rank), 201, _document(reg)) for name, reg in ranks
+        ]
+        phases = [await drive(session, bases, f"register {len(ranks):,} ranks", register)]
+        beats = [
+            expect("POST", rank_path(*_pick(rng, ranks)) + "/heartbeat", 200) for _ in range(8000)
+        ]
+        phases.append(await drive(session, bases, "heartbeats, random ranks", beats))
+        ranks_per_gen = GENERATION_LAYOUT[0] * GENERATION_LAYOUT[1]
+        every_plan = [(i, r) for i in range(instances) for r in range(ranks_per_gen)]
+        uncached = [expect("GET", plan_path(i, r), 200) for i, r in every_plan]
+        phases.append(await drive(session, bases, "plan reads, uncached", uncached))
+        cached = [expect("GET", plan_path(*rng.choice(every_plan)), 200) for _ in range(8000)]
+        phases.append(await drive(session, bases, "plan reads, cached", cached))
+        phases += await matrix_phases(session, bases[0])
+    return phases
+
+
+async def matrix_phases(session: aiohttp.ClientSession, base: str) -> list[Phase]:
+    matrix = expect("GET", "/v1/deployments/fleet/compatibility", 200, token=ADMIN_TOKEN)
+    first = Phase("compatibility matrix, first")
+    started = time.perf_counter()
+    await matrix(session, base)
+    first.seconds = time.perf_counter() - started
+    first.latencies = [first.seconds]
+    repeated = Phase("compatibility matrix, repeated")
+    for _ in range(5):
+        started = time.perf_counter()
+        await matrix(session, base)
+        repeated.latencies.append(time.perf_counter() - started)
+    repeated.seconds = sum(repeated.latencies)
+    return [first, repeated]
+
+
+def _document(reg: RankRegistration) -> dict[str, Any]:
+    return {**reg.to_json(), "lease_seconds": LEASE_SECONDS}
+
+
+def _pick(rng: random.Random, ranks: list[tuple[str, RankRegistration]]) -> tuple[str, int]:
+    name, reg = rng.choice(ranks)
+    return name, reg.rank
+
+
+async def fresh_postgres(url: str) -> None:
+    database = make_url(url).database
+    admin_dsn = make_url(url).set(drivername="postgresql", database="postgres")
+    admin = await asyncpg.connect(admin_dsn.render_as_string(hide_password=False))
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        await admin.execute(f'CREATE DATABASE "{database}"')
+    finally:
+        await admin.close()
+
+
+@contextlib.contextmanager
+def servers(config: str, workdir: Path) -> Iterator[list[LiveServer]]:
+    count = 2 if config.endswith("-2") else 1
+    url = None
+    if config.startswith("postgres"):
+        url = POSTGRES_URL
+        asyncio.run(fresh_postgres(url))
+        migrate.upgrade(url)
+    started: list[LiveServer] = []
+    try:
+        for index in range(count):
+            directory = workdir / f"{config}-{index}"
+            directory.mkdir()
+            server = LiveServer(
+                directory,
+                database_url=url,
+                tokens=(WORKER_TOKEN, ADMIN_TOKEN),
+                env={"KVROUTE_REPLICA_ID": f"bench-{index}"},
+            )
+            started.append(server.start())
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+@contextlib.contextmanager
+def profiled(server_list: list[LiveServer], directory: Path | None, config: str) -> Iterator[None]:
+    if directory is None:
+        yield
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    recorders = [
+        subprocess.Popen(
+            [
+                shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")),
+                "record",
+                "--pid",
+                str(server.process.pid),
+                "--output",
+                str(directory / f"{config}-{index}.txt"),
+                "--format",
+                "raw",
+                "--rate",
+                "200",
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for index, server in enumerate(server_list)
+        if server.process is not None
+    ]
+    try:
+        yield
+    finally:
+        for recorder in recorders:
+            recorder.send_signal(2)  # SIGINT: py-spy writes its stacks and exits
+            recorder.wait(timeout=60)
+
+
+def run_config(config: str, args: argparse.Namespace) -> list[Phase]:
+    with (
+        tempfile.TemporaryDirectory() as workdir,
+        servers(config, Path(workdir)) as running,
+        profiled(running, args.profile, config),
+    ):
+        bases = [server.url for server in running]
+        return asyncio.run(run_phases(bases, args.instances, args.seed))
+
+
+def report(results: dict[str, list[Phase]]) -> None:
+    configs = list(results)
+    table = Table(title=f"kvroute at fleet scale: {CLIENTS} clients, server(s) on this machine")
+    table.add_column("phase")
+    table.add_column("measure")
+    for config in configs:
+        table.add_column(config, justify="right")
+    if "postgres" in results and "postgres-2" in results:
+        table.add_column("2 replicas / 1", justify="right")
+    for index, phase in enumerate(next(iter(results.values()))):
+        for measure, value in _measures(phase):
+            row = [phase.name, measure]
+            row += [value(results[c][index]) for c in configs]
+            if "postgres" in results and "postgres-2" in results:
+                one, two = results["postgres"][index], results["postgres-2"][index]
+                row.append(f"{two.throughput / one.throughput:.2f}x" if measure == "req/s" else "")
+            table.add_row(*row)
+    Console(width=160).print(table)
+
+
+def _measures(phase: Phase) -> list[tuple[str, Callable[[Phase], str]]]:
+    if phase.name.startswith("compatibility"):
+        return [("ms (median)", lambda p: f"{statistics.median(p.latencies) * 1e3:.0f}")]
+    rows: list[tuple[str, Callable[[Phase], str]]] = [
+        ("req/s", lambda p: f"{p.throughput:.0f}"),
+        ("p50 ms", lambda p: f"{p.percentile(0.5) * 1e3:.1f}"),
+        ("p99 ms", lambda p: f"{p.percentile(0.99) * 1e3:.1f}"),
+    ]
+    if phase.name.startswith("register"):
+        rows.insert(0, ("total s", lambda p: f"{p.seconds:.1f}"))
+        rows.append(("p50 last / first quarter", _growth))
+    return rows
+
+
+def _growth(phase: Phase) -> str:
+    first, last = phase.quarter_p50(0), phase.quarter_p50(3)
+    return f"{last / first:.2f}x ({first * 1e3:.1f} -> {last * 1e3:.1f} ms)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="postgres,sqlite,postgres-2")
+    parser.add_argument("--profile", type=Path, help="write py-spy flame graphs here")
+    parser.add_argument("--seed", type=int, default=9)
+    parser.add_argument(
+        "--instances", type=int, default=INSTANCES, help="instances of each role (32: 1,024 ranks)"
+    )
+    args = parser.parse_args()
+    results = {config: run_config(config, args) for config in args.configs.split(",")}
+    report(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Ranks carry their geometry class (admission by class) and a fence (no heartbeat after a skip).
+
+Revision ID: 3d9e41c7a2b5
+Revises: 8c1f2e7a9b3d
+Create Date: 2026-12-03 01:00:00+00:00
+
+Existing rows get their class computed from their stored document.
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "3d9e41c7a2b5"
+down_revision: str | Sequence[str] | None = "8c1f2e7a9b3d"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("ranks") as batch:
+        batch.add_column(sa.Column("geometry_class", sa.String(length=64), nullable=True))
+        batch.add_column(sa.Column("fenced_at", sa.DateTime(timezone=True), nullable=True))
+    _backfill_classes()
+    with op.batch_alter_table("ranks") as batch:
+        batch.alter_column("geometry_class", existing_type=sa.String(length=64), nullable=False)
+
+
+def _backfill_classes() -> None:
+    from kvroute.geometry import RankRegistration
+
+    ranks = sa.table(
+        "ranks",
+        sa.column("deployment", sa.String),
+        sa.column("instance", sa.String),
+        sa.column("rank", sa.Integer),
+        sa.column("document", sa.JSON),
+        sa.column("geometry_class", sa.String),
+    )
+    bind = op.get_bind()
+    rows = bind.execute(
+        sa.select(ranks.c.deployment, ranks.c.instance, ranks.c.rank, ranks.c.document)
+    )
+    for deployment, instance, rank, document in rows.all():
+        reg = RankRegistration.from_json(
+            document, deployment=deployment, instance=instance, rank=rank
+        )
+        bind.execute(
+            ranks.update()
+            .where(
+                ranks.c.deployment == deployment,
+                ranks.c.instance == instance,
+                ranks.c.rank == rank,
+            )
+            .values(geometry_class=reg.class_digest)
+        )
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("ranks") as batch:
+        batch.drop_column("fenced_at")
+        batch.drop_column("geometry_class")
