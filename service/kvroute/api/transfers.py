@@ -87,6 +87,9 @@ async def post_transfer(request: web.Request) -> web.Response:
         src_blocks=tuple(body["src_blocks"]),
         dst_blocks=tuple(body["dst_blocks"]),
         sender_dp_rank=body.get("sender_dp_rank", 0),
+        src_state_slot=body.get("src_state_slot"),
+        dst_state_slot=body.get("dst_state_slot"),
+        prompt_tokens=body.get("prompt_tokens"),
     )
     try:
         record = await service.submit(transfer, now=utcnow())

@@ -98,9 +98,13 @@ class CopyEngine:
         )
         self._strategy = strategy
 
-    def validate(self, job: TransferJob) -> None:
-        """Raise ``TransferValidationError`` if the job can not run as given; copies nothing."""
-        self._tasks(job)
+    def validate(self, job: TransferJob) -> CopyResult:
+        """Raise ``TransferValidationError`` if the job can not run as given; copies nothing.
+
+        Returns what ``copy`` will report: windows and state slots make it more than blocks x
+        bytes per block can say.
+        """
+        return _result(self._tasks(job))
 
     def copy(self, job: TransferJob, *, strategy: Strategy | None = None) -> CopyResult:
         """Copy every fragment of every block pair; returns bytes and fragments x blocks."""
@@ -114,10 +118,7 @@ class CopyEngine:
                 for task in group:
                     copy_view = _copy_blockwise if chosen is Strategy.BLOCKWISE else _copy_gathered
                     copy_view(task)
-        return CopyResult(
-            bytes=sum(task.program.nbytes * len(task.src_slots) for task in tasks),
-            fragments=sum(task.program.fragments * len(task.src_slots) for task in tasks),
-        )
+        return _result(tasks)
 
     def devices(self, job: TransferJob) -> set[torch.device]:
         """Devices the job touches: the worker makes its own stream current on each CUDA one."""
@@ -168,6 +169,13 @@ class CopyEngine:
                     tasks.append(_ViewTask(group, key, program, src, dst, src_slots, dst_slots))
         tasks.sort(key=lambda task: task.group)
         return tasks
+
+
+def _result(tasks: list[_ViewTask]) -> CopyResult:
+    return CopyResult(
+        bytes=sum(task.program.nbytes * len(task.src_slots) for task in tasks),
+        fragments=sum(task.program.fragments * len(task.src_slots) for task in tasks),
+    )
 
 
 def _check_unique(dst_blocks: np.ndarray) -> None:

@@ -72,9 +72,10 @@ class CopyPlan:
 
     fingerprint: str
     peers: tuple[PeerCopy, ...]
-    # Receiver pools whose block and state regions overlap in a slot: there, one slot id must never
-    # be both a block and the state slot of one job.
+    # Receiver pools (and sender ranks' pools) whose block and state regions overlap in a slot:
+    # there, one slot id must never be both a block and the state slot of one job.
     shared_slot_pools: frozenset[int] = frozenset()
+    shared_src_pools: frozenset[tuple[int, int]] = frozenset()
 
     @property
     def senders(self) -> tuple[PeerCopy, ...]:
@@ -118,7 +119,8 @@ class CopyPlan:
             fingerprint = "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
         plan = cls(fingerprint=fingerprint, peers=peers)
         _check_exactly_once(plan)
-        return replace(plan, shared_slot_pools=_shared_slot_pools(plan))
+        dst_shared, src_shared = _shared_slot_pools(plan)
+        return replace(plan, shared_slot_pools=dst_shared, shared_src_pools=src_shared)
 
     @classmethod
     def from_plan(cls, plan: Plan) -> CopyPlan:
@@ -231,30 +233,44 @@ def _check_exactly_once(plan: CopyPlan) -> None:
             )
 
 
-def _spans(fragments: list[np.ndarray]) -> np.ndarray:
-    """Sorted, merged [start, end) destination spans of some fragment arrays."""
+def _spans(fragments: list[np.ndarray], column: int) -> np.ndarray:
+    """[start, end) spans of some fragment arrays on one side (``SRC`` or ``DST``), by start."""
     if not fragments:
         return np.empty((0, 2), dtype=np.int64)
     joined = np.concatenate(fragments)
-    spans = np.stack([joined[:, DST], joined[:, DST] + joined[:, LENGTH]], axis=1)
+    spans = np.stack([joined[:, column], joined[:, column] + joined[:, LENGTH]], axis=1)
     return spans[np.argsort(spans[:, 0], kind="stable")]
 
 
-def _shared_slot_pools(plan: CopyPlan) -> frozenset[int]:
-    shared = set()
-    pools = {view.dst_pool for peer in plan.senders for view in peer.states}
-    for pool_id in pools:
-        blocks = _spans(
-            [v.fragments for p in plan.senders for v in p.views if v.dst_pool == pool_id]
+def _intersect(blocks: np.ndarray, states: np.ndarray) -> bool:
+    """Whether two span lists (sorted by start) share a byte: some state span starts before the
+    furthest end of the block spans that start before it ends."""
+    if not len(blocks) or not len(states):
+        return False
+    ends = np.maximum.accumulate(blocks[:, 1])
+    index = np.searchsorted(blocks[:, 0], states[:, 1], side="left") - 1
+    return bool(((index >= 0) & (ends[np.maximum(index, 0)] > states[:, 0])).any())
+
+
+def _shared_slot_pools(plan: CopyPlan) -> tuple[frozenset[int], frozenset[tuple[int, int]]]:
+    """(receiver pools, (sender rank, pool)s) whose block and state regions overlap in a slot."""
+    dst = {
+        pool
+        for pool in {view.dst_pool for peer in plan.senders for view in peer.states}
+        if _intersect(
+            _spans([v.fragments for p in plan.senders for v in p.views if v.dst_pool == pool], DST),
+            _spans(
+                [v.fragments for p in plan.senders for v in p.states if v.dst_pool == pool], DST
+            ),
         )
-        states = _spans(
-            [v.fragments for p in plan.senders for v in p.states if v.dst_pool == pool_id]
+    }
+    src = {
+        (peer.rank, pool)
+        for peer in plan.senders
+        for pool in {view.src_pool for view in peer.states}
+        if _intersect(
+            _spans([v.fragments for v in peer.views if v.src_pool == pool], SRC),
+            _spans([v.fragments for v in peer.states if v.src_pool == pool], SRC),
         )
-        if len(blocks) and len(states):
-            # Two sorted span lists intersect iff some state span starts before a block span ends
-            # that starts before the state span ends.
-            ends = np.maximum.accumulate(blocks[:, 1])
-            index = np.searchsorted(blocks[:, 0], states[:, 1], side="left") - 1
-            if ((index >= 0) & (ends[np.maximum(index, 0)] > states[:, 0])).any():
-                shared.add(pool_id)
-    return frozenset(shared)
+    }
+    return frozenset(dst), frozenset(src)

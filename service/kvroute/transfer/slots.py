@@ -43,7 +43,9 @@ class JobSlots:
                         f"the plan of leg {leg_index} moves recurrent state (per-request "
                         "slots): give the request's state slot on both sides",
                     )
-            self._check_shared_slots(plan.shared_slot_pools)
+            self._check_shared_slots("dst", plan.shared_slot_pools, "receiver pool")
+            senders = sorted(pool for _, pool in plan.shared_src_pools)
+            self._check_shared_slots("src", frozenset(senders), "sender pool")
             self._state = (_readonly([job.src_state_slot]), _readonly([job.dst_state_slot]))
         if plan.windowed and job.prompt_tokens is None:
             raise TransferValidationError(
@@ -53,14 +55,15 @@ class JobSlots:
             )
         self._skips: dict[tuple[int, int], int] = {}
 
-    def _check_shared_slots(self, shared: frozenset[int]) -> None:
-        slot = self._job.dst_state_slot
-        clash = np.flatnonzero(self._job.dst_blocks == slot)
+    def _check_shared_slots(self, side: str, shared: frozenset[int], what: str) -> None:
+        slot = getattr(self._job, f"{side}_state_slot")
+        blocks = self._job.src_blocks if side == "src" else self._job.dst_blocks
+        clash = np.flatnonzero(blocks == slot)
         if shared and len(clash):
             raise TransferValidationError(
-                "dst_state_slot",
-                f"slot {slot} is also dst_blocks[{int(clash[0])}]; receiver pool "
-                f"{min(shared)} keeps blocks and request state in the same slots",
+                f"{side}_state_slot",
+                f"slot {slot} is also {side}_blocks[{int(clash[0])}]; {what} {min(shared)} keeps "
+                "blocks and request state in the same slots",
             )
 
     def skip(self, view: ViewCopy) -> int:

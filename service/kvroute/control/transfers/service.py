@@ -103,8 +103,16 @@ class TransferService:
         await self._journal.recover(now)
         legs = await self._legs.legs(request, now=now)
         opened = await asyncio.to_thread(self._legs.open, request, legs)
-        job = TransferJob(opened, request.src_blocks, request.dst_blocks, str(uuid.uuid4()))
-        self.pool.engine.validate(job)
+        job = TransferJob(
+            opened,
+            request.src_blocks,
+            request.dst_blocks,
+            str(uuid.uuid4()),
+            src_state_slot=request.src_state_slot,
+            dst_state_slot=request.dst_state_slot,
+            prompt_tokens=request.prompt_tokens,
+        )
+        copies = self.pool.engine.validate(job)
         record = await self._journal.create(
             job.job_id,
             deployment=request.deployment,
@@ -114,8 +122,8 @@ class TransferService:
             src_blocks=request.src_blocks,
             dst_blocks=request.dst_blocks,
             plan_fingerprint=",".join(leg.copy_plan.fingerprint for leg in legs),
-            bytes_total=job.num_blocks * sum(leg.copy_plan.bytes_per_block for leg in legs),
-            fragments=job.num_blocks * sum(leg.copy_plan.fragments_per_block for leg in legs),
+            bytes_total=copies.bytes,
+            fragments=copies.fragments,
             now=now,
         )
         try:
