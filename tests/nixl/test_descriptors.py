@@ -10,6 +10,8 @@ import pytest
 from kvroute.client.nixl_descs import PoolAddress, plan_descriptors
 from kvroute.client.pools import KvLayout, Parallel, SharedKvPool, rank_document
 from kvroute.geometry import Kind, Owner, RankRegistration, build_plan
+from tests.hybrid import HYBRID
+from tests.world import Side, Truth, in_window, instance
 
 
 def plan(*peers: dict[str, Any]) -> dict[str, Any]:
@@ -184,3 +186,68 @@ def test_descriptors_move_exactly_what_the_fragments_move(kind: Kind) -> None:
     assert result.expected_notifications == document["expected_writers"] == 2
     assert result.descriptors <= sum(p.fragments for p in result.peers)
     assert result.bytes == document["bytes_per_block"] * len(src_blocks)
+
+
+def _hybrid_world():
+    ctx_side = Side("context", 4, (6,), shared_state_pool=True, seed=1)
+    gen_side = Side("generation", 2, (3, 3), seed=2)
+    ctx, ctx_layouts = instance(ctx_side, HYBRID, "ctx", 4)
+    gen, gen_layouts = instance(gen_side, HYBRID, "gen", 4)
+    return ctx_side, gen_side, ctx, ctx_layouts, gen, gen_layouts
+
+
+def _address(rank: int, pool: int, offset: int = 0) -> int:
+    return ((rank + 1) << 32) + (pool << 24) + offset
+
+
+def test_hybrid_descriptors_pull_the_window_and_the_state_slot() -> None:
+    """Per request: the windowed layer's blocks from the window on, the state slot once."""
+    ctx_side, gen_side, ctx, ctx_layouts, gen, gen_layouts = _hybrid_world()
+    truth = Truth(HYBRID, 4)
+    sender = {
+        r: truth.fill(ctx_side, layout, r, [0, 1, 2], [0, 1, 2], state_slots=[3], state_content=[5])
+        for r, layout in enumerate(ctx_layouts)
+    }
+    keep = in_window(ctx_side, gen_side, HYBRID, 12, 3)
+    for receiver, layout in zip(gen, gen_layouts, strict=True):
+        result = plan_descriptors(
+            build_plan(ctx, receiver).to_json(),
+            receiver_pools={p: PoolAddress(_address(-1, p), s, n) for p, (_, s, n) in layout.pools.items()},
+            sender_pools={
+                r: {p: PoolAddress(_address(r, p), s, n) for p, (_, s, n) in lay.pools.items()}
+                for r, lay in enumerate(ctx_layouts)
+            },
+            src_blocks=[0, 1, 2], dst_blocks=[2, 0, 1], src_state_slot=3, dst_state_slot=1,
+            prompt_tokens=12,
+        )  # fmt: skip
+        out = {p: np.zeros(s * n, np.int64) for p, (_, s, n) in layout.pools.items()}
+        for descs in result.peers:
+            for (dst, length, _), (src, _, _) in zip(descs.local, descs.remote, strict=True):
+                rank, pool, offset = (src >> 32) - 1, (src >> 24) & 0xFF, src & 0xFFFFFF
+                target = out[(dst >> 24) & 0xFF]
+                target[dst & 0xFFFFFF : (dst & 0xFFFFFF) + length] = sender[rank][pool][
+                    offset : offset + length
+                ]
+        want = truth.fill(gen_side, layout, receiver.rank, [2, 0, 1], [0, 1, 2], state_slots=[1],
+                          state_content=[5], keep=keep)  # fmt: skip
+        for pool, ids in want.items():
+            np.testing.assert_array_equal(
+                out[pool], ids, err_msg=f"rank {receiver.rank} pool {pool}"
+            )
+
+
+@pytest.mark.parametrize(
+    ("missing", "message"),
+    [("src_state_slot", "moves recurrent state"), ("prompt_tokens", "sliding-window views")],
+)
+def test_hybrid_descriptors_need_the_state_slots_and_the_prompt(missing: str, message: str) -> None:
+    _, _, ctx, _, gen, gen_layouts = _hybrid_world()
+    arguments: dict[str, Any] = {"src_state_slot": 3, "dst_state_slot": 1, "prompt_tokens": 12}
+    arguments[missing] = None
+    pools = {p: PoolAddress(0, s, n) for p, (_, s, n) in gen_layouts[3].pools.items()}
+    with pytest.raises(ValueError, match=message):
+        plan_descriptors(
+            build_plan(ctx, gen[3]).to_json(), receiver_pools=pools,
+            sender_pools={r: pools for r in range(4)}, src_blocks=[0, 1, 2], dst_blocks=[2, 0, 1],
+            **arguments,
+        )  # fmt: skip
