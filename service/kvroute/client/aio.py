@@ -196,14 +196,26 @@ class AsyncKvrouteClient:
         receiver_ranks: Sequence[int],
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
+        src_state_slot: int | None = None,
+        dst_state_slot: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> TransferStatus:
-        document = {
+        """One request's transfer: its blocks (the prompt's last ones), and for hybrid models
+        its recurrent-state slot on both sides and the prompt length sliding windows need."""
+        document: dict[str, Any] = {
             "sender": sender,
             "receiver": receiver,
             "receiver_ranks": list(receiver_ranks),
             "src_blocks": list(src_blocks),
             "dst_blocks": list(dst_blocks),
         }
+        for key, value in (
+            ("src_state_slot", src_state_slot),
+            ("dst_state_slot", dst_state_slot),
+            ("prompt_tokens", prompt_tokens),
+        ):
+            if value is not None:
+                document[key] = value
         path = f"/v1/deployments/{_seg(deployment)}/transfers"
         _, body = await self._call("POST", path, body=document)
         return TransferStatus.from_json(body)

@@ -134,6 +134,9 @@ class KvrouteClient:
         receiver_ranks: Sequence[int],
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
+        src_state_slot: int | None = None,
+        dst_state_slot: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> TransferStatus:
         return self._run(
             self.aio.submit_transfer(
@@ -143,6 +146,9 @@ class KvrouteClient:
                 receiver_ranks=receiver_ranks,
                 src_blocks=src_blocks,
                 dst_blocks=dst_blocks,
+                src_state_slot=src_state_slot,
+                dst_state_slot=dst_state_slot,
+                prompt_tokens=prompt_tokens,
             )
         )
 
