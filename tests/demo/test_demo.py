@@ -38,3 +38,33 @@ def test_small_demo_moves_and_verifies_every_byte() -> None:
     assert int(verified.group(1).replace(",", "")) == 12 * 2 * (
         4 * 2 * 4 * 4 * 16 * 2 + 2 * 4 * 16 * 2
     )
+
+
+def test_small_hybrid_demo_moves_blocks_and_state_and_refuses_other_ssm_heads() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvroute", "demo", "--model", "hybrid", "--small", "--jobs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=DEMO_LIMIT_S,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "registered ctx0: context, TP4, 4 live ranks" in output
+    assert "registered gen0: generation, TP2, 2 live ranks" in output
+    # The refused instance keeps half the d_state: 4 x 2 x 2 bytes per SSM head against 4 x 4 x 2.
+    assert (
+        "refused gen-bad: 409 ssm_bytes_per_head_mismatch field=views[1].ssm_bytes_per_head "
+        "local=16 peer=32" in output
+    )
+    assert output.count("succeeded") == 2
+    verified = re.search(r"verified\s*│\s*ok\s*│.*?([\d,]+) checked\s*│\s*0 wrong", output)
+    assert verified is not None, output
+    # Every byte of both generation pools: 8 slots (2 requests x 3 blocks + 1 state slot each) of
+    # max(KV block: 2 layers x K,V x 2 heads x 4 tokens x 16 x 2 bytes = 1024, state: 3 Mamba
+    # layers x (4 SSM heads x 4 x 4 x 2 + 24 conv channels x 3 x 2) = 816) bytes, per rank.
+    assert int(verified.group(1).replace(",", "")) == 2 * 8 * 1024
+    # Each request's state reaches each generation rank from its two context ranks: 816 bytes.
+    assert re.search(r"│\s*0\s*│\s*0, 1\s*│\s*0, 1\s*│\s*8\s*│\s*1,024\s*│\s*816\s*│", output), (
+        output
+    )

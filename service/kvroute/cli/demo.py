@@ -4,7 +4,9 @@ Starts an embedded kvroute (SQLite in a temp directory, 127.0.0.1, a free port, 
 spawns context TP4 and generation TP2 worker processes with shared-memory pools, registers them
 through ``kvroute.client``, shows a refused instance with its reason, fetches plans, runs transfer
 jobs on kvroute's worker pool, verifies every byte in the receivers and prints a summary.
-Exits 1 if any byte is wrong or a job failed.
+Exits 1 if any byte is wrong or a job failed. ``--model llama`` (``demo_workers``) is a dense
+model with an Eagle draft; ``--model hybrid`` (``demo_hybrid``) a Nemotron-H-like model whose
+Mamba2 state and attention KV share one pool, one job per request with its state slots.
 """
 
 from __future__ import annotations
@@ -21,16 +23,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from kvroute.client import KvrouteClient, KvrouteError, TransferStatus
-
-if TYPE_CHECKING:
-    from kvroute.cli import demo_workers as demo
 
 REPLY_WAIT_S = 120.0
 console = Console(highlight=False, width=110)
@@ -76,11 +76,10 @@ def embedded_kvroute(directory: Path) -> Iterator[tuple[str, str, str]]:
 
 
 class Workers:
-    """The worker processes and their command/reply queues."""
+    """The worker processes and their command/reply queues; ``demo`` is the model's worker module
+    (``demo_workers`` or ``demo_hybrid``)."""
 
-    def __init__(self, url: str, token: str, model: demo.Model) -> None:
-        from kvroute.cli import demo_workers as demo
-
+    def __init__(self, url: str, token: str, model: Any, demo: ModuleType) -> None:
         context = multiprocessing.get_context("spawn")
         self.replies: Any = context.Queue()
         self.commands: dict[tuple[str, int], Any] = {}
@@ -119,11 +118,11 @@ class Workers:
             progress.advance(task)
 
     def verify(
-        self, pairs: list[tuple[int, int]], ranks: int, progress: Progress
+        self, requests: list[dict[str, Any]], ranks: int, progress: Progress
     ) -> dict[str, int]:
         task = progress.add_task("verifying every received byte", total=ranks)
         for rank in range(ranks):
-            self.commands[("gen0", rank)].put(("verify", pairs))
+            self.commands[("gen0", rank)].put(("verify", requests))
         total = {"checked": 0, "wrong": 0}
         for _ in range(ranks):
             _, _, counts = self.replies.get(timeout=REPLY_WAIT_S)
@@ -140,70 +139,59 @@ class Workers:
                 process.terminate()
 
 
-def refuse_incompatible(client: KvrouteClient, model: demo.Model) -> KvrouteError | None:
-    """A generation instance whose blocks hold half the tokens: kvroute must refuse it."""
-    from kvroute.cli import demo_workers as demo
-    from kvroute.client.pools import Parallel, SharedKvPool, rank_document
-
-    halved = [
-        replace(layout, tokens_per_block=layout.tokens_per_block // 2)
-        for layout in model.layouts(model.generation_tp)
-    ]
-    pool = replace(SharedKvPool.carve(halved, 1).describe(), num_slots=4)
-    document = rank_document(
-        role="generation",
-        target=halved[0],
-        pools=[pool],
-        num_draft_layers=1,
-        parallel=Parallel(tp_size=model.generation_tp),
-    )
+def refuse_incompatible(client: KvrouteClient, demo: ModuleType, model: Any) -> KvrouteError | None:
+    """The model's incompatible generation instance: kvroute must refuse it."""
     try:
-        client.register(demo.DEPLOYMENT, "gen-bad", 0, document)
+        client.register(demo.DEPLOYMENT, "gen-bad", 0, demo.incompatible_document(model))
     except KvrouteError as error:
         return error
     return None
 
 
 def run_jobs(
-    client: KvrouteClient, model: demo.Model, jobs: int, progress: Progress
-) -> tuple[list[TransferStatus], list[tuple[int, int]]]:
-    """Moves disjoint block batches (reversed order on the receiver) through kvroute's worker pool."""
-    from kvroute.cli import demo_workers as demo
-
-    per_job = model.num_slots // jobs
-    task = progress.add_task(f"{jobs} transfer jobs on kvroute's worker pool", total=jobs)
-    statuses, pairs = [], []
-    for job in range(jobs):
-        src = list(range(job * per_job, (job + 1) * per_job))
-        dst = [model.num_slots - 1 - block for block in src]
+    client: KvrouteClient,
+    demo: ModuleType,
+    model: Any,
+    requests: list[dict[str, Any]],
+    progress: Progress,
+) -> list[TransferStatus]:
+    """One transfer job per request (blocks, and for hybrid models its state slots) through
+    kvroute's worker pool, for every generation rank."""
+    task = progress.add_task(
+        f"{len(requests)} transfer jobs on kvroute's worker pool", total=len(requests)
+    )
+    statuses = []
+    for request in requests:
         submitted = client.submit_transfer(
             demo.DEPLOYMENT,
             sender="ctx0",
             receiver="gen0",
             receiver_ranks=list(range(model.generation_tp)),
-            src_blocks=src,
-            dst_blocks=dst,
+            **request,
         )
         statuses.append(client.wait_transfer(submitted.id, limit_s=REPLY_WAIT_S))
-        pairs += list(zip(src, dst, strict=True))
         progress.advance(task)
-    return statuses, pairs
+    return statuses
 
 
 def plan_table(plans: list[Any]) -> Table:
     table = Table(title="plans (context ctx0 TP4 -> generation gen0 TP2)")
-    for column in ("rank", "hears from", "writers", "frags/block", "bytes/block", "bounce-safe"):
+    state = any(plan.state_bytes for plan in plans)
+    columns = ["rank", "hears from", "writers", "frags/block", "bytes/block"]
+    columns += ["state bytes/request", "state frags"] if state else []
+    for column in (*columns, "bounce-safe"):
         table.add_column(column, justify="right")
     for plan in plans:
         peers = plan.document["peers"]
-        table.add_row(
+        cells = [
             str(plan.receiver_rank),
             ", ".join(str(p["rank"]) for p in peers),
             ", ".join(str(r) for r in plan.sending_ranks),
             str(plan.fragments_per_block),
             f"{plan.bytes_per_block:,}",
-            str(plan.fanin_bounce_safe),
-        )
+        ]
+        cells += [f"{plan.state_bytes:,}", str(plan.state_fragments)] if state else []
+        table.add_row(*cells, str(plan.fanin_bounce_safe))
     return table
 
 
@@ -248,16 +236,28 @@ def summary_table(
     return table
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvroute.cli import demo_workers as demo  # torch is imported only when the demo runs
+def _model(args: argparse.Namespace) -> tuple[ModuleType, Any, list[dict[str, Any]]]:
+    """The worker module, the model and its transfer requests; torch is imported only here."""
+    if args.model == "hybrid":
+        from kvroute.cli import demo_hybrid
 
-    model = demo.SMALL if args.small else demo.FULL
+        base = demo_hybrid.SMALL if args.small else demo_hybrid.FULL
+        model = replace(base, jobs=args.jobs)
+        return demo_hybrid, model, model.requests()
+    from kvroute.cli import demo_workers
+
+    model = demo_workers.SMALL if args.small else demo_workers.FULL
+    return demo_workers, model, demo_workers.requests(model, args.jobs)
+
+
+def run(args: argparse.Namespace) -> int:
+    demo, model, requests = _model(args)
     with (
         tempfile.TemporaryDirectory(prefix="kvroute-demo-") as directory,
         embedded_kvroute(Path(directory)) as (url, worker_token, admin_token),
     ):
         console.print(f"kvroute at {url} (SQLite in {directory})")
-        workers = Workers(url, worker_token, model)
+        workers = Workers(url, worker_token, model, demo)
         try:
             with Progress(console=console, transient=False) as progress:
                 workers.start(progress)
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
                     console.print(
                         f"registered {instance.name}: {instance.role}, TP{instance.tp_size}, {instance.live_ranks} live ranks"
                     )
-                refusal = refuse_incompatible(admin, model)
+                refusal = refuse_incompatible(admin, demo, model)
                 if refusal is None:
                     console.print("[red]an incompatible instance was accepted[/]")
                     return 1
@@ -277,8 +277,8 @@ def run(args: argparse.Namespace) -> int:
                 plans = admin.get_plans(demo.DEPLOYMENT, sender="ctx0", receiver="gen0")
                 console.print(plan_table(plans))
                 with Progress(console=console) as progress:
-                    statuses, pairs = run_jobs(admin, model, args.jobs, progress)
-                    verified = workers.verify(pairs, model.generation_tp, progress)
+                    statuses = run_jobs(admin, demo, model, requests, progress)
+                    verified = workers.verify(requests, model.generation_tp, progress)
             console.print(summary_table(plans, statuses, verified))
         finally:
             workers.stop()
@@ -292,7 +292,14 @@ def add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser = commands.add_parser(
         "demo", help="run a whole deployment locally and verify every byte"
     )
-    parser.add_argument("--small", action="store_true", help="a 4-layer model instead of 32 layers")
+    parser.add_argument(
+        "--model",
+        choices=["llama", "hybrid"],
+        default="llama",
+        help="llama: a Llama-3-8B-like model with an Eagle draft; hybrid: a Nemotron-H-like model "
+        "(Mamba2 state and attention KV in one pool per rank)",
+    )
+    parser.add_argument("--small", action="store_true", help="a few layers with small heads")
     parser.add_argument(
         "--jobs",
         type=int,

@@ -9,7 +9,7 @@ check every byte it received for the heads it holds without trusting the plan th
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.queues import Queue
 from typing import Any
 
@@ -131,12 +131,42 @@ def fill(spec: WorkerSpec, pool: SharedKvPool, layouts: list[KvLayout]) -> None:
             words[block] = truth(layout, block, first)
 
 
+def requests(model: Model, jobs: int) -> list[dict[str, Any]]:
+    """Disjoint block batches, reversed order on the receiver: one transfer each."""
+    per_job = model.num_slots // jobs
+    batches = [list(range(job * per_job, (job + 1) * per_job)) for job in range(jobs)]
+    return [
+        {"src_blocks": src, "dst_blocks": [model.num_slots - 1 - block for block in src]}
+        for src in batches
+    ]
+
+
+def incompatible_document(model: Model) -> dict[str, Any]:
+    """A generation rank whose blocks hold half the tokens: kvroute must refuse it."""
+    halved = [
+        replace(layout, tokens_per_block=layout.tokens_per_block // 2)
+        for layout in model.layouts(model.generation_tp)
+    ]
+    pool = replace(SharedKvPool.carve(halved, 1).describe(), num_slots=4)
+    return rank_document(
+        role="generation",
+        target=halved[0],
+        pools=[pool],
+        num_draft_layers=1,
+        parallel=Parallel(tp_size=model.generation_tp),
+    )
+
+
 def verify(
-    spec: WorkerSpec, pool: SharedKvPool, layouts: list[KvLayout], pairs: list[tuple[int, int]]
+    spec: WorkerSpec, pool: SharedKvPool, layouts: list[KvLayout], jobs: list[dict[str, Any]]
 ) -> dict[str, int]:
     """Bytes checked and wrong, over received blocks (truth of the source block) and the rest (zero)."""
     checked = wrong = 0
-    received = dict((dst, src) for src, dst in pairs)
+    received = {
+        dst: src
+        for job in jobs
+        for src, dst in zip(job["src_blocks"], job["dst_blocks"], strict=True)
+    }
     for tensor, layout, first in zip(pool.tensors, layouts, _first_heads(spec), strict=True):
         words = tensor.view(torch.int16)
         for block in range(spec.model.num_slots):
