@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from kvroute.store.engine import SessionMaker, create_engine, make_sessionmaker
+from kvroute.store.engine import SessionMaker, create_engine, dispose, make_sessionmaker
 from kvroute.store.models import Base
 
 
@@ -17,7 +17,7 @@ from kvroute.store.models import Base
 async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
     engine = create_engine(database_url)
     yield engine
-    await engine.dispose()
+    await dispose(engine)
 
 
 @pytest.fixture

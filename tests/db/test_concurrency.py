@@ -9,7 +9,7 @@ import pytest
 
 from kvroute.geometry import GeometryError, RankRegistration
 from kvroute.store import registry
-from kvroute.store.engine import SessionMaker, create_engine, make_sessionmaker
+from kvroute.store.engine import SessionMaker, create_engine, dispose, make_sessionmaker
 from tests.db.documents import T0, registration
 
 ROUNDS = 20
@@ -20,7 +20,7 @@ async def two_processes(database_url: str) -> AsyncIterator[tuple[SessionMaker, 
     engines = [create_engine(database_url), create_engine(database_url)]
     yield make_sessionmaker(engines[0]), make_sessionmaker(engines[1])
     for engine in engines:
-        await engine.dispose()
+        await dispose(engine)
 
 
 async def refusal(sessionmaker: SessionMaker, reg: RankRegistration) -> GeometryError | None:

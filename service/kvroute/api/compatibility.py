@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from kvroute.api.keys import plan_service_key, sessionmaker_key, validated_key
+from kvroute.api.keys import registry_key, validated_key
 from kvroute.api.registration import utcnow
 from kvroute.control.compatibility import deployment_matrix
 
 
 async def get_compatibility(request: web.Request) -> web.Response:
     deployment = request[validated_key].path["deployment"]
+    registry = request.app[registry_key]
     matrix = await deployment_matrix(
-        request.app[sessionmaker_key],
-        request.app[plan_service_key].registrations,
-        deployment,
-        now=utcnow(),
+        registry.sessionmaker, registry.registrations, registry.verdicts, deployment, now=utcnow()
     )
     return web.json_response(matrix)

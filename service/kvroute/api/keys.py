@@ -19,6 +19,7 @@ from kvroute.api.scopes import Scope
 from kvroute.api.spec import SpecValidator, ValidatedRequest
 from kvroute.control.plan_answers import PlanAnswers
 from kvroute.control.plans import PlanService
+from kvroute.control.registry import Registry
 from kvroute.settings import Settings
 
 if TYPE_CHECKING:  # the data plane imports torch, which the control plane may lack
@@ -43,6 +44,7 @@ route_scopes_key = web.AppKey("route_scopes", dict[tuple[str, str], Scope])
 engine_key = web.AppKey("engine", AsyncEngine)
 sessionmaker_key = web.AppKey("sessionmaker", async_sessionmaker[AsyncSession])
 reaper_key = web.AppKey("reaper", asyncio.Task[None])
+registry_key = web.AppKey("registry", Registry)
 plan_service_key = web.AppKey("plan_service", PlanService)
 plan_answers_key = web.AppKey("plan_answers", PlanAnswers)
 transfer_service_key: web.AppKey[TransferService] = web.AppKey("transfer_service")

@@ -29,7 +29,7 @@ from kvroute.api.keys import (
 from kvroute.api.problems import Problem, ProblemError
 from kvroute.api.registration import utcnow
 from kvroute.store import registry
-from kvroute.store.engine import create_engine, make_sessionmaker
+from kvroute.store.engine import create_engine, dispose, make_sessionmaker
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ async def database_context(app: web.Application) -> AsyncIterator[None]:
     app[engine_key] = engine
     app[sessionmaker_key] = make_sessionmaker(engine)
     yield
-    await engine.dispose()
+    await dispose(engine)
 
 
 async def reaper_context(app: web.Application) -> AsyncIterator[None]:

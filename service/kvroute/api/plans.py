@@ -18,19 +18,26 @@ from kvroute.api.keys import (
     metrics_key,
     plan_answers_key,
     plan_service_key,
+    registry_key,
     sessionmaker_key,
+    settings_key,
     validated_key,
 )
 from kvroute.api.registration import utcnow
 from kvroute.control.plan_answers import MEDIA_TYPES, EncodedPlan, PlanAnswers, PlanMetrics
 from kvroute.control.plans import PlanKey, PlanService, PlanUnavailable
+from kvroute.control.registry import Registry
 from kvroute.geometry import GeometryError
 from kvroute.store.errors import NotFound
 
 
 async def plan_context(app: web.Application) -> AsyncIterator[None]:
-    """One plan service per app, over the app's sessionmaker (so after ``database_context``)."""
-    service = PlanService(app[sessionmaker_key])
+    """The registry and plan services of the app, over its sessionmaker (after ``database_context``)."""
+    registry = Registry(
+        app[sessionmaker_key], rejection_log_size=app[settings_key].rejection_log_size
+    )
+    app[registry_key] = registry
+    service = PlanService(app[sessionmaker_key], registry.registrations)
     app[plan_service_key] = service
     app[plan_answers_key] = PlanAnswers(service, PlanMetrics.create(app[metrics_key].registry))
     yield

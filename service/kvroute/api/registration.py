@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvroute.api.keys import metrics_key, sessionmaker_key, settings_key, validated_key
+from kvroute.api.keys import metrics_key, registry_key, sessionmaker_key, validated_key
 from kvroute.geometry import GeometryError, RankRegistration
 from kvroute.store import registry
 from kvroute.store.records import RankRecord
@@ -34,12 +34,7 @@ async def put_rank(request: web.Request) -> web.Response:
     now = utcnow()
     try:
         registration = await _parse(request, deployment, instance, rank, now)
-        outcome = await registry.register_rank(
-            app[sessionmaker_key],
-            registration,
-            now=now,
-            rejection_log_size=app[settings_key].rejection_log_size,
-        )
+        outcome = await app[registry_key].register(registration, now=now)
     except GeometryError as error:
         metrics.registrations.labels(result="rejected").inc()
         metrics.rejections.labels(code=error.code).inc()
@@ -63,14 +58,8 @@ async def _parse(
             request[validated_key].body, deployment=deployment, instance=instance, rank=rank
         )
     except GeometryError as error:
-        await registry.record_rejection(
-            request.app[sessionmaker_key],
-            error,
-            deployment=deployment,
-            instance=instance,
-            rank=rank,
-            now=now,
-            keep=request.app[settings_key].rejection_log_size,
+        await request.app[registry_key].refuse(
+            error, deployment=deployment, instance=instance, rank=rank, now=now
         )
         raise
 
@@ -85,9 +74,7 @@ async def get_rank(request: web.Request) -> web.Response:
 
 async def heartbeat(request: web.Request) -> web.Response:
     deployment, instance, rank = rank_address(request)
-    expires = await registry.heartbeat(
-        request.app[sessionmaker_key], deployment, instance, rank, now=utcnow()
-    )
+    expires = await request.app[registry_key].heartbeat(deployment, instance, rank, now=utcnow())
     return web.json_response({"lease_expires_at": expires.isoformat()})
 
 

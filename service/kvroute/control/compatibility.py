@@ -3,20 +3,22 @@
 Registration already refuses a rank incompatible with the live peers it meets, but a deployment
 can still hold pairs that would refuse each other: rows admitted before a rule existed (an older
 kvroute), or ranks checked against peers that were expired at the time. The matrix re-runs the
-boundary's peer check (``check_peers``) on the live registrations, every rank of a generation
-instance against all ranks of a context instance, and names the first refusal. An instance with
+boundary's peer check on the live registrations, every rank of a generation instance against all
+ranks of a context instance, and names the first refusal. It reads the verdicts admission memoized
+per pair of geometry classes (``geometry.classes``), so a fleet of identical instances costs a few
+dictionary lookups per pair. An instance with
 missing or expired ranks is reported as incomplete: its pairs are not guessed at.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from kvroute.geometry import GeometryError, RankRegistration, check_peers
+from kvroute.geometry.classes import VerdictMemo, check_peers_by_class, representatives
 from kvroute.store.engine import SessionMaker
 from kvroute.store.registrations import RegistrationCache
 from kvroute.store.snapshots import deployment_states
@@ -67,35 +69,55 @@ def _refusal(
     }
 
 
-def pair_verdict(context: InstanceRanks, generation: InstanceRanks) -> dict[str, Any]:
-    """One cell of the matrix; ``local`` is the generation rank's value, ``peer`` the context's."""
+def pair_verdict(
+    context: InstanceRanks,
+    generation: InstanceRanks,
+    senders: Sequence[RankRegistration],
+    memo: VerdictMemo,
+) -> dict[str, Any]:
+    """One cell of the matrix; ``local`` is the generation rank's value, ``peer`` the context's.
+
+    ``senders`` are the context instance's class representatives; a receiver whose class already
+    passed needs no second look.
+    """
     cell: dict[str, Any] = {"context": context.name, "generation": generation.name}
     incomplete = {side.name: side.missing for side in (context, generation) if side.missing}
     if incomplete:
         return cell | {"status": "incomplete", "compatible": None, "missing_ranks": incomplete}
+    passed: set[str] = set()
     for receiver in generation.live:
+        if receiver.class_digest in passed:
+            continue
         try:
-            check_peers(receiver, context.live)
+            check_peers_by_class(receiver, senders, memo)
         except GeometryError as error:
             refusal = _refusal(error, receiver, context.live)
             return cell | {"status": "incompatible", "compatible": False, "refusal": refusal}
+        passed.add(receiver.class_digest)
     return cell | {"status": "compatible", "compatible": True}
 
 
-def compatibility_matrix(deployment: str, instances: Sequence[InstanceRanks]) -> dict[str, Any]:
+def compatibility_matrix(
+    deployment: str, instances: Sequence[InstanceRanks], memo: VerdictMemo
+) -> dict[str, Any]:
     contexts = [item for item in instances if item.role == "context"]
     generations = [item for item in instances if item.role == "generation"]
+    pairs = []
+    for context in contexts:
+        senders = representatives(context.live)
+        pairs += [pair_verdict(context, g, senders, memo) for g in generations]
     return {
         "deployment": deployment,
         "context": [item.to_json() for item in contexts],
         "generation": [item.to_json() for item in generations],
-        "pairs": [pair_verdict(c, g) for c in contexts for g in generations],
+        "pairs": pairs,
     }
 
 
 async def deployment_matrix(
     sessionmaker: SessionMaker,
     registrations: RegistrationCache,
+    verdicts: VerdictMemo,
     deployment: str,
     *,
     now: datetime,
@@ -113,5 +135,6 @@ async def deployment_matrix(
         )
         for state in states
     ]
-    # check_peers is CPU work proportional to ranks x views: keep it off the event loop.
-    return await asyncio.to_thread(compatibility_matrix, deployment, instances)
+    # On the event loop: verdicts are memoized per pair of geometry classes (shared with
+    # admission, which runs here too), so only a class pair never seen before costs a check.
+    return compatibility_matrix(deployment, instances, verdicts)

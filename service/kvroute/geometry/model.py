@@ -203,6 +203,13 @@ class RankRegistration:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
 
     @cached_property
+    def canonical_digest(self) -> str:
+        """sha256 of ``canonical()``: equal digests mean an identical registration."""
+        import hashlib
+
+        return hashlib.sha256(self.canonical().encode()).hexdigest()
+
+    @cached_property
     def geometry_digest(self) -> str:
         """sha256 of what can change a plan: the document less lease, memory and endpoints."""
         import hashlib

@@ -27,13 +27,13 @@ from typing import Any
 
 from sqlalchemy import and_, delete, func, insert, literal, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from kvroute.geometry import RankRegistration
 from kvroute.geometry.classes import VerdictMemo, check_peers_by_class
 from kvroute.geometry.validate import check_instance, check_self
 from kvroute.store import ranks as repo
-from kvroute.store.engine import SessionMaker, engine_of
+from kvroute.store.engine import SessionMaker, engine_of, retry_disconnect
 from kvroute.store.models import Deployment, Generation, Instance, PoolRow, Rank, ViewRow
 from kvroute.store.records import RegisterOutcome
 from kvroute.store.registrations import RegistrationCache
@@ -52,18 +52,30 @@ async def admit(
 ) -> RegisterOutcome:
     """Admits, renews or re-registers ``reg``; raises its ``GeometryError`` changing nothing."""
     check_self(reg)  # the document alone: no lock needed to refuse it
-    async with engine_of(sessionmaker).begin() as connection:
+    _ = reg.class_digest, reg.canonical_digest  # computed before the lock, not under it
+    outcome = await retry_disconnect(
+        lambda: _admit(engine_of(sessionmaker), reg, now, registrations, verdicts)
+    )
+    registrations.remember(reg, outcome.generation)
+    return outcome
+
+
+async def _admit(
+    engine: AsyncEngine,
+    reg: RankRegistration,
+    now: datetime,
+    registrations: RegistrationCache,
+    verdicts: VerdictMemo,
+) -> RegisterOutcome:
+    async with engine.begin() as connection:
         await repo.lock_deployment_connection(connection, reg.deployment)
         at = await _judge_at(connection, reg.deployment, now)
         await _fence_expired(connection, reg.deployment, at)
-        members, existing = await _instance_rows(connection, reg, at)
-        representatives = await _class_representatives(connection, reg, at)
+        members, representatives, existing = await _read_peers(connection, reg, at)
         parsed = await registrations.at(reg.deployment, members + representatives, connection)
         check_instance(reg, parsed[: len(members)])
         check_peers_by_class(reg, parsed[len(members) :], verdicts)
-        outcome = await write_admitted(connection, reg, at, existing)
-    registrations.remember(reg, outcome.generation)
-    return outcome
+        return await write_admitted(connection, reg, at, existing)
 
 
 async def _judge_at(connection: AsyncConnection, deployment: str, now: datetime) -> datetime:
@@ -89,34 +101,27 @@ async def _fence_expired(connection: AsyncConnection, deployment: str, at: datet
     )
 
 
-async def _instance_rows(
+async def _read_peers(
     connection: AsyncConnection, reg: RankRegistration, at: datetime
-) -> tuple[list[Row], tuple[int, str] | None]:
-    """Live members of the instance other than ``reg`` and ``reg``'s own row (generation, digest)."""
-    rows = await connection.execute(
-        select(RANKS.c.rank, RANKS.c.generation, RANKS.c.lease_expires_at, RANKS.c.canonical_sha256)
-        .where(RANKS.c.deployment == reg.deployment, RANKS.c.instance == reg.instance)
-        .order_by(RANKS.c.rank)
-    )
-    members: list[Row] = []
-    existing = None
-    for rank, generation, expires, digest in rows:
-        if rank == reg.rank:
-            existing = (generation, digest)
-        elif expires > at:
-            members.append((reg.instance, rank, generation))
-    return members, existing
+) -> tuple[list[Row], list[Row], tuple[int, str] | None]:
+    """In one statement: the instance's rows, and the first live rank (instance, rank order) of
+    each geometry class of the opposite role.
 
-
-async def _class_representatives(
-    connection: AsyncConnection, reg: RankRegistration, at: datetime
-) -> list[Row]:
-    """The first live rank (instance, rank order) of each geometry class of the opposite role."""
-    order = func.row_number().over(
+    Returns the live members of the instance other than ``reg``, the class representatives, and
+    ``reg``'s own row as (generation, canonical digest) when it has one (live or not).
+    """
+    position = func.row_number().over(
         partition_by=RANKS.c.geometry_class, order_by=(RANKS.c.instance, RANKS.c.rank)
     )
     peers = (
-        select(RANKS.c.instance, RANKS.c.rank, RANKS.c.generation, order.label("position"))
+        select(
+            RANKS.c.instance,
+            RANKS.c.rank,
+            RANKS.c.generation,
+            RANKS.c.lease_expires_at,
+            RANKS.c.canonical_sha256,
+            position.label("position"),
+        )
         .where(
             RANKS.c.deployment == reg.deployment,
             RANKS.c.role == reg.role.opposite.value,
@@ -124,12 +129,27 @@ async def _class_representatives(
         )
         .subquery()
     )
+    members = select(
+        RANKS.c.instance,
+        RANKS.c.rank,
+        RANKS.c.generation,
+        RANKS.c.lease_expires_at,
+        RANKS.c.canonical_sha256,
+        literal(0).label("position"),
+    ).where(RANKS.c.deployment == reg.deployment, RANKS.c.instance == reg.instance)
+    representatives = select(peers).where(peers.c.position == 1)
     rows = await connection.execute(
-        select(peers.c.instance, peers.c.rank, peers.c.generation)
-        .where(peers.c.position == 1)
-        .order_by(peers.c.instance, peers.c.rank)
+        members.union_all(representatives).order_by("position", "instance", "rank")
     )
-    return [(instance, rank, generation) for instance, rank, generation in rows]
+    own, classes, existing = [], [], None
+    for instance, rank, generation, expires, digest, position in rows:
+        if position:
+            classes.append((instance, rank, generation))
+        elif rank == reg.rank:
+            existing = (generation, digest)
+        elif expires > at:
+            own.append((instance, rank, generation))
+    return own, classes, existing
 
 
 async def write_admitted(
@@ -145,7 +165,7 @@ async def write_admitted(
         RANKS.c.instance == reg.instance,
         RANKS.c.rank == reg.rank,
     )
-    digest = repo.canonical_digest(reg)
+    digest = reg.canonical_digest
     if existing is not None and existing[1] == digest:
         await connection.execute(
             update(RANKS).where(key).values(lease_expires_at=expires, fenced_at=None)

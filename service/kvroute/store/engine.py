@@ -14,12 +14,14 @@ writers.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, CursorResult, make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
     AsyncEngine,
@@ -30,10 +32,16 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.sql import Executable
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# Enough connections for the concurrent requests of one process without churn: an overflow
+# connection is closed on return, and opening one costs several round trips (and TLS probing).
+POOL_SIZE = 24
+POOL_OVERFLOW = 16
 # Execution option naming a transaction that will not write (SQLite then begins it deferred).
 READ_ONLY = "kvroute_read_only"
 
 SessionMaker = async_sessionmaker[AsyncSession]
+_AUTOCOMMIT: weakref.WeakKeyDictionary[AsyncEngine, AsyncEngine] = weakref.WeakKeyDictionary()
+T = TypeVar("T")
 
 
 def create_engine(url: str, **engine_kwargs: Any) -> AsyncEngine:
@@ -43,9 +51,27 @@ def create_engine(url: str, **engine_kwargs: Any) -> AsyncEngine:
         engine = create_async_engine(parsed, **engine_kwargs)
         _configure_sqlite(engine)
         return engine
-    # pre_ping: a PostgreSQL restart must cost one retry, not a burst of 500s.
-    engine_kwargs.setdefault("pool_pre_ping", True)
+    # No pre-ping: it costs a BEGIN/ROLLBACK round trip on every checkout of the hot paths. A
+    # connection a PostgreSQL restart left dead fails its first statement instead; SQLAlchemy then
+    # invalidates the whole pool and ``retry_disconnect`` runs the unit of work once more.
+    engine_kwargs.setdefault("pool_size", POOL_SIZE)
+    engine_kwargs.setdefault("max_overflow", POOL_OVERFLOW)
     return create_async_engine(parsed, **engine_kwargs)
+
+
+async def retry_disconnect(work: Callable[[], Awaitable[T]]) -> T:
+    """Runs ``work``; once more if its connection turned out dead (the pool is refreshed then).
+
+    Safe for every unit of work kvroute has: a transaction cut by a dead connection was rolled
+    back by the server, and the ones whose COMMIT may have landed are idempotent (re-registering
+    the same document renews it; renewing a lease twice extends it to the same instant).
+    """
+    try:
+        return await work()
+    except DBAPIError as error:
+        if not error.connection_invalidated:
+            raise
+    return await work()
 
 
 def make_sessionmaker(engine: AsyncEngine) -> SessionMaker:
@@ -66,14 +92,37 @@ def engine_of(sessionmaker: SessionMaker) -> AsyncEngine:
 
 
 @asynccontextmanager
-async def read_connection(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+async def autocommit_connection(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
     """A Core connection in autocommit mode for single-statement reads on hot paths.
 
     No BEGIN, no ROLLBACK, no ORM session: one round trip per statement. Each statement sees its
     own snapshot, so a read that must be consistent across tables is one (joined) statement.
     """
-    async with engine.connect() as connection:
-        yield await connection.execution_options(isolation_level="AUTOCOMMIT")
+    async with autocommit_engine(engine).connect() as connection:
+        yield connection
+
+
+def autocommit_engine(engine: AsyncEngine) -> AsyncEngine:
+    """The companion engine of ``engine`` whose connections are in autocommit mode from birth.
+
+    A pool of its own: switching a pooled connection's isolation level on every checkout (and
+    back on return) costs more than the single statement it is checked out for.
+    """
+    companion = _AUTOCOMMIT.get(engine)
+    if companion is None:
+        companion = create_engine(
+            engine.url.render_as_string(hide_password=False), isolation_level="AUTOCOMMIT"
+        )
+        _AUTOCOMMIT[engine] = companion
+    return companion
+
+
+async def dispose(engine: AsyncEngine) -> None:
+    """Closes the pools of ``engine`` and of its autocommit companion."""
+    companion = _AUTOCOMMIT.pop(engine, None)
+    if companion is not None:
+        await companion.dispose()
+    await engine.dispose()
 
 
 async def affected_rows(session: AsyncSession, statement: Executable) -> int:

@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from kvroute.store.engine import autocommit_connection, retry_disconnect
 from kvroute.store.models import Deployment, Rank, UTCDateTime
 
 RANKS = Rank.__table__
@@ -25,9 +26,10 @@ async def renew(
 ) -> datetime | None:
     """The renewed expiry, or None when the rank is unknown, expired or fenced."""
     key = and_(RANKS.c.deployment == deployment, RANKS.c.instance == instance, RANKS.c.rank == rank)
-    if engine.dialect.name == "postgresql":
-        return await _renew_in_one_statement(engine, deployment, key, now)
-    return await _renew_in_a_transaction(engine, deployment, key, now)
+    renew_in = (
+        _renew_in_one_statement if engine.dialect.name == "postgresql" else _renew_in_a_transaction
+    )
+    return await retry_disconnect(lambda: renew_in(engine, deployment, key, now))
 
 
 async def _renew_in_one_statement(
@@ -44,9 +46,8 @@ async def _renew_in_one_statement(
         .values(lease_expires_at=judged + lease)
         .returning(RANKS.c.lease_expires_at)
     )
-    async with engine.connect() as connection:
-        autocommit = await connection.execution_options(isolation_level="AUTOCOMMIT")
-        return (await autocommit.execute(statement)).scalar_one_or_none()
+    async with autocommit_connection(engine) as connection:
+        return (await connection.execute(statement)).scalar_one_or_none()
 
 
 async def _renew_in_a_transaction(

@@ -7,7 +7,6 @@ what one transaction contains. Writes of one deployment are only correct while t
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -15,7 +14,6 @@ from typing import Any
 from sqlalchemy import delete, exists, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from kvroute.geometry import RankRegistration
 from kvroute.store.models import Instance, Rank
 
 
@@ -38,10 +36,6 @@ async def lock_deployment_connection(connection: AsyncConnection, deployment: st
 
 def judged_at_time(checked_at: datetime, now: datetime) -> datetime:
     return max(now, checked_at)
-
-
-def canonical_digest(reg: RankRegistration) -> str:
-    return hashlib.sha256(reg.canonical().encode()).hexdigest()
 
 
 def pool_row(key: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:

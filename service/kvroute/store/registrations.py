@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachetools import LRUCache
-from sqlalchemy import select, tuple_
+from sqlalchemy import Row, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from kvroute.geometry import RankRegistration
-from kvroute.store.engine import SessionMaker, engine_of, read_connection
+from kvroute.store.engine import SessionMaker, autocommit_connection, engine_of, retry_disconnect
 from kvroute.store.errors import Conflict
 from kvroute.store.models import Rank
 
@@ -79,8 +79,12 @@ class RegistrationCache:
             tuple_(Rank.instance, Rank.rank, Rank.generation).in_(wanted),
         )
         if connection is not None:
-            rows = await connection.execute(query)
+            rows = (await connection.execute(query)).all()
         else:
-            async with read_connection(engine_of(self._sessionmaker)) as own:
-                rows = await own.execute(query)
+
+            async def read() -> Sequence[Row[Any]]:
+                async with autocommit_connection(engine_of(self._sessionmaker)) as own:
+                    return (await own.execute(query)).all()
+
+            rows = await retry_disconnect(read)
         return {(instance, rank): document for instance, rank, document in rows}

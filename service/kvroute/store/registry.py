@@ -25,7 +25,13 @@ from kvroute.geometry.classes import VerdictMemo
 from kvroute.store import leases
 from kvroute.store import ranks as repo
 from kvroute.store.admission import admit
-from kvroute.store.engine import SessionMaker, affected_rows, engine_of, read_connection, reading
+from kvroute.store.engine import (
+    SessionMaker,
+    affected_rows,
+    autocommit_connection,
+    engine_of,
+    reading,
+)
 from kvroute.store.errors import LeaseExpired, NotFound
 from kvroute.store.models import Deployment, Instance, Rank
 from kvroute.store.records import (
@@ -127,7 +133,7 @@ async def heartbeat(
     renewed = await leases.renew(engine, deployment, instance, rank, now)
     if renewed is not None:
         return renewed
-    async with read_connection(engine) as connection:
+    async with autocommit_connection(engine) as connection:
         found = await connection.scalar(
             select(Rank.lease_expires_at).where(
                 Rank.deployment == deployment, Rank.instance == instance, Rank.rank == rank

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import ColumnElement, select
+from sqlalchemy import ColumnElement, Row, select
 
 from kvroute.store import ranks as repo
-from kvroute.store.engine import SessionMaker, engine_of, read_connection
+from kvroute.store.engine import SessionMaker, autocommit_connection, engine_of, retry_disconnect
 from kvroute.store.errors import NotFound
 from kvroute.store.models import Deployment, Instance, Rank
 
@@ -55,7 +56,7 @@ async def deployment_states(
     """Every instance of a deployment, by name; ``NotFound`` for an unknown deployment."""
     states = await _states(sessionmaker, deployment, now)
     if not states:
-        async with read_connection(engine_of(sessionmaker)) as connection:
+        async with autocommit_connection(engine_of(sessionmaker)) as connection:
             found = await connection.scalar(
                 select(Deployment.name).where(Deployment.name == deployment)
             )
@@ -84,8 +85,12 @@ async def _states(
         )
         .where(Deployment.name == deployment, *where)
     )
-    async with read_connection(engine_of(sessionmaker)) as connection:
-        rows = (await connection.execute(query)).all()
+
+    async def read() -> Sequence[Row[Any]]:
+        async with autocommit_connection(engine_of(sessionmaker)) as connection:
+            return (await connection.execute(query)).all()
+
+    rows = await retry_disconnect(read)
     layouts: dict[str, tuple[str, int, int]] = {}
     live: dict[str, dict[int, int]] = {}
     expired: dict[str, list[int]] = {}

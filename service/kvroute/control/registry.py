@@ -1,0 +1,59 @@
+"""Registration as an application service: admission with the process's caches.
+
+One ``Registry`` per process holds what makes admission cheap at fleet scale: the parsed
+registrations by generation (shared with plans, transfers and the matrix) and the verdicts memoized
+per pair of geometry classes (shared with the matrix). Both hold immutable facts (a document at a
+generation, a verdict of two geometries), so replicas never need to agree on them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from cachetools import LRUCache
+
+from kvroute.geometry import GeometryError, RankRegistration
+from kvroute.geometry.classes import Verdict
+from kvroute.store import registry
+from kvroute.store.engine import SessionMaker
+from kvroute.store.records import RegisterOutcome
+from kvroute.store.registrations import RegistrationCache
+
+VERDICT_CACHE_SIZE = 65_536  # pairs of geometry classes: a fleet has tens
+
+
+class Registry:
+    def __init__(self, sessionmaker: SessionMaker, *, rejection_log_size: int) -> None:
+        self.sessionmaker = sessionmaker
+        self.rejection_log_size = rejection_log_size
+        self.registrations = RegistrationCache(sessionmaker)
+        self.verdicts: LRUCache[tuple[str, str], Verdict] = LRUCache(VERDICT_CACHE_SIZE)
+
+    async def register(self, reg: RankRegistration, *, now: datetime) -> RegisterOutcome:
+        return await registry.register_rank(
+            self.sessionmaker,
+            reg,
+            now=now,
+            rejection_log_size=self.rejection_log_size,
+            registrations=self.registrations,
+            verdicts=self.verdicts,
+        )
+
+    async def refuse(
+        self, error: GeometryError, *, deployment: str, instance: str, rank: int, now: datetime
+    ) -> None:
+        """Logs a refusal found before admission (a document that does not parse)."""
+        await registry.record_rejection(
+            self.sessionmaker,
+            error,
+            deployment=deployment,
+            instance=instance,
+            rank=rank,
+            now=now,
+            keep=self.rejection_log_size,
+        )
+
+    async def heartbeat(
+        self, deployment: str, instance: str, rank: int, *, now: datetime
+    ) -> datetime:
+        return await registry.heartbeat(self.sessionmaker, deployment, instance, rank, now=now)
