@@ -104,3 +104,15 @@ async def test_members_outside_their_kind_or_the_schema_are_422(client: Client) 
     empty["views"][1]["conv_sections"] = []
     status, problem = await register(client, "ctx0", 0, empty)
     assert status == 422
+
+
+async def test_state_slots_and_prompt_length_outside_the_schema_are_422(client: Client) -> None:
+    body = {"sender": "ctx0", "receiver": "gen0", "receiver_ranks": [0], "src_blocks": [0],
+            "dst_blocks": [0]}  # fmt: skip
+    for member, value in (("src_state_slot", -1), ("dst_state_slot", "1"), ("prompt_tokens", 0)):
+        response = await client.post(
+            "/v1/deployments/llama/transfers", json=body | {member: value}, headers=WORKER
+        )
+        problem = await response.json()
+        assert response.status == 422, problem
+        assert [error["field"] for error in problem["errors"]] == [member]
