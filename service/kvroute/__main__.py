@@ -2,6 +2,6 @@
 
 import sys
 
-from kvroute.cli.main import main
+from kvroute.cli import main
 
 sys.exit(main())

@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -33,7 +33,9 @@ class LiveServer:
     """``kvroute serve`` in ``directory``; SQLite there unless ``database_url`` says otherwise.
 
     ``tokens`` is (worker, admin); without tokens kvroute serves loopback only, as here.
-    ``restart(fresh_db=True)`` keeps the port and starts over on an empty SQLite database.
+    ``command`` is the program that serves (default: this interpreter's ``-m kvroute``; e.g. the
+    ``kvroute`` script of another installation). ``restart(fresh_db=True)`` keeps the port and
+    starts over on an empty SQLite database.
     """
 
     def __init__(
@@ -44,8 +46,10 @@ class LiveServer:
         database_url: str | None = None,
         tokens: tuple[str, str] | None = None,
         env: Mapping[str, str] | None = None,
+        command: Sequence[str] = (sys.executable, "-m", "kvroute"),
     ) -> None:
         self.directory = directory
+        self.command = list(command)
         self.port = port or free_port()
         self.database = directory / "kvroute.db"
         self.database_url = database_url or f"sqlite+aiosqlite:///{self.database}"
@@ -75,9 +79,7 @@ class LiveServer:
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
                 [
-                    sys.executable,
-                    "-m",
-                    "kvroute",
+                    *self.command,
                     "serve",
                     "--host",
                     "127.0.0.1",

@@ -8,6 +8,7 @@ have been stored then.
 
 from __future__ import annotations
 
+import xml.etree.ElementTree as ET
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,6 +24,7 @@ from tests.api.documents import rank_document
 
 Client = TestClient[web.Request, web.Application]
 MATRIX = "/v1/deployments/llama/compatibility"
+SVG = "{http://www.w3.org/2000/svg}"
 
 
 async def admit_without_checks(
@@ -107,3 +109,27 @@ async def test_matrix_is_admin_only_and_names_unknown_deployments(client: Client
     assert "'nope'" in (await missing.json())["detail"]
     alone = await matrix(client)
     assert (alone["generation"], alone["pairs"]) == ([], [])
+
+
+async def test_matrix_picture_spells_out_each_refusal(client: Client) -> None:
+    for rank in range(2):
+        await register(client, "ctx0", rank, rank_document(tp_size=2, tp_rank=rank))
+    await register(client, "gen0", 0, rank_document(role="generation"))
+    await admit_without_checks(client, "gen1", 0, rank_document(role="generation", head_dim=32))
+    response = await client.get(MATRIX + "?format=svg", headers=ADMIN)
+    assert response.status == 200
+    assert response.content_type == "image/svg+xml"
+    root = ET.fromstring(await response.text())
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    assert "[1] head_dim_mismatch" in texts
+    assert (
+        "[1] gen1 rank 0 <- ctx0 rank 0: head_dim_mismatch, field attention.head_dim: "
+        "generation=32, context=16"
+    ) in texts
+    tips = [r.find(f"{SVG}title").text for r in root.iter(f"{SVG}rect") if len(r)]
+    assert tips == [
+        "gen0 <- ctx0: compatible",
+        "gen1 rank 0 <- ctx0 rank 0: head_dim_mismatch, field attention.head_dim: "
+        "generation=32, context=16",
+    ]
+    assert (await client.get(MATRIX + "?format=png", headers=ADMIN)).status == 422

@@ -11,6 +11,7 @@ from kvroute.api import create_app
 from kvroute.api.keys import route_scopes_key
 from kvroute.api.spec import spec_bytes, spec_operations
 from kvroute.settings import Settings
+from tests.api.conftest import ADMIN, ADMIN_TOKEN, WORKER, WORKER_TOKEN
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "api_spec" / "openapi.yaml"
 
@@ -33,9 +34,24 @@ def test_every_route_is_in_the_spec_and_vice_versa(tmp_path):
     assert _router_operations(app) == spec_operations(spec)
 
 
-def test_every_route_has_a_declared_scope(tmp_path):
-    app = _app(tmp_path)
-    assert set(app[route_scopes_key]) == _router_operations(app)
+async def test_a_route_missing_from_the_scope_table_needs_the_admin_token(aiohttp_client, tmp_path):
+    settings = Settings(
+        database_url=f"sqlite+aiosqlite:///{tmp_path}/unused.db",
+        worker_token=WORKER_TOKEN,
+        admin_token=ADMIN_TOKEN,
+    )
+    app = create_app(settings)
+
+    async def unlisted(request: web.Request) -> web.Response:
+        return web.Response(text="reached")
+
+    app.router.add_get("/v1/unlisted", unlisted)  # a route added without a scope entry
+    client = await aiohttp_client(app)
+
+    assert (await client.get("/v1/unlisted")).status == 401
+    assert (await client.get("/v1/unlisted", headers=WORKER)).status == 403
+    # The admin token passes auth; the spec, which does not declare the route, still refuses it.
+    assert (await client.get("/v1/unlisted", headers=ADMIN)).status in (404, 405)
 
 
 def test_public_operations_are_the_ones_the_spec_leaves_unsecured(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from kvroute.live import LiveServer, free_port
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 
@@ -78,3 +81,27 @@ def test_compose_secrets_come_from_uncommitted_env_files():
     assert ignored.returncode == 0, "docker/*.env must be ignored by git"
     for file in env_files:
         assert (DOCKER / f"{file}.example").is_file()
+
+
+def _probe(text: str, instruction: str) -> list[str]:
+    """The exec-form command of a HEALTHCHECK (``CMD [...]`` after line continuations)."""
+    joined = text.replace("\\\n", " ")
+    (line,) = [row for row in joined.splitlines() if row.startswith(instruction)]
+    return json.loads(line[line.index("CMD") + 3 :].strip())
+
+
+def test_healthchecks_follow_kvroute_port_not_a_fixed_one(tmp_path):
+    image = _probe((DOCKER / "Dockerfile").read_text(), "HEALTHCHECK")
+    compose = _compose()["services"]["kvroute"]["healthcheck"]["test"]
+    assert image[0] == "python"
+    assert compose[:2] == ["CMD", "python"]
+    with LiveServer(tmp_path) as server:
+        for probe, path in ((image, "/healthz"), (compose[1:], "/readyz")):
+            assert path in probe[-1]
+            assert "8080" not in probe[-1]
+            command = [sys.executable, *probe[1:]]
+            env = {"KVROUTE_PORT": str(server.port)}
+            subprocess.run(command, env=env, check=True, timeout=30)
+            elsewhere = {"KVROUTE_PORT": str(free_port())}
+            failed = subprocess.run(command, env=elsewhere, capture_output=True, timeout=30)
+            assert failed.returncode != 0

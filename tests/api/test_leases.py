@@ -46,7 +46,8 @@ async def test_expired_rank_cannot_heartbeat_and_must_reregister(client):
     assert body["generation"] == 1
 
 
-async def test_reaper_removes_expired_ranks_after_grace(make_client):
+async def test_reaper_removes_expired_ranks_after_grace(make_client, caplog):
+    caplog.set_level("INFO", logger="kvroute.api.lifecycle")
     client = await make_client(lease_grace_seconds=0, reaper_interval_seconds=0.2)
     await register(client, "ctx0", 0, rank_document(lease_seconds=1))
     async with asyncio.timeout(LEASE_WAIT_SECONDS):
@@ -55,4 +56,17 @@ async def test_reaper_removes_expired_ranks_after_grace(make_client):
                 break
             await asyncio.sleep(0.1)
     text = await (await client.get("/metrics")).text()
-    assert "kvroute_live_ranks 0.0" in text
+    # The instance is gone with its last rank, and so are its series; the expiry was counted.
+    assert 'instance="ctx0"' not in text
+    assert 'kvroute_expired_leases_total{deployment="llama"} 1.0' in text
+    # Both lines name the rank, in the message and as fields a JSON log can be queried by.
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("lease expired: llama/ctx0 rank 0 (") for m in messages), messages
+    assert any(m.endswith("over 0s ago: llama/ctx0 rank 0") for m in messages), messages
+    (expired,) = [r.fields for r in caplog.records if r.getMessage().startswith("lease expired")]
+    assert expired == {
+        "event": "lease_expired",
+        "deployment": "llama",
+        "instance": "ctx0",
+        "rank": 0,
+    }

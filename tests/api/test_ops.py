@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 
 from kvroute.api import create_app
+from kvroute.api.access import JsonFormatter
 from kvroute.settings import Settings
 from tests.api.conftest import ADMIN, WORKER, rank_path, register
 from tests.api.documents import rank_document
@@ -37,7 +38,9 @@ async def test_metrics_expose_kvroute_families(client):
         "kvroute_build_info",
     ):
         assert family in text, family
-    assert "kvroute_live_ranks 1.0" in text
+    assert 'kvroute_live_ranks{deployment="llama",instance="ctx0"} 1.0' in text
+    assert "kvroute_database_up 1.0" in text
+    assert "_created" not in text
     route = "/v1/deployments/{deployment}/instances/{instance}/ranks/{rank}"
     assert f'route="{route}",status_class="2xx"' in text
 
@@ -69,7 +72,9 @@ async def test_unreachable_database_is_503_not_500(aiohttp_client):
     response = await client.put(rank_path("ctx0", 0), json=rank_document())
     assert response.status == 503
     assert (await response.json(content_type=None))["code"] == "database_unavailable"
-    assert (await client.get("/metrics")).status == 200
+    scrape = await client.get("/metrics")
+    assert scrape.status == 200
+    assert "kvroute_database_up 0.0" in await scrape.text()
 
 
 async def test_one_access_line_per_request_with_its_request_id(client, caplog):
@@ -84,3 +89,31 @@ async def test_one_access_line_per_request_with_its_request_id(client, caplog):
         "GET",
     )
     assert fields["request_id"] == "req-7"
+
+
+async def test_access_line_of_a_refusal_names_its_code_and_field(client, caplog):
+    caplog.set_level("INFO", logger="kvroute.access")
+    await register(client, "ctx0", 0, rank_document(head_dim=16))
+    assert (await register(client, "gen0", 0, rank_document(role="generation", head_dim=32)))[
+        0
+    ] == 409
+    record = [r for r in caplog.records if r.name == "kvroute.access"][-1]
+    refused = record.http
+    assert (refused["status"], refused["code"], refused["field"]) == (
+        409,
+        "head_dim_mismatch",
+        "attention.head_dim",
+    )
+    line = JsonFormatter().format(record)
+    assert '"code": "head_dim_mismatch", "field": "attention.head_dim"' in line
+
+
+async def test_metrics_label_ranks_by_deployment_and_instance(client):
+    for rank in range(2):
+        await register(client, "ctx0", rank, rank_document(tp_size=2, tp_rank=rank))
+    await register(client, "gen0", 0, rank_document(role="generation"), deployment="other")
+    await client.delete(rank_path("ctx0", 1), headers=ADMIN)
+    text = await (await client.get("/metrics")).text()
+    assert 'kvroute_live_ranks{deployment="llama",instance="ctx0"} 1.0' in text
+    assert 'kvroute_live_ranks{deployment="other",instance="gen0"} 1.0' in text
+    assert 'kvroute_expired_ranks{deployment="llama",instance="ctx0"} 0.0' in text

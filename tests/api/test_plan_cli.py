@@ -68,6 +68,32 @@ def test_incompatible_documents_are_refused_with_the_field(tmp_path, capsys) -> 
     assert "field attention.head_dim: local=32, peer=16" in error
 
 
+def test_documents_of_some_sender_ranks_are_refused_naming_the_missing_ones(
+    documents, capsys
+) -> None:
+    one_of_four = [documents[0], documents[1], *documents[-2:]]
+    assert main(["plan", *one_of_four]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "refused (409): sender instance ctx0 has ranks 0 of 4 (missing: 1,2,3)" in captured.err
+    # Ranks come from the documents, not from the order of the files.
+    reordered = ["--sender-doc", *reversed(documents[1:5]), *documents[5:]]
+    assert main(["plan", *reordered, "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [peer["rank"] for peer in plan["peers"] if peer["sends"]] == [2, 3]
+
+
+def test_a_sender_rank_given_twice_is_a_usage_error(documents, capsys) -> None:
+    twice = [documents[0], documents[1], documents[1], *documents[2:]]
+    assert main(["plan", *twice]) == 2
+    assert "is sender rank 0 again" in capsys.readouterr().err
+
+
+def test_remote_plan_needs_a_deployment(capsys) -> None:
+    assert main(["plan", "--url", "http://127.0.0.1:9", "--rank", "0"]) == 2
+    assert "--deployment is required with --url" in capsys.readouterr().err
+
+
 def test_unreadable_documents_and_missing_sources_are_usage_errors(tmp_path, capsys) -> None:
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
@@ -82,7 +108,11 @@ def test_unreadable_documents_and_missing_sources_are_usage_errors(tmp_path, cap
     assert "give --url" in capsys.readouterr().err
 
 
-async def test_remote_plan_from_a_running_server(client: Client, capsys) -> None:
+async def test_remote_plan_from_a_running_server(
+    client: Client, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("KVROUTE_WORKER_TOKEN", "KVROUTE_ADMIN_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
     for rank in range(2):
         await register(client, "ctx0", rank, rank_document(tp_size=2, tp_rank=rank))
     await register(client, "gen0", 0, rank_document(role="generation"))
@@ -99,6 +129,11 @@ async def test_remote_plan_from_a_running_server(client: Client, capsys) -> None
 
     assert await asyncio.to_thread(main, base) == 1
     assert "401 Unauthorized" in capsys.readouterr().err
+    # The server's variable names configure the command too.
+    monkeypatch.setenv("KVROUTE_WORKER_TOKEN", WORKER_TOKEN)
+    assert await asyncio.to_thread(main, base) == 0
+    assert "gen0 rank 0 (generation 1)" in capsys.readouterr().out
+    monkeypatch.delenv("KVROUTE_WORKER_TOKEN")
     missing = [*base[:-1], "5", "--token", WORKER_TOKEN]
     assert await asyncio.to_thread(main, missing) == 1
     assert "receiver instance gen0 rank 5 is not registered" in capsys.readouterr().err

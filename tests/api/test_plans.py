@@ -76,9 +76,17 @@ async def test_plan_names_its_writers_generations_and_fingerprint(client: Client
     assert body["sender"] == {
         "instance": "ctx0",
         "dp_rank": 0,
+        "tp_size": 4,
+        "pp_size": 1,
         "generations": {"0": 1, "1": 1, "2": 1, "3": 1},
     }
-    assert body["receiver"] == {"instance": "gen0", "rank": 0, "generation": 1}
+    assert body["receiver"] == {
+        "instance": "gen0",
+        "rank": 0,
+        "tp_size": 2,
+        "pp_size": 1,
+        "generation": 1,
+    }
     assert body["fingerprint"].startswith("sha256:")
     assert [(p["rank"], p["sends"]) for p in body["peers"]] == [(0, True), (1, True)]
     owners = [

@@ -119,6 +119,7 @@ async def test_refusals_are_counted_in_metrics(client):
     for _ in range(refusals):
         await register(client, "gen0", 0, rank_document(role="generation", head_dim=32))
     text = await (await client.get("/metrics")).text()
-    assert f'kvroute_rejections_total{{code="head_dim_mismatch"}} {float(refusals)}' in text
+    rejected = 'kvroute_rejections_total{code="head_dim_mismatch",deployment="llama"}'
+    assert f"{rejected} {float(refusals)}" in text
     assert f'kvroute_registrations_total{{result="rejected"}} {float(refusals)}' in text
     assert 'kvroute_registrations_total{result="created"} 1.0' in text

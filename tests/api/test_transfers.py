@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from kvroute.api import create_app
-from kvroute.api.keys import copy_engine_key, sessionmaker_key
+from kvroute.api.keys import copy_engine_key, sessionmaker_key, transfer_service_key
 from kvroute.store import jobs
 from kvroute.store.engine import create_engine, make_sessionmaker
 from kvroute.store.jobs import INTERRUPTED
@@ -167,6 +167,30 @@ async def test_job_runs_and_is_reported_from_the_database(start, segment) -> Non
     assert ready["checks"]["transfer_pool"] == "ok"
 
 
+async def test_recent_jobs_are_listed_newest_first_for_admins(start, segment) -> None:
+    client = await start()
+    await register_world(client, segment)
+    first = await submit(client, [0], [1])
+    await until(client, first["id"], {"succeeded"})
+    second = await submit(client, [2, 3], [3, 2])
+    await until(client, second["id"], {"succeeded"})
+
+    listed = await client.get(TRANSFERS, headers=ADMIN)
+    assert listed.status == 200
+    answer = await listed.json()
+    assert answer["deployment"] == "llama"
+    assert [(job["id"], job["blocks"], job["state"]) for job in answer["transfers"]] == [
+        (second["id"], 2, "succeeded"),
+        (first["id"], 1, "succeeded"),
+    ]
+    assert answer["transfers"][0] == await state_of(client, second["id"])
+    limited = await (await client.get(TRANSFERS + "?limit=1", headers=ADMIN)).json()
+    assert [job["id"] for job in limited["transfers"]] == [second["id"]]
+    assert (await client.get(TRANSFERS, headers=WORKER)).status == 403
+    other = await client.get("/v1/deployments/other/transfers", headers=ADMIN)
+    assert (await other.json())["transfers"] == []
+
+
 async def test_queued_job_is_cancelled_running_and_finished_ones_are_not(start, segment) -> None:
     engine = GatedEngine()
     client = await start(engine, transfer_workers=1)
@@ -288,7 +312,8 @@ async def test_restart_fails_the_jobs_of_the_previous_process(start, segment) ->
 
     second = await start()  # a new process on the same database
     engine.gate.set()  # the first process's late result must not revive its job
-    await asyncio.sleep(0.1)
+    async with asyncio.timeout(GATE_S):
+        await first.app[transfer_service_key].settled(running["id"])
 
     for job in (running, queued):
         seen = await state_of(second, job["id"])

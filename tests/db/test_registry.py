@@ -195,8 +195,9 @@ async def test_reaper_removes_ranks_only_after_the_grace_period(
     await register_context(sessionmaker, lease_seconds=10, memory=SHM)
     grace = seconds(5)
 
-    assert await registry.reap_expired(sessionmaker, now=T0 + seconds(15), grace=grace) == 0
-    assert await registry.reap_expired(sessionmaker, now=T0 + seconds(16), grace=grace) == 2
+    assert await registry.reap_expired(sessionmaker, now=T0 + seconds(15), grace=grace) == []
+    reaped = await registry.reap_expired(sessionmaker, now=T0 + seconds(16), grace=grace)
+    assert [str(name) for name in reaped] == ["llama/ctx0 rank 0", "llama/ctx0 rank 1"]
 
     with pytest.raises(NotFound):
         await registry.get_instance(sessionmaker, "llama", "ctx0", now=T0)

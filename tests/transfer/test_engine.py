@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvroute.transfer import CopyEngine, Strategy, TransferJob, TransferValidationError
+from kvroute.transfer.engine import block_spans
 from tests.transfer.conftest import SCENARIOS, Staged
 from tests.transfer.layouts import expected_receiver
 
@@ -57,7 +58,9 @@ def test_consecutive_blocks_copy_as_one_span(stage: Stage) -> None:
     staged = stage(SCENARIOS["nhd-head-slice"], seed=3)
     blocks = (np.array([3, 4, 5, 9, 10]), np.array([0, 1, 2, 7, 6]))
 
-    CopyEngine().copy(TransferJob([staged.leg], *blocks))
+    # 3,4,5 -> 0,1,2 is one span; 9 -> 7 and 10 -> 6 break it on the receiver side.
+    assert list(block_spans(*blocks)) == [(3, 0, 3), (9, 7, 1), (10, 6, 1)]
+    CopyEngine(strategy=Strategy.BLOCKWISE).copy(TransferJob([staged.leg], *blocks))
 
     check_receiver(staged, blocks)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 from kvroute.geometry import build_plan
-from kvroute.render import plan_rows, plan_svg, plan_text
+from kvroute.pictures import plan_svg
+from kvroute.render import plan_rows, plan_text
 from tests.unit.docs import instance, view
 from tests.unit.test_reference_derived import d1, d3
 from tests.unit.test_reference_state import ssm
@@ -78,6 +79,35 @@ def test_svg_draws_target_and_draft_views_separately() -> None:
     ]
 
 
+def test_svg_names_both_sizes_the_totals_and_explains_its_labels() -> None:
+    texts, _ = _cells(plan_svg(_tp3_to_tp2(1)))
+    assert texts[:2] == [
+        "plan d: ctx (context, TP3 PP1, dp group 0) -> gen rank 1 (generation, TP2 PP1)",
+        "2 writers of 2 sender ranks heard; 1,536 bytes and 8 fragments per block; "
+        "fan-in bounce safe: False",
+    ]
+    assert "cell labelled rN: sender rank N writes that receiver head" in texts
+
+
+def test_svg_lists_the_heads_and_bytes_each_writer_moves() -> None:
+    plan = _tp3_to_tp2(1)
+    texts, _ = _cells(plan_svg(plan))
+    writers = [t for t in texts if " writes view " in t]
+    assert writers == [
+        "tp1 pp0 writes view 0 (target) h3 = 512 bytes, 4 fragments",
+        "tp2 pp0 writes view 0 (target) h4-5 = 1,024 bytes, 4 fragments",
+    ]
+    moved = sum(int(line.split("= ")[1].split(" bytes")[0].replace(",", "")) for line in writers)
+    assert moved == plan["bytes_per_block"]
+
+
+def test_svg_says_which_replicas_stay_silent() -> None:
+    ctx, (gen,) = d1(False)
+    texts, _ = _cells(plan_svg(build_plan(ctx, gen).to_json()))
+    silent = [t for t in texts if "sends nothing" in t]
+    assert [t.split()[0] for t in silent] == ["tp1", "tp3"]
+
+
 def _hybrid_plan() -> dict:
     ctx = instance("context", tp=4, views=lambda t, p: _hybrid_views(4))
     gen = instance("generation", tp=2, views=lambda t, p: _hybrid_views(2))
@@ -108,6 +138,8 @@ def test_svg_draws_state_views_per_request_slot() -> None:
     texts, titles = _cells(plan_svg(_hybrid_plan()))
     assert "view 0 (target, key+value, hnd) window 64" in texts
     assert "state view 1 (target, ssm, ssm, per request)" in texts
+    writer = "tp2 pp0 writes view 0 (target) h4-5 = 256 bytes, 2 fragments; "
+    assert f"{writer}state view 1 heads 4-5 = 256 bytes per request" in texts
     assert [t for t in titles if t.startswith("state")] == [
         "state head 4, layers 1-2: sender rank 2",
         "state head 5, layers 1-2: sender rank 2",

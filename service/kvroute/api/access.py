@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from kvroute.api.keys import metrics_key, request_id_key
+from kvroute.api.keys import metrics_key, problem_key, request_id_key
 
 REQUEST_ID_HEADER = "X-Request-ID"
 # Client-chosen ids end up in logs: accept only short, printable tokens.
@@ -40,7 +40,7 @@ class _RequestIdFilter(logging.Filter):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line; ``extra={"http": {...}}`` members are merged in."""
+    """One JSON object per line; ``extra={"http": {...}}`` and ``{"fields": {...}}`` are merged in."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
@@ -53,6 +53,7 @@ class JsonFormatter(logging.Formatter):
         if request_id is not None:
             entry["request_id"] = request_id
         entry.update(getattr(record, "http", {}))
+        entry.update(getattr(record, "fields", {}))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
@@ -64,7 +65,7 @@ class ConsoleFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        fields = getattr(record, "http", {})
+        fields = {**getattr(record, "http", {}), **getattr(record, "fields", {})}
         return line + "".join(f" {key}={value}" for key, value in fields.items())
 
 
@@ -108,21 +109,20 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         request.app[metrics_key].http_duration.labels(
             route=route, method=request.method, status_class=f"{status // 100}xx"
         ).observe(elapsed)
-        access_log.info(
-            "%s %s %d",
-            request.method,
-            request.path,
-            status,
-            extra={
-                "http": {
-                    "request_id": request_id,
-                    "method": request.method,
-                    "path": request.path,
-                    "route": route,
-                    "status": status,
-                    "duration_ms": round(elapsed * 1000, 3),
-                    "remote": request.remote,
-                }
-            },
-        )
+        fields: dict[str, object] = {
+            "request_id": request_id,
+            "method": request.method,
+            "path": request.path,
+            "route": route,
+            "status": status,
+            "duration_ms": round(elapsed * 1000, 3),
+            "remote": request.remote,
+        }
+        problem = request.get(problem_key)
+        if problem is not None:
+            # Why it was refused, in the line itself: no join with the response body needed.
+            fields["code"] = problem.code
+            if problem.extras.get("field") is not None:
+                fields["field"] = problem.extras["field"]
+        access_log.info("%s %s %d", request.method, request.path, status, extra={"http": fields})
         current_request_id.reset(token)

@@ -1,4 +1,5 @@
-"""``GET /v1/deployments/{d}/compatibility``: the matrix from ``kvroute.control.compatibility``."""
+"""``GET /v1/deployments/{d}/compatibility``: the matrix from ``kvroute.control.compatibility``,
+as JSON or (``format=svg``) as its picture."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from aiohttp import web
 from kvroute.api.keys import registry_key, validated_key
 from kvroute.api.registration import utcnow
 from kvroute.control.compatibility import deployment_matrix
+from kvroute.pictures import compatibility_svg
 
 
 async def get_compatibility(request: web.Request) -> web.Response:
@@ -15,4 +17,6 @@ async def get_compatibility(request: web.Request) -> web.Response:
     matrix = await deployment_matrix(
         registry.sessionmaker, registry.registrations, registry.verdicts, deployment, now=utcnow()
     )
+    if request[validated_key].query.get("format", "json") == "svg":
+        return web.Response(text=compatibility_svg(matrix), content_type="image/svg+xml")
     return web.json_response(matrix)

@@ -17,7 +17,7 @@ from aiohttp.typedefs import Handler
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from kvroute.api.keys import request_id_key
+from kvroute.api.keys import problem_key, request_id_key
 from kvroute.api.problems import Problem, ProblemError
 from kvroute.geometry import GeometryError
 from kvroute.store.errors import Conflict, NotFound
@@ -117,15 +117,17 @@ async def error_boundary(request: web.Request, handler: Handler) -> web.StreamRe
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return http_problem(exc, request).to_response(request_id=request_id)
+        problem = http_problem(exc, request)
     except Exception as exc:
-        problem = to_problem(exc)
-        if problem is None:
+        found = to_problem(exc)
+        if found is None:
             log.exception("unhandled error in %s %s", request.method, request.path)
-            problem = Problem(
+            found = Problem(
                 status=500,
                 title="Internal Server Error",
                 detail=f"unexpected error; quote request id {request_id} when reporting it",
                 code="internal_error",
             )
-        return problem.to_response(request_id=request_id)
+        problem = found
+    request[problem_key] = problem
+    return problem.to_response(request_id=request_id)

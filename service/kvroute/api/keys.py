@@ -15,6 +15,7 @@ from openapi_core import OpenAPI
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from kvroute.api.metrics import Metrics
+from kvroute.api.problems import Problem
 from kvroute.api.scopes import Scope
 from kvroute.api.spec import SpecValidator, ValidatedRequest
 from kvroute.control.plan_answers import PlanAnswers
@@ -53,3 +54,5 @@ copy_engine_key: web.AppKey[CopyEngine] = web.AppKey("copy_engine")
 
 request_id_key = web.RequestKey("request_id", str)
 validated_key = web.RequestKey("validated", ValidatedRequest)
+# The error answered, for the access line (its code and field say why a 4xx happened).
+problem_key = web.RequestKey("problem", Problem)

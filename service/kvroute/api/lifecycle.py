@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -28,8 +28,9 @@ from kvroute.api.keys import (
 )
 from kvroute.api.problems import Problem, ProblemError
 from kvroute.api.registration import utcnow
-from kvroute.store import registry
+from kvroute.store import lease_watch, registry
 from kvroute.store.engine import create_engine, dispose, make_sessionmaker
+from kvroute.store.records import RankName
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +56,50 @@ async def reaper_context(app: web.Application) -> AsyncIterator[None]:
 async def _reap_forever(app: web.Application) -> None:
     settings = app[settings_key]
     grace = timedelta(seconds=settings.lease_grace_seconds)
+    since = utcnow()  # expiries before this process started are not its to report
     while True:
         await asyncio.sleep(settings.reaper_interval_seconds)
+        now = utcnow()
         try:
-            now = utcnow()
-            reaped = await registry.reap_expired(app[sessionmaker_key], now=now, grace=grace)
-            live = await registry.count_live_ranks(app[sessionmaker_key], now=now)
+            await _reap_round(app, since=since, now=now, grace=grace)
         except Exception:
-            # A database outage must not kill the reaper; the next round retries.
+            # A database outage must not kill the reaper; the next round retries the same window.
             log.warning("lease reaper round failed", exc_info=True)
+            app[metrics_key].database_up.set(0)
             continue
-        app[metrics_key].live_ranks.set(live)
-        if reaped:
-            log.info(
-                "reaped %d ranks whose lease expired over %gs ago", reaped, grace.total_seconds()
-            )
+        since = now
+
+
+async def _reap_round(
+    app: web.Application, *, since: datetime, now: datetime, grace: timedelta
+) -> None:
+    """Reports the leases that ended since the last round, removes the long-expired ranks."""
+    sessionmaker, metrics = app[sessionmaker_key], app[metrics_key]
+    expired = await lease_watch.expired_between(sessionmaker, after=since, until=now)
+    reaped = await registry.reap_expired(sessionmaker, now=now, grace=grace)
+    counts = await lease_watch.rank_counts(sessionmaker, now=now)
+    metrics.database_up.set(1)
+    metrics.count_expired(expired)
+    metrics.set_rank_counts(counts)
+    for name, ended in expired:
+        log.warning(
+            "lease expired: %s (no heartbeat since its lease ended at %s)",
+            name,
+            ended.isoformat(),
+            extra={"fields": {"event": "lease_expired", **_rank_fields(name)}},
+        )
+    if reaped:
+        log.info(
+            "reaped %d ranks whose lease expired over %gs ago: %s",
+            len(reaped),
+            grace.total_seconds(),
+            ", ".join(map(str, reaped)),
+            extra={"fields": {"event": "ranks_reaped", "ranks": list(map(_rank_fields, reaped))}},
+        )
+
+
+def _rank_fields(name: RankName) -> dict[str, str | int]:
+    return {"deployment": name.deployment, "instance": name.instance, "rank": name.rank}
 
 
 async def start_draining(app: web.Application) -> None:

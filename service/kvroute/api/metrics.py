@@ -2,19 +2,36 @@
 
 Each app owns its ``CollectorRegistry`` so tests (and embedders) can build many apps in one
 process without duplicate-timeseries errors. Labels are bounded: ``route`` is the matched
-resource's canonical path (never the concrete URL), ``code`` a geometry refusal code.
+resource's canonical path (never the concrete URL), ``code`` a geometry refusal code, and
+``deployment``/``instance`` name what workers registered (a few per cluster, admitted only with
+the worker token). ``instance`` labels only gauges, which are rebuilt from the registry so a gone
+instance's series go with it; counters live forever, so they stop at ``deployment`` (instances
+named after pods would otherwise pile up). No ``_created`` series: they double the line count and
+no rule reads them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+)
 
 import kvroute
+from kvroute.store.records import RankName
 
 # Control-plane requests are database round trips: sub-millisecond to a few seconds.
 HTTP_DURATION_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+disable_created_metrics()
 
 
 @dataclass(frozen=True)
@@ -23,6 +40,9 @@ class Metrics:
     registrations: Counter
     rejections: Counter
     live_ranks: Gauge
+    expired_ranks: Gauge
+    expired_leases: Counter
+    database_up: Gauge
     http_duration: Histogram
 
     @classmethod
@@ -30,6 +50,7 @@ class Metrics:
         registry = CollectorRegistry(auto_describe=True)
         build = Info("kvroute_build", "kvroute build information", registry=registry)
         build.info({"version": kvroute.__version__, "database": database_backend})
+        instance = ["deployment", "instance"]
         return cls(
             registry=registry,
             registrations=Counter(
@@ -40,13 +61,31 @@ class Metrics:
             ),
             rejections=Counter(
                 "kvroute_rejections_total",
-                "Registrations refused at the boundary, by refusal code",
-                ["code"],
+                "Registrations refused at the boundary, by refusal code and deployment",
+                ["code", "deployment"],
                 registry=registry,
             ),
             live_ranks=Gauge(
                 "kvroute_live_ranks",
                 "Ranks whose lease has not expired",
+                instance,
+                registry=registry,
+            ),
+            expired_ranks=Gauge(
+                "kvroute_expired_ranks",
+                "Ranks whose lease expired and that the reaper has not removed yet",
+                instance,
+                registry=registry,
+            ),
+            expired_leases=Counter(
+                "kvroute_expired_leases_total",
+                "Leases that ended without renewal, as seen by this process's reaper",
+                ["deployment"],
+                registry=registry,
+            ),
+            database_up=Gauge(
+                "kvroute_database_up",
+                "1 when the last database read for metrics or leases succeeded, else 0",
                 registry=registry,
             ),
             http_duration=Histogram(
@@ -57,3 +96,15 @@ class Metrics:
                 registry=registry,
             ),
         )
+
+    def set_rank_counts(self, counts: Mapping[tuple[str, str], tuple[int, int]]) -> None:
+        """Replaces the per-instance gauges: a deleted instance's series disappear."""
+        self.live_ranks.clear()
+        self.expired_ranks.clear()
+        for (deployment, instance), (live, expired) in counts.items():
+            self.live_ranks.labels(deployment=deployment, instance=instance).set(live)
+            self.expired_ranks.labels(deployment=deployment, instance=instance).set(expired)
+
+    def count_expired(self, expired: Iterable[tuple[RankName, datetime]]) -> None:
+        for name, _ in expired:
+            self.expired_leases.labels(deployment=name.deployment).inc()

@@ -18,7 +18,7 @@ from kvroute.api.keys import (
 )
 from kvroute.api.registration import utcnow
 from kvroute.api.transfers import transfer_checks
-from kvroute.store import registry
+from kvroute.store import lease_watch
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +59,14 @@ async def metrics(request: web.Request) -> web.Response:
     gauges = app[metrics_key]
     try:
         async with asyncio.timeout(app[settings_key].readiness_timeout_seconds):
-            gauges.live_ranks.set(
-                await registry.count_live_ranks(app[sessionmaker_key], now=utcnow())
-            )
+            counts = await lease_watch.rank_counts(app[sessionmaker_key], now=utcnow())
     except Exception:
-        # A scrape must not fail with the database; the gauge keeps its last value.
-        log.warning("could not refresh kvroute_live_ranks", exc_info=True)
+        # A scrape must not fail with the database; the rank gauges keep their last values.
+        log.warning("could not refresh the rank gauges", exc_info=True)
+        gauges.database_up.set(0)
+    else:
+        gauges.set_rank_counts(counts)
+        gauges.database_up.set(1)
     return web.Response(
         body=generate_latest(gauges.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
     )

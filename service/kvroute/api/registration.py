@@ -37,7 +37,7 @@ async def put_rank(request: web.Request) -> web.Response:
         outcome = await app[registry_key].register(registration, now=now)
     except GeometryError as error:
         metrics.registrations.labels(result="rejected").inc()
-        metrics.rejections.labels(code=error.code).inc()
+        metrics.rejections.labels(code=error.code, deployment=deployment).inc()
         raise
     metrics.registrations.labels(result="created" if outcome.created else "accepted").inc()
     return web.json_response(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from kvroute.api import compatibility, inventory, ops, plans, registration, transfers
+from kvroute.api import compatibility, console, inventory, ops, plans, registration, transfers
 from kvroute.api.keys import route_scopes_key
 from kvroute.api.scopes import Scope
 
@@ -46,12 +46,17 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", DEPLOYMENT + "/plan-sets", plans.get_plan_set, Scope.WORKER),
     Endpoint("GET", DEPLOYMENT + "/compatibility", compatibility.get_compatibility, Scope.ADMIN),
     Endpoint("POST", DEPLOYMENT + "/transfers", transfers.post_transfer, Scope.WORKER),
+    Endpoint("GET", DEPLOYMENT + "/transfers", transfers.list_transfers, Scope.ADMIN),
     Endpoint("GET", TRANSFER, transfers.get_transfer, Scope.WORKER),
     Endpoint("DELETE", TRANSFER, transfers.delete_transfer, Scope.WORKER),
     Endpoint("GET", "/healthz", ops.healthz, Scope.PUBLIC),
     Endpoint("GET", "/readyz", ops.readyz, Scope.PUBLIC),
     Endpoint("GET", "/metrics", ops.metrics, Scope.PUBLIC),
     Endpoint("GET", "/v1/openapi.yaml", ops.openapi_spec, Scope.PUBLIC),
+    # The console's static files; the data they show comes from the admin-scoped API.
+    Endpoint("GET", "/", console.root, Scope.PUBLIC),
+    Endpoint("GET", "/ui/", console.index, Scope.PUBLIC),
+    Endpoint("GET", "/ui/{asset}", console.console_file, Scope.PUBLIC),
 )
 
 

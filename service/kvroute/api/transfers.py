@@ -109,6 +109,17 @@ async def get_transfer(request: web.Request) -> web.Response:
     return web.json_response(job_json(record))
 
 
+async def list_transfers(request: web.Request) -> web.Response:
+    validated = request[validated_key]
+    deployment = validated.path["deployment"]
+    records = await jobs.list_jobs(
+        request.app[sessionmaker_key], deployment, limit=validated.query.get("limit", 100)
+    )
+    return web.json_response(
+        {"deployment": deployment, "transfers": [job_json(record) for record in records]}
+    )
+
+
 async def delete_transfer(request: web.Request) -> web.Response:
     service = _service(request.app)
     job_id = request[validated_key].path["job_id"]

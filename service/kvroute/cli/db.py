@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from sqlalchemy.engine import make_url
+
 from kvroute.cli.common import CommandError
 from kvroute.settings import load_settings
 
@@ -12,10 +14,11 @@ def _db(args: argparse.Namespace) -> int:
     from kvroute.store import migrate
 
     url = load_settings().database_url
-    if args.action == "upgrade":
-        migrate.upgrade(url, args.revision)
-    elif args.action == "downgrade":
-        migrate.downgrade(url, args.revision)
+    if args.action in ("upgrade", "downgrade"):
+        before = migrate.current(url)
+        move = migrate.upgrade if args.action == "upgrade" else migrate.downgrade
+        move(url, args.revision)
+        print(migration_report(url, before, migrate.current(url), migrate.head()))
     elif args.action == "current":
         print(migrate.current(url) or "none")
     else:
@@ -26,6 +29,20 @@ def _db(args: argparse.Namespace) -> int:
         migrate.check(url)
         print(f"ok: at head {migrate.head()}, no drift")
     return 0
+
+
+def migration_report(url: str, before: str | None, after: str | None, head: str) -> str:
+    """One line: which database, and from which revision to which (passwords hidden)."""
+    where = make_url(url).render_as_string(hide_password=True)
+
+    def name(revision: str | None) -> str:
+        if revision is None:
+            return "none (empty schema)"
+        return f"{revision} (head)" if revision == head else revision
+
+    if before == after:
+        return f"{where}: already at {name(after)}; nothing to do"
+    return f"{where}: migrated from {name(before)} to {name(after)}"
 
 
 def add_db(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+import kvroute
 from kvroute.cli.common import CommandError, Registrar, stderr
 from kvroute.cli.db import add_db
 from kvroute.cli.demo import add_demo
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvroute", description="KV-cache routing for disaggregated LLM serving"
     )
+    parser.add_argument("--version", action="version", version=f"kvroute {kvroute.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for register in COMMANDS:
         register(commands)

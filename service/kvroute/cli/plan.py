@@ -3,8 +3,12 @@
 Two sources, one output. ``--url`` asks a running kvroute for the plan of live ranks (what workers
 get). ``--sender-doc``/``--receiver-doc`` plan from registration documents on disk (API.md shape),
 checked exactly as registration would check them, so a geometry can be tried before any worker
-starts. Sender ranks are numbered by file order; the receiver rank comes from ``--rank`` or from
-its document's ``tp_rank``/``pp_rank``.
+starts. Every rank is numbered from its document's ``tp_rank``/``pp_rank`` (``--rank`` may name the
+receiver's); as on the server, a plan needs every rank of the sender instance, so a missing sender
+document is refused naming the ranks, never planned with part of the bytes.
+
+Tokens (``--url``): ``--token``, else ``KVROUTE_WORKER_TOKEN``, else ``KVROUTE_ADMIN_TOKEN``: the
+variables the server reads, so one environment configures both.
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ from typing import Any
 from rich.console import Console
 
 from kvroute.geometry import GeometryError, RankRegistration, build_plan, check_registration
-from kvroute.render import plan_svg, plan_text
+from kvroute.pictures import plan_svg
+from kvroute.render import plan_text
 
 FETCH_TIMEOUT_SECONDS = 30.0
-TOKEN_ENV = "KVROUTE_TOKEN"
+# The server's own variables; plans need the worker scope, which the admin token also grants.
+TOKEN_VARIABLES = ("KVROUTE_WORKER_TOKEN", "KVROUTE_ADMIN_TOKEN")
+LOCAL_DEPLOYMENT = "local"
 
 stderr = Console(stderr=True, highlight=False)
 
@@ -39,6 +46,10 @@ class RefusedByServer(Exception):
     """The server answered an error; the message carries its problem detail."""
 
 
+class IncompleteSender(Exception):
+    """Documents of only some sender ranks: the server would answer 409 for the same plan."""
+
+
 def add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
         "plan",
@@ -48,8 +59,13 @@ def add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     remote = parser.add_argument_group("from a running server")
     remote.add_argument("--url", help="kvroute base URL, e.g. http://127.0.0.1:8080")
-    remote.add_argument("--deployment", default="local", help="deployment name")
-    remote.add_argument("--token", help=f"bearer token (default: ${TOKEN_ENV})")
+    remote.add_argument(
+        "--deployment",
+        help=f"deployment name (required with --url; documents are labelled {LOCAL_DEPLOYMENT!r})",
+    )
+    remote.add_argument(
+        "--token", help=f"bearer token (default: ${TOKEN_VARIABLES[0]}, else ${TOKEN_VARIABLES[1]})"
+    )
     local = parser.add_argument_group("from registration documents")
     local.add_argument("--sender-doc", nargs="+", type=Path, help="sender ranks' JSON, rank order")
     local.add_argument("--receiver-doc", type=Path, help="the receiver rank's JSON")
@@ -85,6 +101,9 @@ def run_plan(args: argparse.Namespace) -> int:
     except RefusedByServer as exc:
         stderr.print(f"kvroute plan: {exc}", markup=False, soft_wrap=True)
         return 1
+    except IncompleteSender as exc:
+        stderr.print(f"kvroute plan: refused (409): {exc}", markup=False, soft_wrap=True)
+        return 1
     sys.stdout.write(output)
     return 0
 
@@ -107,25 +126,44 @@ def _read_document(path: Path) -> dict[str, Any]:
     return document
 
 
-def _registration(path: Path, *, deployment: str, instance: str, rank: int) -> RankRegistration:
-    return RankRegistration.from_json(
-        _read_document(path), deployment=deployment, instance=instance, rank=rank
+def _registration(path: Path, *, deployment: str, instance: str) -> RankRegistration:
+    """The document as a rank numbered TP-fastest within PP stages, as the instance check requires."""
+    registration = RankRegistration.from_json(
+        _read_document(path), deployment=deployment, instance=instance, rank=0
     )
+    return replace(
+        registration, rank=registration.pp_rank * registration.tp_size + registration.tp_rank
+    )
+
+
+def sender_ranks(args: argparse.Namespace, deployment: str) -> list[RankRegistration]:
+    """Every sender rank, checked as registration would; refused unless the instance is whole."""
+    senders: list[RankRegistration] = []
+    for path in args.sender_doc:
+        sender = _registration(path, deployment=deployment, instance=args.sender)
+        if any(known.rank == sender.rank for known in senders):
+            raise PlanCommandError(f"{path} is sender rank {sender.rank} again")
+        check_registration(sender, senders, [])
+        senders.append(sender)
+    expected = senders[0].tp_size * senders[0].pp_size
+    missing = sorted(set(range(expected)) - {sender.rank for sender in senders})
+    if missing:
+        given = ",".join(str(sender.rank) for sender in sorted(senders, key=lambda s: s.rank))
+        raise IncompleteSender(
+            f"sender instance {args.sender} has ranks {given} of {expected} "
+            f"(missing: {','.join(map(str, missing))}); give every sender rank's document "
+            "to --sender-doc"
+        )
+    return sorted(senders, key=lambda sender: sender.rank)
 
 
 def local_plan(args: argparse.Namespace) -> dict[str, Any]:
     """Checks the documents as registration would (instance, then peers), then plans."""
-    senders: list[RankRegistration] = []
-    for rank, path in enumerate(args.sender_doc):
-        sender = _registration(path, deployment=args.deployment, instance=args.sender, rank=rank)
-        check_registration(sender, senders, [])
-        senders.append(sender)
-    receiver = _registration(
-        args.receiver_doc, deployment=args.deployment, instance=args.receiver, rank=args.rank or 0
-    )
-    if args.rank is None:
-        # Ranks are numbered TP-fastest within PP stages, as the instance check requires.
-        receiver = replace(receiver, rank=receiver.pp_rank * receiver.tp_size + receiver.tp_rank)
+    deployment = args.deployment or LOCAL_DEPLOYMENT
+    senders = sender_ranks(args, deployment)
+    receiver = _registration(args.receiver_doc, deployment=deployment, instance=args.receiver)
+    if args.rank is not None:
+        receiver = replace(receiver, rank=args.rank)
     check_registration(receiver, [], senders)
     plan = build_plan(senders, receiver, sender_dp_rank=args.sender_dp_rank)
     return plan.to_json()
@@ -134,6 +172,8 @@ def local_plan(args: argparse.Namespace) -> dict[str, Any]:
 def fetch_plan(args: argparse.Namespace) -> str:
     if args.rank is None:
         raise PlanCommandError("--rank (the receiver rank) is required with --url")
+    if args.deployment is None:
+        raise PlanCommandError("--deployment is required with --url")
     query = urllib.parse.urlencode(
         {
             "sender": args.sender,
@@ -146,7 +186,9 @@ def fetch_plan(args: argparse.Namespace) -> str:
     deployment = urllib.parse.quote(args.deployment, safe="")
     url = f"{args.url.rstrip('/')}/v1/deployments/{deployment}/plans?{query}"
     request = urllib.request.Request(url)
-    token = args.token or os.environ.get(TOKEN_ENV)
+    token = args.token or next(
+        (os.environ[name] for name in TOKEN_VARIABLES if os.environ.get(name)), None
+    )
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:

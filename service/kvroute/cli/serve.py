@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from kvroute.cli.common import CommandError
+from kvroute.cli.variables import settings_epilog
 from kvroute.settings import Settings, load_settings
 
 log = logging.getLogger("kvroute.cli")
@@ -50,7 +51,12 @@ def prepare_schema(settings: Settings) -> None:
 
 
 def add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = commands.add_parser("serve", help="run the REST service")
+    parser = commands.add_parser(
+        "serve",
+        help="run the REST service",
+        epilog=settings_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--host", help="bind address (default: KVROUTE_HOST or 127.0.0.1)")
     parser.add_argument("--port", type=int, help="TCP port (default: KVROUTE_PORT or 8080)")
     parser.set_defaults(run=_serve)

@@ -18,6 +18,7 @@ from urllib.parse import quote
 import aiohttp
 
 from kvroute.client.errors import KvrouteError
+from kvroute.client.lease import LeaseKeeper
 from kvroute.client.models import (
     Compatibility,
     DeploymentSummary,
@@ -154,6 +155,18 @@ class AsyncKvrouteClient:
         await self._call("DELETE", rank_path(deployment, instance, rank))
 
     # Plans and transfers (worker token).
+
+    def keep_lease(
+        self,
+        deployment: str,
+        instance: str,
+        rank: int,
+        document: Mapping[str, Any],
+        *,
+        interval: float | None = None,
+    ) -> LeaseKeeper:
+        """``async with client.keep_lease(...)``: registers, then heartbeats until the block ends."""
+        return LeaseKeeper(self, deployment, instance, rank, document, interval=interval)
 
     async def get_plan(
         self,

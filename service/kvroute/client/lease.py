@@ -14,11 +14,13 @@ import contextlib
 import logging
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-from kvroute.client.aio import AsyncKvrouteClient
 from kvroute.client.errors import KvrouteError
 from kvroute.client.models import Registered
+
+if TYPE_CHECKING:  # the client creates keepers; a keeper only calls it
+    from kvroute.client.aio import AsyncKvrouteClient
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,11 @@ class LeaseKeeper:
     @property
     def generation(self) -> int | None:
         return None if self.registered is None else self.registered.generation
+
+    @property
+    def running(self) -> bool:
+        """True while the heartbeat task runs (between ``start`` and ``stop``)."""
+        return self._task is not None and not self._task.done()
 
     async def start(self) -> Registered:
         """Registers (raising a refusal as ``KvrouteError``), then heartbeats in the background."""

@@ -158,8 +158,12 @@ class KvrouteClient:
     def cancel_transfer(self, job_id: str) -> TransferStatus | None:
         return self._run(self.aio.cancel_transfer(job_id))
 
-    def wait_transfer(self, job_id: str, *, limit_s: float = 60.0) -> TransferStatus:
-        return self._run(self.aio.wait_transfer(job_id, limit_s=limit_s))
+    def wait_transfer(
+        self, job_id: str, *, limit_s: float = 60.0, poll_interval: float = 0.02
+    ) -> TransferStatus:
+        return self._run(
+            self.aio.wait_transfer(job_id, limit_s=limit_s, poll_interval=poll_interval)
+        )
 
     def deployments(self) -> list[DeploymentSummary]:
         return self._run(self.aio.deployments())

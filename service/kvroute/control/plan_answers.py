@@ -20,7 +20,8 @@ from cachetools import LRUCache
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvroute.control.plans import PlanKey, PlanService, PlanUnavailable, ServedPlan
-from kvroute.render import plan_svg, plan_text
+from kvroute.pictures import plan_svg
+from kvroute.render import plan_text
 from kvroute.store.snapshots import instance_state
 
 PlanFormat = Literal["json", "text", "svg"]

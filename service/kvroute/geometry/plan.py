@@ -172,6 +172,8 @@ class Plan:
     peers: tuple[PeerPlan, ...]
     fingerprint: str
     fanin_bounce_safe: bool
+    sender_parallel: tuple[int, int]  # (tp_size, pp_size) of the sender instance
+    receiver_parallel: tuple[int, int]  # (tp_size, pp_size) of the receiver instance
     warnings: tuple[str, ...] = ()
 
     @property
@@ -211,11 +213,15 @@ class Plan:
             "sender": {
                 "instance": self.sender_instance,
                 "dp_rank": self.sender_dp_rank,
+                "tp_size": self.sender_parallel[0],
+                "pp_size": self.sender_parallel[1],
                 "generations": {str(rank): generations.get(rank) for rank in self.sender_ranks},
             },
             "receiver": {
                 "instance": self.receiver_instance,
                 "rank": self.receiver_rank,
+                "tp_size": self.receiver_parallel[0],
+                "pp_size": self.receiver_parallel[1],
                 "generation": receiver_generation,
             },
             "fingerprint": self.fingerprint,

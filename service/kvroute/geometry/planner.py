@@ -87,6 +87,8 @@ def build_plan(
         receiver_rank=receiver.rank,
         peers=peers,
         fingerprint=plan_fingerprint(senders, receiver, sender_dp_rank),
+        sender_parallel=(senders[0].tp_size, senders[0].pp_size),
+        receiver_parallel=(receiver.tp_size, receiver.pp_size),
         fanin_bounce_safe=fanin_bounce_safe(
             pp_stages=len({peer.pp_rank for peer in peers}),
             view_pairs=[

@@ -6,15 +6,14 @@ tests. The functions are synchronous because Alembic is; they accept the app's a
 Called from inside a running event loop they run Alembic on a helper thread (its env starts its
 own loop); async code that must not block should use ``await asyncio.to_thread(upgrade, url)``.
 
-The migration scripts live in ``migrations/`` at the repository root. They are found through
-``KVROUTE_MIGRATIONS_DIR`` if set, else next to the package of an editable install, else under
-the current directory (running from the repository root or a container's working directory).
+The migration scripts ship inside the package as ``kvroute/migrations`` (in the source tree a link
+to ``migrations/`` at the repository root, where the ``alembic`` command finds them through
+``alembic.ini``; in a wheel, copied files), so an installed kvroute migrates from any directory.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,8 +31,6 @@ from sqlalchemy.ext.asyncio import create_async_engine
 import kvroute
 from kvroute.store.errors import StoreError
 
-MIGRATIONS_ENV = "KVROUTE_MIGRATIONS_DIR"
-
 T = TypeVar("T")
 
 
@@ -42,20 +39,11 @@ class SchemaDrift(StoreError):
 
 
 def migrations_dir() -> Path:
-    """The directory holding ``env.py`` and ``versions/``."""
-    candidates = [
-        Path(kvroute.__file__).resolve().parents[2] / "migrations",
-        Path.cwd() / "migrations",
-    ]
-    if configured := os.environ.get(MIGRATIONS_ENV):
-        candidates.insert(0, Path(configured))
-    for candidate in candidates:
-        if (candidate / "env.py").is_file():
-            return candidate
-    searched = ", ".join(str(candidate) for candidate in candidates)
-    raise FileNotFoundError(
-        f"kvroute migrations not found (searched {searched}); set {MIGRATIONS_ENV}"
-    )
+    """The directory holding ``env.py`` and ``versions/`` (the package's, links resolved)."""
+    found = (Path(kvroute.__file__).parent / "migrations").resolve()
+    if not (found / "env.py").is_file():
+        raise FileNotFoundError(f"kvroute's migrations are missing from {found}: reinstall kvroute")
+    return found
 
 
 def alembic_config(url: str | None = None) -> Config:

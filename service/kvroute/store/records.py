@@ -25,6 +25,18 @@ class RegisterOutcome:
     created: bool  # True: the rank did not exist (HTTP 201); False: renewed or re-registered (200)
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class RankName:
+    """Which rank, for logs and metrics: ``llama/ctx0 rank 1``."""
+
+    deployment: str
+    instance: str
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.deployment}/{self.instance} rank {self.rank}"
+
+
 @dataclass(frozen=True, slots=True)
 class RankSummary:
     rank: int

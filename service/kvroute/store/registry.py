@@ -39,6 +39,7 @@ from kvroute.store.records import (
     DeploymentSummary,
     InstanceRecord,
     InstanceSummary,
+    RankName,
     RankRecord,
     RankSummary,
     RegisterOutcome,
@@ -207,11 +208,13 @@ async def count_live_ranks(sessionmaker: SessionMaker, *, now: datetime) -> int:
     return count or 0
 
 
-async def reap_expired(sessionmaker: SessionMaker, *, now: datetime, grace: timedelta) -> int:
-    """Deletes ranks whose lease ended more than ``grace`` ago; returns how many were deleted.
+async def reap_expired(
+    sessionmaker: SessionMaker, *, now: datetime, grace: timedelta
+) -> list[RankName]:
+    """Deletes ranks whose lease ended more than ``grace`` ago; returns them, in order.
 
     One transaction per deployment, under its lock, so reaping never races a registration that
-    is re-creating the same instance.
+    is re-creating the same instance (and the ranks read are exactly the ranks deleted).
     """
     cutoff = now - grace
     async with reading(sessionmaker) as session:
@@ -220,14 +223,14 @@ async def reap_expired(sessionmaker: SessionMaker, *, now: datetime, grace: time
                 select(Rank.deployment).where(Rank.lease_expires_at < cutoff).distinct()
             )
         )
-    reaped = 0
+    reaped: list[RankName] = []
     for deployment in sorted(deployments):
         async with sessionmaker.begin() as session:
             await repo.lock_deployment(session, deployment)
-            reaped += await affected_rows(
-                session,
-                delete(Rank).where(Rank.deployment == deployment, Rank.lease_expires_at < cutoff),
-            )
+            doomed = (Rank.deployment == deployment, Rank.lease_expires_at < cutoff)
+            rows = await session.execute(select(Rank.instance, Rank.rank).where(*doomed))
+            reaped += sorted(RankName(deployment, instance, rank) for instance, rank in rows)
+            await session.execute(delete(Rank).where(*doomed))
             await repo.delete_empty_instances(session, deployment)
     return reaped
 

@@ -219,7 +219,7 @@ def _slot_view(memory: PoolMemory, width: int, run: StridedRun, side: str) -> to
     )
 
 
-def _block_spans(src_blocks: np.ndarray, dst_blocks: np.ndarray) -> Iterator[tuple[int, int, int]]:
+def block_spans(src_blocks: np.ndarray, dst_blocks: np.ndarray) -> Iterator[tuple[int, int, int]]:
     """Maximal runs of block pairs consecutive on both sides: (src start, dst start, count)."""
     breaks = np.flatnonzero((np.diff(src_blocks) != 1) | (np.diff(dst_blocks) != 1)) + 1
     starts = np.concatenate(([0], breaks))
@@ -231,7 +231,7 @@ def _block_spans(src_blocks: np.ndarray, dst_blocks: np.ndarray) -> Iterator[tup
 
 def _copy_blockwise(task: _ViewTask) -> None:
     width = _width([task])
-    spans = list(_block_spans(task.src_slots, task.dst_slots))
+    spans = list(block_spans(task.src_slots, task.dst_slots))
     for run in task.program.runs:
         src = _slot_view(task.src, width, run, "src")
         dst = _slot_view(task.dst, width, run, "dst")

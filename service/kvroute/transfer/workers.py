@@ -189,6 +189,10 @@ class WorkerPool:
     def status(self, job_id: str) -> JobStatus:
         return self._entry(job_id).status
 
+    def handle(self, job_id: str) -> JobHandle:
+        """A handle to await a job this pool knows (queued, running or recently finished)."""
+        return JobHandle(self, self._entry(job_id))
+
     def cancel(self, job_id: str) -> bool:
         """Cancel a queued job. False when it is already running or finished."""
         with self._cond:

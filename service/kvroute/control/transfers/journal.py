@@ -94,12 +94,16 @@ class JobJournal:
         """The pool's report callback (runs on the event loop)."""
         self._updates.put_nowait(status)
 
+    async def flush(self) -> None:
+        """Waits until every report the pool made so far is stored (or failed to store)."""
+        await asyncio.sleep(0)  # reports published from worker threads are scheduled on this loop
+        await self._updates.join()
+
     async def close(self, grace_seconds: float) -> None:
         """Stores the reports already queued (bounded by ``grace_seconds``), then stops writing."""
-        await asyncio.sleep(0)  # a drain's reports are scheduled on this loop; let them queue
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace_seconds):
-                await self._updates.join()
+                await self.flush()
         if self._writer is not None:
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):

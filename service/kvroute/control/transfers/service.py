@@ -83,6 +83,11 @@ class TransferService:
         self._memories.close()
         return report
 
+    async def settled(self, job_id: str) -> None:
+        """Waits until this process's pool finished ``job_id`` and its final report is stored."""
+        await self.pool.handle(job_id)
+        await self._journal.flush()
+
     def readiness(self) -> str:
         """``ok``, or why this process cannot take transfer jobs now."""
         if not self.pool.accepting:

@@ -1,0 +1,252 @@
+"""A plan as a picture: who writes which receiver head, with a legend, the sizes and the bytes.
+
+Top to bottom: the pair and both instances' TP/PP sizes; the totals; a legend saying what a cell
+and its ``rN`` label mean; one row per sender rank heard from (the heads it writes in each view, its
+bytes and fragments per block); then one grid per receiver view, columns being the receiver's
+heads and rows runs of layers whose writers are the same (a windowed view names its window), and
+one grid per recurrent-state view, written once per request slot. Works on the plan JSON document
+only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from kvroute.pictures.svg import LINE, Canvas, colour
+from kvroute.render import state_shard
+
+CELL = 44
+SWATCH = 14
+GRID_LEFT = 130
+
+
+def span(values: Iterable[int]) -> str:
+    """``0-3`` for a contiguous run, ``0,2,5`` otherwise, ``-`` for nothing."""
+    ordered = sorted(set(values))
+    if not ordered:
+        return "-"
+    if ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return str(ordered[0]) if len(ordered) == 1 else f"{ordered[0]}-{ordered[-1]}"
+    return ",".join(map(str, ordered))
+
+
+def _written_heads(view: dict[str, Any]) -> list[int]:
+    if view["mapper"] == "replicated":
+        return [0]
+    low, high = view["heads"]["dst"]
+    return list(range(low, high))
+
+
+def _shape(side: dict[str, Any]) -> str:
+    if "tp_size" not in side:  # a plan document from before the sizes were reported
+        return ""
+    return f", TP{side['tp_size']} PP{side['pp_size']}"
+
+
+def _header(canvas: Canvas, plan: dict[str, Any]) -> float:
+    sender, receiver = plan["sender"], plan["receiver"]
+    canvas.text(
+        10,
+        24,
+        f"plan {plan['deployment']}: {sender['instance']} (context{_shape(sender)}, "
+        f"dp group {sender.get('dp_rank', 0)}) -> {receiver['instance']} rank {receiver['rank']} "
+        f"(generation{_shape(receiver)})",
+        size=14,
+        weight="bold",
+    )
+    heard = len(plan["peers"])
+    canvas.text(
+        10,
+        24 + LINE,
+        f"{plan['expected_writers']} writers of {heard} sender ranks heard; "
+        f"{plan.get('bytes_per_block', 0):,} bytes and {plan.get('fragments_per_block', 0):,} "
+        f"fragments per block; fan-in bounce safe: {plan['fanin_bounce_safe']}",
+    )
+    return 24 + 2 * LINE + 8
+
+
+def _legend(canvas: Canvas, y: float) -> float:
+    canvas.text(10, y, "legend", weight="bold")
+    y += 8
+    canvas.box(10, y, SWATCH * 2, SWATCH, fill=colour(0))
+    canvas.text(10 + SWATCH, y + 11, "r0", size=11, anchor="middle")
+    canvas.text(50, y + 11, "cell labelled rN: sender rank N writes that receiver head")
+    y += LINE
+    canvas.box(10, y, SWATCH * 2, SWATCH, fill="#ffffff")
+    canvas.text(10 + SWATCH, y + 11, "-", size=11, anchor="middle")
+    canvas.text(50, y + 11, "no sender rank writes it in this plan")
+    y += LINE
+    canvas.text(
+        10,
+        y + 11,
+        "columns hN: the receiver view's KV heads (global numbers); rows: runs of layers",
+    )
+    return y + LINE + 14
+
+
+def _writers(canvas: Canvas, plan: dict[str, Any], y: float) -> float:
+    canvas.text(
+        10,
+        y,
+        "sender ranks: heads written per receiver view, bytes and fragments per block",
+        weight="bold",
+    )
+    y += 8
+    for peer in plan["peers"]:
+        rank = peer["rank"]
+        canvas.box(10, y, SWATCH * 2, SWATCH, fill=colour(rank) if peer["sends"] else "#ffffff")
+        canvas.text(10 + SWATCH, y + 11, f"r{rank}", size=11, anchor="middle")
+        writes = ", ".join(
+            f"view {view['dst_view']} ({view['owner']}) "
+            + ("all" if view["mapper"] == "replicated" else f"h{span(_written_heads(view))}")
+            for view in peer["views"]
+        )
+        state = ", ".join(
+            f"state view {s['dst_view']} {state_shard(s)}" for s in peer.get("states", [])
+        )
+        if state:
+            state = f"; {state} = {peer['state_bytes']:,} bytes per request"
+        position = f"tp{peer.get('tp_rank', '?')} pp{peer.get('pp_rank', '?')}"
+        if peer["sends"]:
+            line = (
+                f"{position} writes {writes or 'no block view'} = "
+                f"{peer['bytes_per_block']:,} bytes, {peer['descriptors_per_block']:,} fragments"
+                f"{state}"
+            )
+        else:
+            line = f"{position}: sends nothing (another rank holding the same heads writes them)"
+        canvas.text(50, y + 11, line)
+        y += LINE
+    return y + 14
+
+
+def _bands(
+    plan: dict[str, Any], dst_view: int
+) -> tuple[list[int], list[tuple[list[int], dict[int, int]]]]:
+    """Receiver heads of one view, and runs of layers whose head -> writer mapping is the same."""
+    writer: dict[int, dict[int, int]] = {}  # layer -> head -> sender rank
+    heads: set[int] = set()
+    for peer in plan["peers"]:
+        for view in peer["views"]:
+            if view["dst_view"] != dst_view:
+                continue
+            written = _written_heads(view)
+            heads.update(written)
+            for layer in view["layers"]:
+                writer.setdefault(layer, {}).update(dict.fromkeys(written, peer["rank"]))
+    return sorted(heads), _runs(writer)
+
+
+def _runs(writer: dict[int, dict[int, int]]) -> list[tuple[list[int], dict[int, int]]]:
+    """Runs of consecutive layers whose column -> writer mapping is the same."""
+    bands: list[tuple[list[int], dict[int, int]]] = []
+    for layer in sorted(writer):
+        if bands and bands[-1][1] == writer[layer] and bands[-1][0][-1] == layer - 1:
+            bands[-1][0].append(layer)
+        else:
+            bands.append(([layer], writer[layer]))
+    return bands
+
+
+def _grid(
+    canvas: Canvas, plan: dict[str, Any], view_id: int, sample: dict[str, Any], y: float
+) -> float:
+    heads, bands = _bands(plan, view_id)
+    replicated = sample["mapper"] == "replicated"
+    title = f"view {view_id} ({sample['owner']}, {'+'.join(sample['roles'])}, {sample['mapper']})"
+    if "window" in sample:
+        title += f" window {sample['window']['tokens']}"
+    canvas.text(10, y, title, weight="bold")
+    y += 8
+    for column, head in enumerate(heads):
+        name = "all" if replicated else f"h{head}"
+        canvas.text(GRID_LEFT + column * CELL + CELL / 2, y + 12, name, size=11, anchor="middle")
+    y += 18
+    for layers, mapping in bands:
+        canvas.text(10, y + CELL / 2 + 4, f"layers {span(layers)}", size=12)
+        for column, head in enumerate(heads):
+            rank = mapping.get(head)
+            x = GRID_LEFT + column * CELL
+            canvas.box(
+                x,
+                y,
+                CELL - 2,
+                CELL - 2,
+                fill=colour(rank) if rank is not None else "#ffffff",
+                title=f"head {head}, layers {span(layers)}: sender rank {rank}",
+            )
+            label = f"r{rank}" if rank is not None else "-"
+            canvas.text(x + CELL / 2 - 1, y + CELL / 2 + 4, label, size=12, anchor="middle")
+        y += CELL
+    return y + 24
+
+
+def plan_svg(plan: dict[str, Any]) -> str:
+    """The plan's picture (see the module docstring) as a standalone SVG document."""
+    canvas = Canvas()
+    y = _header(canvas, plan)
+    y = _legend(canvas, y)
+    y = _writers(canvas, plan, y)
+    views = sorted({v["dst_view"]: v for p in plan["peers"] for v in p["views"]}.items())
+    for view_id, sample in views:
+        y = _grid(canvas, plan, view_id, sample, y)
+    states = sorted({s["dst_view"]: s for p in plan["peers"] for s in p.get("states", [])}.items())
+    for view_id, sample in states:
+        y = _state_grid(canvas, plan, view_id, sample, y)
+    return canvas.render()
+
+
+def _state_bands(
+    plan: dict[str, Any], dst_view: int
+) -> tuple[list[int], list[tuple[list[int], dict[int, int]]]]:
+    """Receiver shard positions of one state view, and layer runs with one position -> writer."""
+    writer: dict[int, dict[int, int]] = {}
+    units: set[int] = set()
+    for peer in plan["peers"]:
+        for state in peer.get("states", []):
+            if state["dst_view"] == dst_view:
+                written = range(*state["shard"]["dst"])
+                units.update(written)
+                for layer in state["layers"]:
+                    writer.setdefault(layer, {}).update(dict.fromkeys(written, peer["rank"]))
+    return sorted(units), _runs(writer)
+
+
+def _state_grid(
+    canvas: Canvas, plan: dict[str, Any], view_id: int, sample: dict[str, Any], y: float
+) -> float:
+    """A recurrent-state view, written once per request slot: columns are the receiver's shard
+    positions (SSM heads hN, or parts pN of every conv section), rows runs of layers."""
+    units, bands = _state_bands(plan, view_id)
+    unit = sample["shard"]["unit"]
+    canvas.text(
+        10,
+        y,
+        f"state view {view_id} ({sample['owner']}, {'+'.join(sample['roles'])}, "
+        f"{sample['mapper']}, per request)",
+        weight="bold",
+    )
+    y += 8
+    prefix = {"head": "h", "part": "p"}.get(unit)
+    for column, position in enumerate(units):
+        name = f"{prefix}{position}" if prefix else "all"
+        canvas.text(GRID_LEFT + column * CELL + CELL / 2, y + 12, name, size=11, anchor="middle")
+    y += 18
+    for layers, mapping in bands:
+        canvas.text(10, y + CELL / 2 + 4, f"layers {span(layers)}", size=12)
+        for column, position in enumerate(units):
+            rank = mapping.get(position)
+            x = GRID_LEFT + column * CELL
+            canvas.box(
+                x,
+                y,
+                CELL - 2,
+                CELL - 2,
+                fill=colour(rank) if rank is not None else "#ffffff",
+                title=f"state {unit} {position}, layers {span(layers)}: sender rank {rank}",
+            )
+            label = f"r{rank}" if rank is not None else "-"
+            canvas.text(x + CELL / 2 - 1, y + CELL / 2 + 4, label, size=12, anchor="middle")
+        y += CELL
+    return y + 24

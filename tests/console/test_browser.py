@@ -1,0 +1,236 @@
+"""The web console, clicked through in Debian's headless chromium against a live kvroute.
+
+The server holds a deployment with a context TP2 and a generation TP1 instance on shared-memory
+pools, a finished transfer job between them, a refused registration, and an incompatible pair (a
+generation rank written to the store directly, as an older kvroute might have admitted it): every
+kind of thing the console shows. ``.ci/run`` installs chromium and chromium-driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvroute.client import KvrouteClient, KvrouteError
+from kvroute.geometry import RankRegistration
+from kvroute.live import LiveServer
+from kvroute.store.admission import write_admitted
+from kvroute.store.engine import create_engine, dispose
+from tests.client.live import ADMIN_TOKEN, WORKER_TOKEN
+from tests.documents import rank_document
+from tests.transfer.conftest import Owners
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+WAIT_S = 20.0
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,1000",
+)
+
+pytestmark = pytest.mark.slow
+
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+
+def _admit_without_checks(url: str, instance: str, document: dict[str, Any]) -> None:
+    """Stores a rank the boundary would refuse, as an older kvroute's rules might have."""
+
+    async def write() -> None:
+        engine = create_engine(url)
+        try:
+            reg = RankRegistration.from_json(
+                document, deployment="llama", instance=instance, rank=0
+            )
+            now = datetime.now(UTC)
+            async with engine.begin() as connection:
+                await write_admitted(connection, reg, now, existing=None)
+        finally:
+            await dispose(engine)
+
+    asyncio.run(write())
+
+
+def _populate(server: LiveServer, owners: Owners) -> dict[str, str]:
+    def shm(document: dict[str, Any], seed: int) -> dict[str, Any]:
+        pool = document["pools"][0]
+        size = pool["slot_stride"] * pool["num_slots"]
+        pool["memory"] = {"backend": "shm", "name": owners.create("workers", size, seed)}
+        return document
+
+    with KvrouteClient(server.url, token=WORKER_TOKEN) as worker:
+        for rank in range(2):
+            document = shm(rank_document(tp_size=2, tp_rank=rank, num_slots=8), rank)
+            worker.register("llama", "ctx0", rank, document)
+        worker.register("llama", "gen0", 0, shm(rank_document(role="generation", num_slots=8), 9))
+        job = worker.submit_transfer(
+            "llama",
+            sender="ctx0",
+            receiver="gen0",
+            receiver_ranks=[0],
+            src_blocks=[0, 1, 2],
+            dst_blocks=[5, 6, 7],
+        )
+        finished = worker.wait_transfer(job.id, limit_s=WAIT_S)
+        assert finished.state == "succeeded", finished.error
+        with pytest.raises(KvrouteError) as refused:
+            worker.register("llama", "gen-bad", 0, rank_document(role="generation", head_dim=32))
+        assert refused.value.status == 409
+    _admit_without_checks(
+        server.database_url, "gen1", rank_document(role="generation", head_dim=32)
+    )
+    return {"job": finished.id}
+
+
+@pytest.fixture(scope="module")
+def console_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[LiveServer, dict[str, str]]]:
+    owners = Owners(("workers",))
+    server = LiveServer(tmp_path_factory.mktemp("console"), tokens=(WORKER_TOKEN, ADMIN_TOKEN))
+    try:
+        server.start()
+        yield server, _populate(server, owners)
+    finally:
+        server.stop()
+        owners.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[WebDriver]:
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        if os.environ.get("CI"):
+            pytest.fail("chromium and chromium-driver are missing: .ci/run installs them")
+        pytest.skip(
+            "needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+        )
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    profile = tempfile.mkdtemp(prefix="kvroute-chromium-")
+    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(WAIT_S)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _wait(driver: WebDriver, condition: Any) -> Any:
+    return WebDriverWait(driver, WAIT_S).until(condition)
+
+
+def _page(driver: WebDriver, name: str) -> None:
+    _wait(driver, lambda d: d.find_element(By.ID, "view").get_attribute("data-page") == name)
+
+
+def _rows(driver: WebDriver, table: str) -> list[list[str]]:
+    rows = driver.find_elements(By.CSS_SELECTOR, f"#{table} tbody tr")
+    return [[cell.text for cell in row.find_elements(By.TAG_NAME, "td")] for row in rows]
+
+
+def _loaded(driver: WebDriver, image: str) -> bool:
+    return bool(
+        driver.execute_script(
+            "const i = document.getElementById(arguments[0]);"
+            "return i !== null && i.complete && i.naturalWidth > 0;",
+            image,
+        )
+    )
+
+
+def _use_token(driver: WebDriver, token: str) -> None:
+    driver.find_element(By.ID, "token").send_keys(token)
+    driver.find_element(By.ID, "token-save").click()
+
+
+def test_console_needs_the_admin_token(browser: WebDriver, console_server: Any) -> None:
+    server, _ = console_server
+    browser.get(server.url + "/")  # redirects to /ui/
+    assert browser.current_url == server.url + "/ui/"
+    message = browser.find_element(By.ID, "message")
+    _wait(browser, lambda _: "401" in message.text)
+    _use_token(browser, WORKER_TOKEN)
+    _wait(browser, lambda _: "403" in message.text)
+    browser.find_element(By.ID, "token-forget").click()
+    _wait(browser, lambda _: "401" in message.text)
+
+
+def test_clicking_through_deployment_refusals_jobs_and_a_plan(
+    browser: WebDriver, console_server: Any
+) -> None:
+    server, made = console_server
+    browser.get(server.url + "/ui/")
+    _use_token(browser, ADMIN_TOKEN)
+    _page(browser, "deployments")
+    assert _rows(browser, "deployments")[0][:4] == ["llama", "3", "4", "0"]
+    browser.find_element(By.ID, "deployment-llama").click()
+    _page(browser, "deployment:llama")
+
+    # Instances, ranks, leases and generations.
+    assert [row[:3] for row in _rows(browser, "ranks-ctx0")] == [
+        ["0", "live", "1"],
+        ["1", "live", "1"],
+    ]
+    assert [row[0] for row in _rows(browser, "instances")] == ["ctx0", "gen0", "gen1"]
+
+    # The matrix: each refusal with its code, field and both values, and its picture.
+    by_pair = {(row[0], row[1]): row for row in _rows(browser, "compatibility")}
+    assert by_pair[("gen0", "ctx0")][2] == "compatible"
+    assert by_pair[("gen1", "ctx0")][2:7] == [
+        "incompatible",
+        "head_dim_mismatch",
+        "attention.head_dim",
+        "32",
+        "16",
+    ]
+    _wait(browser, lambda d: _loaded(d, "compatibility-picture"))
+
+    # Transfer jobs.
+    (job,) = _rows(browser, "transfers")
+    assert (job[0], job[1], job[3], job[4]) == (made["job"][:8], "ctx0 -> gen0", "3", "succeeded")
+
+    # A plan as picture and table; an incompatible pair's plan is refused with its reason.
+    Select(browser.find_element(By.ID, "plan-receiver")).select_by_value("gen0")
+    browser.find_element(By.ID, "plan-show").click()
+    _wait(browser, lambda d: d.find_element(By.ID, "plan").get_attribute("data-plan"))
+    _wait(browser, lambda d: _loaded(d, "plan-picture"))
+    plan = _rows(browser, "plan-table")
+    assert sorted({(row[0], row[1]) for row in plan}) == [("0", "yes"), ("1", "yes")]
+    assert browser.find_element(By.ID, "plan-summary").text.startswith(
+        "ctx0 -> gen0 rank 0: 2 writers"
+    )
+    Select(browser.find_element(By.ID, "plan-receiver")).select_by_value("gen1")
+    browser.find_element(By.ID, "plan-show").click()
+    message = browser.find_element(By.ID, "message")
+    _wait(browser, lambda _: "409 head_dim_mismatch" in message.text)
+
+    # Recent refusals.
+    browser.find_element(By.ID, "nav-refusals").click()
+    _page(browser, "refusals")
+    refusal = next(row for row in _rows(browser, "refusals") if row[2] == "gen-bad")
+    assert refusal[5:9] == ["head_dim_mismatch", "attention.head_dim", "32", "16"]
+
+    stored = browser.execute_script(
+        "return [sessionStorage.getItem('kvroute.adminToken'), localStorage.length];"
+    )
+    assert stored == [ADMIN_TOKEN, 0]
