@@ -32,7 +32,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from kvroute.geometry import RankRegistration
 from kvroute.geometry.classes import VerdictMemo, check_peers_by_class
-from kvroute.geometry.validate import check_instance, check_self
+from kvroute.geometry.instance import check_instance
+from kvroute.geometry.validate import check_self
 from kvroute.store import ranks as repo
 from kvroute.store.engine import SessionMaker, engine_of, retry_disconnect
 from kvroute.store.models import Deployment, Generation, Instance, PoolRow, Rank, ViewRow

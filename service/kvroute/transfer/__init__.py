@@ -1,12 +1,13 @@
 """kvroute.transfer: the same-node data plane.
 
 Reading path: memory (pool -> flat byte tensor; backends in shm, cuda_ipc) -> plan (a plan
-document made executable, checked for exactly-once) -> program (fragments folded into strided
-runs) -> passes (a job's blocks or token range split into block-pair passes and cut pieces) ->
-engine (bounds checks and the copy strategies) -> jobs (what is submitted, its states) ->
+document made executable) and exactly_once (its destination checks) -> program (fragments folded
+into strided runs) -> jobs (what is submitted, its states) -> slots (state slots and prompt length a
+leg needs) -> passes (a job's blocks or token range, a window's part of it or the state slot pair,
+split into block-pair passes and cut pieces) -> engine (bounds checks and the copy strategies) ->
 workers (threads, CUDA streams, the bounded queue, drain) -> metrics.
 
-Typical use by the HTTP layer::
+Typical use (names are imported on first use, so ``kvroute.transfer.errors`` needs no torch)::
 
     memories = PoolMemoryCache()                      # one per app; close() after drain
     pool = WorkerPool(workers=2, queue_size=64, registry=registry)
@@ -17,67 +18,52 @@ Typical use by the HTTP layer::
     report = await pool.drain(10.0)
 """
 
-from kvroute.transfer.cuda_ipc import CudaIpcBackend
-from kvroute.transfer.engine import CopyEngine, Strategy
-from kvroute.transfer.errors import (
-    PoolDraining,
-    PoolMemoryError,
-    QueueFull,
-    TransferError,
-    TransferValidationError,
-    UnknownJob,
-)
-from kvroute.transfer.jobs import (
-    CopyResult,
-    JobState,
-    JobStatus,
-    TokenWindow,
-    TransferJob,
-    TransferLeg,
-)
-from kvroute.transfer.memory import (
-    LocalBackend,
-    MemoryBackend,
-    PoolMemory,
-    PoolMemoryCache,
-    default_backends,
-)
-from kvroute.transfer.metrics import TransferMetrics
-from kvroute.transfer.plan import CopyPlan, PeerCopy, ViewCopy
-from kvroute.transfer.program import CopyProgram, StridedRun, compile_fragments
-from kvroute.transfer.shm import ShmBackend
-from kvroute.transfer.workers import DrainReport, JobHandle, WorkerPool
+from __future__ import annotations
 
-__all__ = [
-    "CopyEngine",
-    "CopyPlan",
-    "CopyProgram",
-    "CopyResult",
-    "CudaIpcBackend",
-    "DrainReport",
-    "JobHandle",
-    "JobState",
-    "JobStatus",
-    "LocalBackend",
-    "MemoryBackend",
-    "PeerCopy",
-    "PoolDraining",
-    "PoolMemory",
-    "PoolMemoryCache",
-    "PoolMemoryError",
-    "QueueFull",
-    "ShmBackend",
-    "Strategy",
-    "StridedRun",
-    "TokenWindow",
-    "TransferError",
-    "TransferJob",
-    "TransferLeg",
-    "TransferMetrics",
-    "TransferValidationError",
-    "UnknownJob",
-    "ViewCopy",
-    "WorkerPool",
-    "compile_fragments",
-    "default_backends",
-]
+import importlib
+
+# Names -> the module that defines them. Imported on first use (PEP 562): the data plane needs
+# torch, while its errors (``kvroute.transfer.errors``) must import where torch is absent, in the
+# REST layer's one error table.
+_EXPORTS: dict[str, str] = {
+    "CopyEngine": "kvroute.transfer.engine",
+    "CopyPlan": "kvroute.transfer.plan",
+    "CopyProgram": "kvroute.transfer.program",
+    "CopyResult": "kvroute.transfer.jobs",
+    "CudaIpcBackend": "kvroute.transfer.cuda_ipc",
+    "DrainReport": "kvroute.transfer.workers",
+    "JobHandle": "kvroute.transfer.workers",
+    "JobState": "kvroute.transfer.jobs",
+    "JobStatus": "kvroute.transfer.jobs",
+    "LocalBackend": "kvroute.transfer.memory",
+    "MemoryBackend": "kvroute.transfer.memory",
+    "PeerCopy": "kvroute.transfer.plan",
+    "PoolDraining": "kvroute.transfer.errors",
+    "PoolMemory": "kvroute.transfer.memory",
+    "PoolMemoryCache": "kvroute.transfer.memory",
+    "PoolMemoryError": "kvroute.transfer.errors",
+    "QueueFull": "kvroute.transfer.errors",
+    "ShmBackend": "kvroute.transfer.shm",
+    "Strategy": "kvroute.transfer.engine",
+    "StridedRun": "kvroute.transfer.program",
+    "TokenWindow": "kvroute.transfer.jobs",
+    "TransferError": "kvroute.transfer.errors",
+    "TransferJob": "kvroute.transfer.jobs",
+    "TransferLeg": "kvroute.transfer.jobs",
+    "TransferMetrics": "kvroute.transfer.metrics",
+    "TransferValidationError": "kvroute.transfer.errors",
+    "UnknownJob": "kvroute.transfer.errors",
+    "ViewCopy": "kvroute.transfer.plan",
+    "WorkerPool": "kvroute.transfer.workers",
+    "compile_fragments": "kvroute.transfer.program",
+    "default_backends": "kvroute.transfer.memory",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvroute.transfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
