@@ -10,7 +10,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from kvroute.api import create_app
+from kvroute.api.clock import Clock, system_clock
 from kvroute.settings import Settings
+from tests.clock import ManualClock
 
 WORKER_TOKEN = "worker-token-0123456789abcdef"
 ADMIN_TOKEN = "admin-token-0123456789abcdef"
@@ -43,9 +45,11 @@ def make_settings(database_url: str) -> Callable[..., Settings]:
 def make_client(
     aiohttp_client: Any, make_settings: Callable[..., Settings]
 ) -> Callable[..., Awaitable[TestClient[web.Request, web.Application]]]:
-    async def build(**overrides: Any) -> TestClient[web.Request, web.Application]:
+    async def build(
+        *, clock: Clock = system_clock, **overrides: Any
+    ) -> TestClient[web.Request, web.Application]:
         client: TestClient[web.Request, web.Application] = await aiohttp_client(
-            create_app(make_settings(**overrides))
+            create_app(make_settings(**overrides), clock=clock)
         )
         return client
 
@@ -53,10 +57,17 @@ def make_client(
 
 
 @pytest.fixture
+def clock() -> ManualClock:
+    """The time of the ``client`` fixture's app: it moves only when a test advances it."""
+    return ManualClock()
+
+
+@pytest.fixture
 async def client(
     make_client: Callable[..., Awaitable[TestClient[web.Request, web.Application]]],
+    clock: ManualClock,
 ) -> TestClient[web.Request, web.Application]:
-    return await make_client()
+    return await make_client(clock=clock)
 
 
 async def register(

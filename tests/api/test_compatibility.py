@@ -17,8 +17,8 @@ from aiohttp.test_utils import TestClient
 
 from kvroute.api.keys import sessionmaker_key
 from kvroute.geometry import RankRegistration
-from kvroute.store.admission import write_admitted
 from kvroute.store.engine import engine_of
+from kvroute.store.rank_writes import write_admitted
 from tests.api.conftest import ADMIN, WORKER, register
 from tests.api.documents import rank_document
 
@@ -33,7 +33,7 @@ async def admit_without_checks(
     reg = RankRegistration.from_json(doc, deployment="llama", instance=instance, rank=rank)
     now = datetime.now(UTC)
     async with engine_of(client.app[sessionmaker_key]).begin() as connection:
-        await write_admitted(connection, reg, now, existing=None)
+        await write_admitted(connection, [(reg, None)], now)
 
 
 async def matrix(client: Client) -> dict[str, Any]:

@@ -7,26 +7,22 @@ import asyncio
 from tests.api.conftest import ADMIN, WORKER, rank_path, register
 from tests.api.documents import rank_document
 
-LEASE_WAIT_SECONDS = 5.0
+REAPER_WAIT_SECONDS = 5.0
 
 
-async def _wait_until_expired(client, instance: str, rank: int) -> None:
-    async with asyncio.timeout(LEASE_WAIT_SECONDS):
-        while True:
-            state = (await (await client.get(rank_path(instance, rank), headers=ADMIN)).json())[
-                "state"
-            ]
-            if state == "expired":
-                return
-            await asyncio.sleep(0.1)
+async def _state(client, instance: str, rank: int) -> str:
+    return str((await (await client.get(rank_path(instance, rank), headers=ADMIN)).json())["state"])
 
 
-async def test_expired_rank_stops_being_a_peer(client):
+async def test_expired_rank_stops_being_a_peer(client, clock):
     await register(client, "ctx0", 0, rank_document(head_dim=16, lease_seconds=1))
     incompatible = rank_document(role="generation", head_dim=32)
     assert (await register(client, "gen0", 0, incompatible))[0] == 409
 
-    await _wait_until_expired(client, "ctx0", 0)
+    clock.advance(0.999)
+    assert await _state(client, "ctx0", 0) == "live"
+    clock.advance(0.001)  # a lease is live strictly before its expiry instant
+    assert await _state(client, "ctx0", 0) == "expired"
     instance = await (
         await client.get("/v1/deployments/llama/instances/ctx0", headers=ADMIN)
     ).json()
@@ -36,9 +32,11 @@ async def test_expired_rank_stops_being_a_peer(client):
     assert status == 201
 
 
-async def test_expired_rank_cannot_heartbeat_and_must_reregister(client):
+async def test_expired_rank_cannot_heartbeat_and_must_reregister(client, clock):
     await register(client, "ctx0", 0, rank_document(lease_seconds=1))
-    await _wait_until_expired(client, "ctx0", 0)
+    clock.advance(0.5)
+    assert (await client.post(rank_path("ctx0", 0) + "/heartbeat", headers=WORKER)).status == 200
+    clock.advance(1.5)  # past the renewed lease
     response = await client.post(rank_path("ctx0", 0) + "/heartbeat", headers=WORKER)
     assert response.status == 404
     status, body = await register(client, "ctx0", 0, rank_document(lease_seconds=1))
@@ -46,11 +44,12 @@ async def test_expired_rank_cannot_heartbeat_and_must_reregister(client):
     assert body["generation"] == 1
 
 
-async def test_reaper_removes_expired_ranks_after_grace(make_client, caplog):
+async def test_reaper_removes_expired_ranks_after_grace(make_client, caplog, clock):
     caplog.set_level("INFO", logger="kvroute.api.lifecycle")
-    client = await make_client(lease_grace_seconds=0, reaper_interval_seconds=0.2)
+    client = await make_client(lease_grace_seconds=10, reaper_interval_seconds=0.05, clock=clock)
     await register(client, "ctx0", 0, rank_document(lease_seconds=1))
-    async with asyncio.timeout(LEASE_WAIT_SECONDS):
+    clock.advance(12)  # past the lease and the grace period after it
+    async with asyncio.timeout(REAPER_WAIT_SECONDS):
         while True:
             if (await client.get(rank_path("ctx0", 0), headers=ADMIN)).status == 404:
                 break
@@ -62,7 +61,7 @@ async def test_reaper_removes_expired_ranks_after_grace(make_client, caplog):
     # Both lines name the rank, in the message and as fields a JSON log can be queried by.
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("lease expired: llama/ctx0 rank 0 (") for m in messages), messages
-    assert any(m.endswith("over 0s ago: llama/ctx0 rank 0") for m in messages), messages
+    assert any(m.endswith("over 10s ago: llama/ctx0 rank 0") for m in messages), messages
     (expired,) = [r.fields for r in caplog.records if r.getMessage().startswith("lease expired")]
     assert expired == {
         "event": "lease_expired",

@@ -6,7 +6,6 @@ heads and one draft layer of 1 head, so generation rank 0 hears from context ran
 
 from __future__ import annotations
 
-import asyncio
 import xml.etree.ElementTree as ET
 from typing import Any
 
@@ -17,11 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvroute.control.plan_answers import PLAN_BUILD_BUCKETS_SECONDS
 from tests.api.conftest import ADMIN, WORKER, rank_path, register
 from tests.api.documents import rank_document
+from tests.clock import ManualClock
 
 Client = TestClient[web.Request, web.Application]
 PLANS = "/v1/deployments/llama/plans"
 PLAN_SETS = "/v1/deployments/llama/plan-sets"
-LEASE_WAIT_SECONDS = 5.0
 SVG = "{http://www.w3.org/2000/svg}"
 
 
@@ -138,36 +137,31 @@ async def test_identical_reregistration_is_a_cache_hit(client: Client) -> None:
     assert await metric(client, "kvroute_plan_cache_hits_total") == hits + 1
 
 
-async def _wait_for_conflict(client: Client, detail: str | None = None) -> dict[str, Any]:
-    """The first 409, or with ``detail`` the first 409 saying it: leases registered a few
-    milliseconds apart also expire a few milliseconds apart."""
-    async with asyncio.timeout(LEASE_WAIT_SECONDS):
-        while True:
-            response = await fetch(client, 0)
-            if response.status == 409:
-                problem = dict(await response.json())
-                if detail is None or problem["detail"] == detail:
-                    return problem
-            else:
-                assert response.status == 200
-            await asyncio.sleep(0.1)
+async def _conflict(client: Client) -> dict[str, Any]:
+    response = await fetch(client, 0)
+    assert response.status == 409
+    return dict(await response.json())
 
 
-async def test_expired_sender_ranks_are_named(client: Client) -> None:
+async def test_expired_sender_ranks_are_named(client: Client, clock: ManualClock) -> None:
     for rank in range(4):
         await register(client, "ctx0", rank, ctx_doc(rank, lease_seconds=1 if rank >= 2 else 30))
     for rank in range(2):
         await register(client, "gen0", rank, gen_doc(rank))
     assert (await fetch(client, 0)).status == 200
-    expected = "sender instance ctx0 has ranks 0,1 of 4 live (missing or expired: 2,3)"
-    problem = await _wait_for_conflict(client, expected)
-    assert problem["detail"] == expected
+    clock.advance(1)
+    problem = await _conflict(client)
+    assert problem["detail"] == (
+        "sender instance ctx0 has ranks 0,1 of 4 live (missing or expired: 2,3)"
+    )
     assert await metric(client, "kvroute_plan_requests_total", result="unavailable") >= 1
 
 
-async def test_expired_receiver_rank_is_named(client: Client) -> None:
+async def test_expired_receiver_rank_is_named(client: Client, clock: ManualClock) -> None:
     await deploy(client, gen_lease=1)
-    problem = await _wait_for_conflict(client)
+    assert (await fetch(client, 0)).status == 200
+    clock.advance(1)
+    problem = await _conflict(client)
     assert problem["detail"] == "receiver instance gen0 rank 0 is expired"
 
 

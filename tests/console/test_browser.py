@@ -21,8 +21,8 @@ import pytest
 from kvroute.client import KvrouteClient, KvrouteError
 from kvroute.geometry import RankRegistration
 from kvroute.live import LiveServer
-from kvroute.store.admission import write_admitted
 from kvroute.store.engine import create_engine, dispose
+from kvroute.store.rank_writes import write_admitted
 from tests.client.live import ADMIN_TOKEN, WORKER_TOKEN
 from tests.documents import rank_document
 from tests.transfer.conftest import Owners
@@ -62,7 +62,7 @@ def _admit_without_checks(url: str, instance: str, document: dict[str, Any]) -> 
             )
             now = datetime.now(UTC)
             async with engine.begin() as connection:
-                await write_admitted(connection, reg, now, existing=None)
+                await write_admitted(connection, [(reg, None)], now)
         finally:
             await dispose(engine)
 

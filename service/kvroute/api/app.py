@@ -16,6 +16,7 @@ from aiohttp import web
 
 from kvroute.api.access import access_middleware
 from kvroute.api.auth import auth_middleware
+from kvroute.api.clock import Clock, clock_key, system_clock
 from kvroute.api.errors import error_boundary
 from kvroute.api.keys import (
     Lifecycle,
@@ -36,7 +37,8 @@ from kvroute.api.validation import validation_middleware
 from kvroute.settings import Settings
 
 
-def create_app(settings: Settings) -> web.Application:
+def create_app(settings: Settings, *, clock: Clock = system_clock) -> web.Application:
+    """The app for ``settings``; ``clock`` is where it reads the time (tests pass their own)."""
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[
@@ -48,6 +50,7 @@ def create_app(settings: Settings) -> web.Application:
         ],
     )
     app[settings_key] = settings
+    app[clock_key] = clock
     app[lifecycle_key] = Lifecycle()
     backend = "sqlite" if settings.is_sqlite else "postgresql"
     app[metrics_key] = Metrics.create(database_backend=backend)

@@ -77,7 +77,7 @@ def check_body(rule: BodyRule, content_type: str, body: bytes | None) -> Any:
     _check_shape(value)
     errors = list(islice(rule.validator.iter_errors(value), MAX_REPORTED_ERRORS))
     if errors:
-        raise ProblemError(schema_problem(_field_errors(errors)))
+        raise ProblemError(schema_problem(field_errors(errors)))
     return value
 
 
@@ -141,7 +141,7 @@ def schema_problem(errors: list[dict[str, str]]) -> Problem:
     )
 
 
-def _field_errors(errors: Iterable[Any]) -> list[dict[str, str]]:
+def field_errors(errors: Iterable[Any]) -> list[dict[str, str]]:
     """jsonschema_rs errors -> ``{"field": "pools[0].slot_bytes", "message": ...}``, deepest first."""
     found = []
     for error in errors:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from kvroute.api.clock import app_now
 from kvroute.api.keys import registry_key, validated_key
-from kvroute.api.registration import utcnow
 from kvroute.control.compatibility import deployment_matrix
 from kvroute.pictures import compatibility_svg
 
@@ -15,7 +15,11 @@ async def get_compatibility(request: web.Request) -> web.Response:
     deployment = request[validated_key].path["deployment"]
     registry = request.app[registry_key]
     matrix = await deployment_matrix(
-        registry.sessionmaker, registry.registrations, registry.verdicts, deployment, now=utcnow()
+        registry.sessionmaker,
+        registry.registrations,
+        registry.verdicts,
+        deployment,
+        now=app_now(request.app),
     )
     if request[validated_key].query.get("format", "json") == "svg":
         return web.Response(text=compatibility_svg(matrix), content_type="image/svg+xml")

@@ -1,8 +1,9 @@
 """The error boundary: domain and library exceptions become problem+json in exactly one place.
 
-Handlers and the other middlewares raise (``GeometryError``, the store's ``NotFound``,
-``ProblemError``, aiohttp's ``HTTPException``, a driver's error); this middleware maps each through
-one table. Database outages are 503 with their own codes: ``database_busy`` when the database
+Handlers and the other middlewares raise (``GeometryError``, the store's ``NotFound``, the data
+plane's refusals, the validation middleware's request errors, ``ProblemError``, aiohttp's
+``HTTPException``, a driver's error); this middleware maps each through one table, the only place
+a domain error meets an HTTP status. Database outages are 503 with their own codes: ``database_busy`` when the database
 answered too slowly (statement or lock timeout, SQLite lock starvation), ``database_unavailable``
 when it could not be reached; the log line names the cause. Every 503 carries ``Retry-After``.
 Anything unmapped is a bug: it is logged with the request id and answered 500 without a
@@ -12,19 +13,26 @@ traceback, so bad input can never surface as a 500 unless the code is wrong.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from kvroute.api.keys import problem_key, request_id_key
 from kvroute.api.problems import Problem, ProblemError
+from kvroute.api.request_errors import REQUEST_ERRORS, request_problem
 from kvroute.geometry import GeometryError
 from kvroute.store.errors import Conflict, NotFound
-from kvroute.store.faults import database_fault
+from kvroute.store.faults import DATABASE_ERRORS, database_fault
+from kvroute.transfer.errors import (
+    PoolDraining,
+    PoolMemoryError,
+    QueueFull,
+    TransferValidationError,
+    UnknownJob,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +120,30 @@ def _database_problem(exc: Exception) -> Problem | None:
     )
 
 
+def _pool_memory(exc: PoolMemoryError) -> Problem:
+    extras: dict[str, Any] = {"pool": exc.pool_id, "backend": exc.backend, "reason": exc.reason}
+    if exc.instance is not None:
+        extras |= {"instance": exc.instance, "rank": exc.rank}
+    return _unprocessable(exc, "pool_memory_unavailable", extras)
+
+
+def _invalid_transfer(exc: TransferValidationError) -> Problem:
+    return _unprocessable(exc, exc.code, {"field": exc.field, **exc.extras})
+
+
+def _queue_full(exc: QueueFull) -> Problem:
+    retry = str(max(1, math.ceil(exc.retry_after)))
+    return Problem(429, "Too Many Requests", str(exc), "queue_full", headers={"Retry-After": retry})
+
+
+def _pool_draining(exc: PoolDraining) -> Problem:
+    return Problem(503, "Service Unavailable", str(exc), "draining", headers={"Retry-After": "1"})
+
+
+def _unprocessable(exc: Exception, code: str, extras: dict[str, Any]) -> Problem:
+    return Problem(422, "Unprocessable Content", str(exc), code, extras=extras)
+
+
 # Checked in order; the first entry whose type matches and whose renderer answers (a renderer
 # may decline with None) renders the answer.
 PROBLEM_TABLE: tuple[
@@ -119,9 +151,14 @@ PROBLEM_TABLE: tuple[
 ] = (
     (ProblemError, lambda exc: exc.problem),
     (GeometryError, geometry_problem),
-    (NotFound, _not_found),
+    (REQUEST_ERRORS, request_problem),
+    ((NotFound, UnknownJob), _not_found),
     (Conflict, _conflict),
-    ((DBAPIError, PoolTimeoutError, TimeoutError, OSError), _database_problem),
+    (PoolMemoryError, _pool_memory),
+    (TransferValidationError, _invalid_transfer),
+    (QueueFull, _queue_full),
+    (PoolDraining, _pool_draining),
+    (DATABASE_ERRORS, _database_problem),
 )
 
 

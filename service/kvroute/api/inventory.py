@@ -10,8 +10,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kvroute.api.clock import app_now
 from kvroute.api.keys import sessionmaker_key, validated_key
-from kvroute.api.registration import utcnow
 from kvroute.store import registry
 from kvroute.store.records import (
     DeploymentSummary,
@@ -22,13 +22,17 @@ from kvroute.store.records import (
 
 
 async def list_deployments(request: web.Request) -> web.Response:
-    deployments = await registry.list_deployments(request.app[sessionmaker_key], now=utcnow())
+    deployments = await registry.list_deployments(
+        request.app[sessionmaker_key], now=app_now(request.app)
+    )
     return web.json_response({"deployments": [deployment_json(item) for item in deployments]})
 
 
 async def get_deployment(request: web.Request) -> web.Response:
     name = request[validated_key].path["deployment"]
-    record = await registry.get_deployment(request.app[sessionmaker_key], name, now=utcnow())
+    record = await registry.get_deployment(
+        request.app[sessionmaker_key], name, now=app_now(request.app)
+    )
     return web.json_response(
         {
             "name": record.name,
@@ -42,7 +46,9 @@ async def get_deployment(request: web.Request) -> web.Response:
 
 async def list_instances(request: web.Request) -> web.Response:
     name = request[validated_key].path["deployment"]
-    instances = await registry.list_instances(request.app[sessionmaker_key], name, now=utcnow())
+    instances = await registry.list_instances(
+        request.app[sessionmaker_key], name, now=app_now(request.app)
+    )
     return web.json_response(
         {"deployment": name, "instances": [instance_json(item) for item in instances]}
     )
@@ -51,7 +57,10 @@ async def list_instances(request: web.Request) -> web.Response:
 async def get_instance(request: web.Request) -> web.Response:
     path = request[validated_key].path
     record = await registry.get_instance(
-        request.app[sessionmaker_key], path["deployment"], path["instance"], now=utcnow()
+        request.app[sessionmaker_key],
+        path["deployment"],
+        path["instance"],
+        now=app_now(request.app),
     )
     body = instance_json(record.summary)
     body["deployment"] = record.summary.deployment

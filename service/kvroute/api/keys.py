@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 from openapi_core import OpenAPI
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from kvroute.api.metrics import Metrics
 from kvroute.api.problems import Problem
@@ -22,6 +21,7 @@ from kvroute.control.plan_answers import PlanAnswers
 from kvroute.control.plans import PlanService
 from kvroute.control.registry import Registry
 from kvroute.settings import Settings
+from kvroute.store.engine import Engine, SessionMaker
 
 if TYPE_CHECKING:  # the data plane imports torch, which the control plane may lack
     from kvroute.control.transfers import TransferService
@@ -48,8 +48,8 @@ spec_text_key = web.AppKey("spec_text", bytes)
 metrics_key = web.AppKey("metrics", Metrics)
 lifecycle_key = web.AppKey("lifecycle", Lifecycle)
 route_scopes_key = web.AppKey("route_scopes", dict[tuple[str, str], Scope])
-engine_key = web.AppKey("engine", AsyncEngine)
-sessionmaker_key = web.AppKey("sessionmaker", async_sessionmaker[AsyncSession])
+engine_key = web.AppKey("engine", Engine)
+sessionmaker_key = web.AppKey("sessionmaker", SessionMaker)
 reaper_key = web.AppKey("reaper", asyncio.Task[None])
 registry_key = web.AppKey("registry", Registry)
 plan_service_key = web.AppKey("plan_service", PlanService)

@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from kvroute.api.clock import app_now
 from kvroute.api.keys import (
     engine_key,
     lifecycle_key,
@@ -29,7 +30,6 @@ from kvroute.api.keys import (
     settings_key,
 )
 from kvroute.api.problems import Problem, ProblemError
-from kvroute.api.registration import utcnow
 from kvroute.store import lease_watch, registry
 from kvroute.store.engine import create_engine, dispose, make_sessionmaker
 from kvroute.store.records import RankName
@@ -59,10 +59,10 @@ async def reaper_context(app: web.Application) -> AsyncIterator[None]:
 async def _reap_forever(app: web.Application) -> None:
     settings = app[settings_key]
     grace = timedelta(seconds=settings.lease_grace_seconds)
-    since = utcnow()  # expiries before this process started are not its to report
+    since = app_now(app)  # expiries before this process started are not its to report
     while True:
         await asyncio.sleep(settings.reaper_interval_seconds)
-        now = utcnow()
+        now = app_now(app)
         try:
             await _reap_round(app, since=since, now=now, grace=grace)
         except Exception:

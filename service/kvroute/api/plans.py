@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from kvroute.api.clock import app_now
 from kvroute.api.keys import (
     metrics_key,
     plan_answers_key,
@@ -23,7 +24,6 @@ from kvroute.api.keys import (
     settings_key,
     validated_key,
 )
-from kvroute.api.registration import utcnow
 from kvroute.control.plan_answers import MEDIA_TYPES, EncodedPlan, PlanAnswers, PlanMetrics
 from kvroute.control.plans import PlanKey, PlanService, PlanUnavailable
 from kvroute.control.registry import Registry
@@ -100,7 +100,7 @@ async def get_plan(request: web.Request) -> web.Response:
         plan_format = query.get("format", "json")
         key = _plan_key(request, query["receiver_rank"])
         encoded = await request.app[plan_answers_key].answer(
-            key, plan_format, now=utcnow(), period=query.get("fragments") == "period"
+            key, plan_format, now=app_now(request.app), period=query.get("fragments") == "period"
         )
         if _matches(request, encoded.etag):
             return web.Response(status=304, headers={"ETag": encoded.etag})
@@ -116,7 +116,7 @@ async def get_plan_set(request: web.Request) -> web.Response:
         plans = await request.app[plan_answers_key].plan_set(
             _plan_key(request, 0),
             plan_format,
-            now=utcnow(),
+            now=app_now(request.app),
             period=validated.query.get("fragments") == "period",
         )
         if plan_format == "text":

@@ -8,19 +8,16 @@ Handlers only translate: the validated request becomes a ``RankRegistration`` an
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from aiohttp import web
 
+from kvroute.api.clock import app_now
 from kvroute.api.keys import metrics_key, registry_key, sessionmaker_key, validated_key
 from kvroute.geometry import GeometryError, RankRegistration
 from kvroute.store import registry
 from kvroute.store.records import RankRecord
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def rank_address(request: web.Request) -> tuple[str, str, int]:
@@ -32,7 +29,7 @@ async def put_rank(request: web.Request) -> web.Response:
     deployment, instance, rank = rank_address(request)
     app = request.app
     metrics = app[metrics_key]
-    now = utcnow()
+    now = app_now(request.app)
     try:
         registration = await _parse(request, deployment, instance, rank, now)
         outcome = await app[registry_key].register(registration, now=now)
@@ -73,14 +70,16 @@ async def _parse(
 async def get_rank(request: web.Request) -> web.Response:
     deployment, instance, rank = rank_address(request)
     record = await registry.get_rank(
-        request.app[sessionmaker_key], deployment, instance, rank, now=utcnow()
+        request.app[sessionmaker_key], deployment, instance, rank, now=app_now(request.app)
     )
     return web.json_response(rank_json(record))
 
 
 async def heartbeat(request: web.Request) -> web.Response:
     deployment, instance, rank = rank_address(request)
-    expires = await request.app[registry_key].heartbeat(deployment, instance, rank, now=utcnow())
+    expires = await request.app[registry_key].heartbeat(
+        deployment, instance, rank, now=app_now(request.app)
+    )
     return web.json_response({"lease_expires_at": expires.isoformat()})
 
 

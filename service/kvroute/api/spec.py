@@ -8,7 +8,6 @@ wheel), so an editable checkout and a container image load the same document.
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -17,15 +16,11 @@ from typing import Any
 import yaml
 from aiohttp import web
 from openapi_core import OpenAPI
-from openapi_core.contrib.aiohttp import AIOHTTPOpenAPIWebRequest
-from openapi_core.unmarshalling.request.unmarshallers import V31RequestParametersUnmarshaller
 
 from kvroute.api.bodies import body_rules
+from kvroute.api.parameters import ParameterSchemaError, operation_parameters, resolve
 
 SPEC_RESOURCE = ("kvroute.api", "openapi.yaml")
-# Parameter results remembered per (operation, path, query): hot reads (plans, heartbeats) repeat
-# the same URL, and openapi-core spends ~2 ms per parameter resolving its schema again.
-PARAMETER_CACHE_SIZE = 4096
 # How an integer parameter is spelled: int() would also take "١", "+1", " 1", "1_0" and "01".
 CANONICAL_INTEGER = re.compile(r"0|-?[1-9][0-9]{0,17}", re.ASCII)
 
@@ -68,6 +63,13 @@ class AliasedParameter(Exception):
         self.malformed = malformed  # unparseable (400) rather than out of the schema (422)
 
 
+class UndeclaredOperation(Exception):
+    """A route the app serves but the spec does not declare: refused like an unknown path."""
+
+    def __init__(self, method: str, path: str) -> None:
+        super().__init__(f"{method} {path} is not an operation of the API")
+
+
 @dataclass(frozen=True)
 class StrictParameter:
     """How one path or query parameter's raw text must be spelled before it is parsed."""
@@ -94,38 +96,30 @@ class SpecValidator:
     """
 
     def __init__(self, spec: OpenAPI, document: Mapping[str, Any]) -> None:
-        self._parameters = V31RequestParametersUnmarshaller(spec.spec)
         self._query_names = declared_query_parameters(document)
         self._strict = strict_parameters(document)
-        self._url_only = url_only_operations(document)
-        self._parameters_seen: OrderedDict[tuple[str, ...], ValidatedRequest] = OrderedDict()
+        self._parameters = operation_parameters(document, spec_operations(document))
         self.bodies = body_rules(document)
 
     def parameters(self, request: web.Request) -> tuple[Sequence[Exception], ValidatedRequest]:
-        """Path and query parameters, spelled strictly, then unmarshalled by the spec."""
+        """Path and query parameters, spelled strictly, then checked against their schemas."""
         resource = request.match_info.route.resource
         operation = (request.method, resource.canonical if resource else "")
         allowed = self._query_names.get(operation, frozenset())
         unknown = sorted(set(request.query) - allowed)
         if unknown:
             return [UnknownQueryParameter(unknown[0])], ValidatedRequest({}, {}, None)
+        declared = self._parameters.get(operation)
+        if declared is None:
+            return [UndeclaredOperation(request.method, request.path)], ValidatedRequest(
+                {}, {}, None
+            )
         try:
             self._check_spelling(request, operation)
-        except AliasedParameter as error:
+            path, query = declared.unmarshal(dict(request.match_info), dict(request.query))
+        except (AliasedParameter, ParameterSchemaError) as error:
             return [error], ValidatedRequest({}, {}, None)
-        if operation not in self._url_only:
-            return self._unmarshal(request)
-        # The URL alone decides the result: remember it (hot reads repeat the same URL).
-        key = (*operation, request.path, request.query_string)
-        seen = self._parameters_seen.get(key)
-        if seen is None:
-            errors, seen = self._unmarshal(request)
-            if errors:
-                return errors, seen
-            self._parameters_seen[key] = seen
-            if len(self._parameters_seen) > PARAMETER_CACHE_SIZE:
-                self._parameters_seen.popitem(last=False)
-        return [], seen
+        return [], ValidatedRequest(path, query, None)
 
     def _check_spelling(self, request: web.Request, operation: tuple[str, str]) -> None:
         for parameter in self._strict.get(operation, ()):
@@ -140,12 +134,6 @@ class SpecValidator:
             for value in values:
                 parameter.check(value)
 
-    def _unmarshal(self, request: web.Request) -> tuple[Sequence[Exception], ValidatedRequest]:
-        parameters = self._parameters.unmarshal(AIOHTTPOpenAPIWebRequest(request, body=None))
-        if parameters.errors:
-            return parameters.errors, ValidatedRequest({}, {}, None)
-        return [], ValidatedRequest(parameters.parameters.path, parameters.parameters.query, None)
-
 
 def strict_parameters(
     spec: Mapping[str, Any],
@@ -156,8 +144,8 @@ def strict_parameters(
         item = spec["paths"][path]
         parameters = [*item.get("parameters", []), *item[method.lower()].get("parameters", [])]
         found = []
-        for parameter in (_resolve(spec, node) for node in parameters):
-            schema = _resolve(spec, parameter.get("schema", {}))
+        for parameter in (resolve(spec, node) for node in parameters):
+            schema = resolve(spec, parameter.get("schema", {}))
             pattern = schema.get("pattern")
             if parameter["in"] not in ("path", "query"):
                 continue
@@ -193,29 +181,8 @@ def declared_query_parameters(spec: Mapping[str, Any]) -> dict[tuple[str, str], 
         item = spec["paths"][path]
         parameters = [*item.get("parameters", []), *item[method.lower()].get("parameters", [])]
         declared[(method, path)] = frozenset(
-            _resolve(spec, parameter)["name"]
+            resolve(spec, parameter)["name"]
             for parameter in parameters
-            if _resolve(spec, parameter)["in"] == "query"
+            if resolve(spec, parameter)["in"] == "query"
         )
     return declared
-
-
-def url_only_operations(spec: Mapping[str, Any]) -> frozenset[tuple[str, str]]:
-    """Operations whose parameters all live in the path or the query string."""
-    found = set()
-    for method, path in spec_operations(spec):
-        item = spec["paths"][path]
-        parameters = [*item.get("parameters", []), *item[method.lower()].get("parameters", [])]
-        if all(_resolve(spec, parameter)["in"] in ("path", "query") for parameter in parameters):
-            found.add((method, path))
-    return frozenset(found)
-
-
-def _resolve(spec: Mapping[str, Any], node: Mapping[str, Any]) -> Mapping[str, Any]:
-    reference = node.get("$ref")
-    if reference is None:
-        return node
-    target: Any = spec
-    for part in reference.removeprefix("#/").split("/"):
-        target = target[part]
-    return _resolve(spec, target)

@@ -10,12 +10,12 @@ since importing them outside this lazily-entered path would import torch.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from kvroute.api.clock import app_now
 from kvroute.api.keys import (
     copy_engine_key,
     metrics_key,
@@ -26,7 +26,6 @@ from kvroute.api.keys import (
     validated_key,
 )
 from kvroute.api.problems import Problem, ProblemError
-from kvroute.api.registration import utcnow
 from kvroute.store import jobs
 from kvroute.store.records import TransferJobRecord
 
@@ -65,7 +64,7 @@ async def transfer_context(app: web.Application) -> AsyncIterator[None]:
         ),
         replica=settings.replica_id,
     )
-    await service.start(now=utcnow())
+    await service.start(now=app_now(app))
     app[transfer_service_key] = service
     yield
     report = await service.close(settings.shutdown_timeout_seconds)
@@ -100,13 +99,7 @@ async def post_transfer(request: web.Request) -> web.Response:
         dst_state_slot=body.get("dst_state_slot"),
         prompt_tokens=body.get("prompt_tokens"),
     )
-    try:
-        record = await service.submit(transfer, now=utcnow())
-    except Exception as error:
-        problem = _transfer_problem(error)
-        if problem is None:
-            raise
-        raise ProblemError(problem) from error
+    record = await service.submit(transfer, now=app_now(request.app))  # refusals: the error table
     return web.json_response(
         job_json(record), status=202, headers={"Location": f"/v1/transfers/{record.id}"}
     )
@@ -132,7 +125,7 @@ async def list_transfers(request: web.Request) -> web.Response:
 async def delete_transfer(request: web.Request) -> web.Response:
     service = _service(request.app)
     job_id = request[validated_key].path["job_id"]
-    record = await service.cancel(job_id, now=utcnow())
+    record = await service.cancel(job_id, now=app_now(request.app))
     return web.json_response(job_json(record))
 
 
@@ -168,40 +161,3 @@ def _service(app: web.Application) -> TransferService:
     if service is None:
         raise ProblemError(Problem(503, "Service Unavailable", NO_DATA_PLANE, "no_data_plane"))
     return service
-
-
-def _transfer_problem(error: Exception) -> Problem | None:
-    """A data-plane refusal as problem+json; None leaves the error to the error boundary."""
-    from kvroute.control.transfers import RankPoolMemoryError
-    from kvroute.transfer.errors import (
-        PoolDraining,
-        PoolMemoryError,
-        QueueFull,
-        TransferValidationError,
-    )
-
-    if isinstance(error, PoolMemoryError):
-        extras: dict[str, Any] = {
-            "pool": error.pool_id,
-            "backend": error.backend,
-            "reason": error.reason,
-        }
-        if isinstance(error, RankPoolMemoryError):
-            extras |= {"instance": error.instance, "rank": error.rank}
-        return _unprocessable(error, "pool_memory_unavailable", extras)
-    if isinstance(error, TransferValidationError):
-        return _unprocessable(error, error.code, {"field": error.field, **error.extras})
-    if isinstance(error, QueueFull):
-        retry = str(max(1, math.ceil(error.retry_after)))
-        return Problem(
-            429, "Too Many Requests", str(error), "queue_full", headers={"Retry-After": retry}
-        )
-    if isinstance(error, PoolDraining):
-        return Problem(
-            503, "Service Unavailable", str(error), "draining", headers={"Retry-After": "1"}
-        )
-    return None
-
-
-def _unprocessable(error: Exception, code: str, extras: dict[str, Any]) -> Problem:
-    return Problem(422, "Unprocessable Content", str(error), code, extras=extras)

@@ -1,6 +1,8 @@
 """Registration as an application service: admission with the process's caches.
 
-One ``Registry`` per process holds what makes admission cheap at fleet scale: the parsed
+One ``Registry`` per process holds what makes admission cheap at fleet scale: the group
+admission queues (``control.admissions``: registrations arriving together share one transaction),
+the parsed
 registrations by generation (shared with plans, transfers and the matrix) and the verdicts memoized
 per pair of geometry classes (shared with the matrix). Both hold immutable facts (a document at a
 generation, a verdict of two geometries), so replicas never need to agree on them.
@@ -12,9 +14,10 @@ from datetime import datetime
 
 from cachetools import LRUCache
 
+from kvroute.control.admissions import Admissions
 from kvroute.geometry import GeometryError, RankRegistration
 from kvroute.geometry.classes import Verdict
-from kvroute.store import registry
+from kvroute.store import admission, registry
 from kvroute.store.engine import SessionMaker
 from kvroute.store.records import RegisterOutcome
 from kvroute.store.registrations import RegistrationCache
@@ -28,13 +31,30 @@ class Registry:
         self.rejection_log_size = rejection_log_size
         self.registrations = RegistrationCache(sessionmaker)
         self.verdicts: LRUCache[tuple[str, str], Verdict] = LRUCache(VERDICT_CACHE_SIZE)
+        self._admissions = Admissions(self._admit_batch)
 
     async def register(self, reg: RankRegistration, *, now: datetime) -> RegisterOutcome:
-        return await registry.register_rank(
+        """Admits, renews or re-registers ``reg`` in the next batch of its deployment; a refusal is
+        logged and raised as its ``GeometryError``, changing nothing."""
+        try:
+            await admission.prepare(reg)
+            outcome = await self._admissions.submit(reg, now)
+            if isinstance(outcome, GeometryError):
+                raise outcome
+        except GeometryError as error:
+            await self.refuse(
+                error, deployment=reg.deployment, instance=reg.instance, rank=reg.rank, now=now
+            )
+            raise
+        return outcome
+
+    async def _admit_batch(
+        self, candidates: list[RankRegistration], now: datetime
+    ) -> admission.BatchResult:
+        return await admission.admit_batch(
             self.sessionmaker,
-            reg,
+            candidates,
             now=now,
-            rejection_log_size=self.rejection_log_size,
             registrations=self.registrations,
             verdicts=self.verdicts,
         )

@@ -1,47 +1,68 @@
-"""Admission: one registration checked and stored in one transaction, at a cost independent of the
-deployment's size.
+"""Admission: registrations checked and stored in one transaction per batch, at a cost independent
+of the deployment's size.
 
-Inside the deployment lock (``ranks.lock_deployment``) an admission:
+Inside the deployment lock (``ranks.lock_deployment``) a batch of candidates of one deployment:
 
 1. moves the deployment's ``checked_at`` to ``at = max(now, checked_at)`` (the instant every lease
    is judged at) in the same statement that creates the deployment row if needed;
 2. fences every rank of the deployment whose lease ended by ``at``: a fenced rank can never be
-   renewed by a heartbeat, because this admission did not check it. The fence statement waits for a
-   heartbeat still committing on such a row and then sees the renewal, so the rank is read as live
-   below and checked; a heartbeat that comes later finds the fence and fails;
-3. reads the live ranks of the candidate's own instance, and one representative per geometry class
-   of the live ranks of the opposite role (the first in (instance, rank) order: see
-   ``geometry.classes``), with their generations; parsed registrations come from the process-wide
-   cache by generation, so only documents never seen before are read and parsed;
-4. runs the instance check against the members and the peer check against the class
-   representatives, with verdicts memoized by the pair of class digests;
-5. writes the rank (renewing its lease only, for an identical document).
+   renewed by a heartbeat, because no admission after this one checks against it. The fence
+   statement waits for a heartbeat still committing on such a row and then sees the renewal, so
+   the rank is read as live below and checked; a heartbeat that comes later finds the fence;
+3. reads, in one statement, every row of the candidates' instances and one representative per
+   geometry class of the live ranks of each role a candidate checks against (the first in
+   (instance, rank) order: see ``geometry.classes``); parsed registrations come from the
+   process-wide cache by generation, so only documents never seen before are read and parsed;
+4. checks the candidates in order, each against the members of its instance and the class
+   representatives of the opposite role as the candidates admitted before it left them (exactly
+   the answers admitting them one by one would give), verdicts memoized per class pair;
+5. writes the admitted ones with a fixed number of statements (``rank_writes``).
 
-Every statement is SQLAlchemy Core on one connection: this is the path a fleet coming up hammers.
+A candidate that replaces a live rank with a document of another class ends the batch after it:
+that class's next member was never read, so later candidates could not be checked against it.
+The deferred candidates come back to the caller, which admits them in a new batch.
 """
 
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timedelta
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
 
-from sqlalchemy import and_, delete, func, insert, literal, select, update
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy import func, literal, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from kvroute.geometry import RankRegistration
+from kvroute.geometry import GeometryError, RankRegistration, Role
 from kvroute.geometry.classes import VerdictMemo, check_peers_by_class
 from kvroute.geometry.instance import check_instance
 from kvroute.geometry.validate import check_self
 from kvroute.store import ranks as repo
 from kvroute.store.engine import SessionMaker, engine_of, retry_disconnect
-from kvroute.store.models import Deployment, Generation, Instance, PoolRow, Rank, ViewRow
+from kvroute.store.models import Deployment, Rank
+from kvroute.store.rank_writes import Existing, greatest, upsert, write_admitted
 from kvroute.store.records import RegisterOutcome
-from kvroute.store.registrations import RegistrationCache
+from kvroute.store.registrations import RankAt, RegistrationCache
 
 RANKS = Rank.__table__
-Row = tuple[str, int, int]  # instance, rank, generation
+Outcome = RegisterOutcome | GeometryError
+
+
+@dataclass
+class BatchResult:
+    """Outcomes of the candidates admitted or refused, in order; ``deferred`` were not looked at."""
+
+    outcomes: list[Outcome] = field(default_factory=list)
+    deferred: list[RankRegistration] = field(default_factory=list)
+
+
+@dataclass
+class _Peers:
+    """What the batch reads: rows of the candidates' instances and each role's class firsts."""
+
+    # (instance, rank) -> generation, canonical digest, geometry class, lease expiry
+    rows: dict[tuple[str, int], tuple[int, str, str, datetime]]
+    firsts: dict[Role, dict[str, RankAt]]  # role -> class -> its first live rank
 
 
 async def admit(
@@ -52,15 +73,21 @@ async def admit(
     registrations: RegistrationCache,
     verdicts: VerdictMemo,
 ) -> RegisterOutcome:
-    """Admits, renews or re-registers ``reg``; raises its ``GeometryError`` changing nothing."""
-    # The document alone (no lock needed to refuse it), and the digests computed before the lock,
-    # not under it: milliseconds for the largest documents, so not on the event loop either.
-    await asyncio.to_thread(_check_and_digest, reg)
-    outcome = await retry_disconnect(
-        lambda: _admit(engine_of(sessionmaker), reg, now, registrations, verdicts)
+    """Admits, renews or re-registers ``reg`` alone; raises its ``GeometryError`` changing nothing."""
+    await prepare(reg)
+    result = await admit_batch(
+        sessionmaker, [reg], now=now, registrations=registrations, verdicts=verdicts
     )
-    registrations.remember(reg, outcome.generation)
+    (outcome,) = result.outcomes
+    if isinstance(outcome, GeometryError):
+        raise outcome
     return outcome
+
+
+async def prepare(reg: RankRegistration) -> None:
+    """What needs no lock: the document's own checks (raises) and its digests, off the loop
+    (milliseconds for the largest documents)."""
+    await asyncio.to_thread(_check_and_digest, reg)
 
 
 def _check_and_digest(reg: RankRegistration) -> None:
@@ -68,29 +95,125 @@ def _check_and_digest(reg: RankRegistration) -> None:
     _ = reg.class_digest, reg.canonical_digest
 
 
-async def _admit(
-    engine: AsyncEngine,
-    reg: RankRegistration,
+async def admit_batch(
+    sessionmaker: SessionMaker,
+    candidates: Sequence[RankRegistration],
+    *,
     now: datetime,
     registrations: RegistrationCache,
     verdicts: VerdictMemo,
-) -> RegisterOutcome:
-    async with engine.begin() as connection:
-        await repo.lock_deployment_connection(connection, reg.deployment)
-        at = await _judge_at(connection, reg.deployment, now)
-        await _fence_expired(connection, reg.deployment, at)
-        members, representatives, existing = await _read_peers(connection, reg, at)
-        parsed = await registrations.at(reg.deployment, members + representatives, connection)
-        check_instance(reg, parsed[: len(members)])
-        check_peers_by_class(reg, parsed[len(members) :], verdicts)
-        return await write_admitted(connection, reg, at, existing)
+) -> BatchResult:
+    """Admits, renews or refuses ``candidates`` (one deployment, distinct ranks, self-checked)."""
+
+    async def attempt() -> BatchResult:
+        async with engine_of(sessionmaker).begin() as connection:
+            return await _admit(connection, candidates, now, registrations, verdicts)
+
+    result = await retry_disconnect(attempt)
+    for reg, outcome in zip(candidates, result.outcomes, strict=False):
+        if isinstance(outcome, RegisterOutcome):
+            registrations.remember(reg, outcome.generation)
+    return result
+
+
+async def _admit(
+    connection: AsyncConnection,
+    candidates: Sequence[RankRegistration],
+    now: datetime,
+    registrations: RegistrationCache,
+    verdicts: VerdictMemo,
+) -> BatchResult:
+    deployment = candidates[0].deployment
+    await repo.lock_deployment_connection(connection, deployment)
+    at = await _judge_at(connection, deployment, now)
+    await _fence_expired(connection, deployment, at)
+    peers = await _read_peers(connection, candidates, at)
+    state = await _State.load(connection, registrations, deployment, peers, at)
+    outcomes: list[Outcome | None] = []
+    admitted: list[tuple[int, RankRegistration, Existing | None]] = []
+    deferred: list[RankRegistration] = []
+    for index, reg in enumerate(candidates):
+        try:
+            state.check(reg, verdicts)
+        except GeometryError as error:
+            outcomes.append(error)
+            continue
+        old = peers.rows.get(reg.key)
+        admitted.append((len(outcomes), reg, Existing(old[0], old[1]) if old else None))
+        outcomes.append(None)  # filled in once written
+        if state.admit(reg, old, at):
+            deferred = list(candidates[index + 1 :])
+            break
+    if not admitted:  # a refusal changes nothing: not checked_at, no fence, no deployment row
+        await connection.rollback()
+        return BatchResult([outcome for outcome in outcomes if outcome is not None], deferred)
+    stored = await write_admitted(connection, [(reg, old) for _, reg, old in admitted], at)
+    for (position, _, _), outcome in zip(admitted, stored, strict=True):
+        outcomes[position] = outcome
+    return BatchResult([outcome for outcome in outcomes if outcome is not None], deferred)
+
+
+class _State:
+    """The registry as the batch's candidates see it, updated as each one is admitted."""
+
+    def __init__(
+        self,
+        members: dict[str, dict[int, RankRegistration]],
+        firsts: dict[Role, dict[str, RankRegistration]],
+    ) -> None:
+        self.members = members  # instance -> rank -> live registration
+        self.firsts = firsts  # role -> class -> first live registration
+
+    @classmethod
+    async def load(
+        cls,
+        connection: AsyncConnection,
+        registrations: RegistrationCache,
+        deployment: str,
+        peers: _Peers,
+        at: datetime,
+    ) -> _State:
+        live = [
+            (instance, rank, generation)
+            for (instance, rank), (generation, _, _, expires) in peers.rows.items()
+            if expires > at
+        ]
+        firsts = [
+            (role, digest, where)
+            for role, by_class in peers.firsts.items()
+            for digest, where in by_class.items()
+        ]
+        wanted = live + [where for _, _, where in firsts]
+        parsed = await registrations.at(deployment, wanted, connection)
+        members: dict[str, dict[int, RankRegistration]] = {}
+        for reg in parsed[: len(live)]:
+            members.setdefault(reg.instance, {})[reg.rank] = reg
+        by_role: dict[Role, dict[str, RankRegistration]] = {role: {} for role in Role}
+        for (role, digest, _), reg in zip(firsts, parsed[len(live) :], strict=True):
+            by_role[role][digest] = reg
+        return cls(members, by_role)
+
+    def check(self, reg: RankRegistration, verdicts: VerdictMemo) -> None:
+        instance = self.members.get(reg.instance, {})
+        check_instance(reg, [member for rank, member in instance.items() if rank != reg.rank])
+        check_peers_by_class(reg, list(self.firsts[reg.role.opposite].values()), verdicts)
+
+    def admit(
+        self, reg: RankRegistration, old: tuple[int, str, str, datetime] | None, at: datetime
+    ) -> bool:
+        """Records ``reg`` as live; True when the batch must end after it (see the module)."""
+        self.members.setdefault(reg.instance, {})[reg.rank] = reg
+        first = self.firsts[reg.role].get(reg.class_digest)
+        if first is None or (reg.instance, reg.rank) < (first.instance, first.rank):
+            self.firsts[reg.role][reg.class_digest] = reg
+        return old is not None and old[3] > at and old[2] != reg.class_digest
 
 
 async def _judge_at(connection: AsyncConnection, deployment: str, now: datetime) -> datetime:
     """Creates the deployment or moves its ``checked_at`` forward to ``max(now, checked_at)``."""
     table = Deployment.__table__
-    statement = _upsert(connection, table).values(name=deployment, created_at=now, checked_at=now)
-    newest = _greatest(connection, table.c.checked_at, statement.excluded.checked_at)
+    statement = upsert(connection, table).values(name=deployment, created_at=now, checked_at=now)
+    newest = greatest(connection, table.c.checked_at, statement.excluded.checked_at)
     statement = statement.on_conflict_do_update(
         index_elements=[table.c.name], set_={"checked_at": newest}
     ).returning(table.c.checked_at)
@@ -110,160 +233,43 @@ async def _fence_expired(connection: AsyncConnection, deployment: str, at: datet
 
 
 async def _read_peers(
-    connection: AsyncConnection, reg: RankRegistration, at: datetime
-) -> tuple[list[Row], list[Row], tuple[int, str] | None]:
-    """In one statement: the instance's rows, and the first live rank (instance, rank order) of
-    each geometry class of the opposite role.
-
-    Returns the live members of the instance other than ``reg``, the class representatives, and
-    ``reg``'s own row as (generation, canonical digest) when it has one (live or not).
-    """
+    connection: AsyncConnection, candidates: Sequence[RankRegistration], at: datetime
+) -> _Peers:
+    """In one statement: every row of the candidates' instances (live or not), and the first
+    live rank (instance, rank order) of each geometry class of each role checked against."""
+    deployment = candidates[0].deployment
+    roles = sorted({reg.role.opposite.value for reg in candidates})
     position = func.row_number().over(
-        partition_by=RANKS.c.geometry_class, order_by=(RANKS.c.instance, RANKS.c.rank)
+        partition_by=(RANKS.c.role, RANKS.c.geometry_class),
+        order_by=(RANKS.c.instance, RANKS.c.rank),
     )
-    peers = (
-        select(
-            RANKS.c.instance,
-            RANKS.c.rank,
-            RANKS.c.generation,
-            RANKS.c.lease_expires_at,
-            RANKS.c.canonical_sha256,
-            position.label("position"),
-        )
+    columns = (
+        RANKS.c.instance,
+        RANKS.c.rank,
+        RANKS.c.role,
+        RANKS.c.generation,
+        RANKS.c.canonical_sha256,
+        RANKS.c.geometry_class,
+        RANKS.c.lease_expires_at,
+    )
+    live = (
+        select(*columns, position.label("position"))
         .where(
-            RANKS.c.deployment == reg.deployment,
-            RANKS.c.role == reg.role.opposite.value,
+            RANKS.c.deployment == deployment,
+            RANKS.c.role.in_(roles),
             RANKS.c.lease_expires_at > at,
         )
         .subquery()
     )
-    members = select(
-        RANKS.c.instance,
-        RANKS.c.rank,
-        RANKS.c.generation,
-        RANKS.c.lease_expires_at,
-        RANKS.c.canonical_sha256,
-        literal(0).label("position"),
-    ).where(RANKS.c.deployment == reg.deployment, RANKS.c.instance == reg.instance)
-    representatives = select(peers).where(peers.c.position == 1)
-    rows = await connection.execute(
-        members.union_all(representatives).order_by("position", "instance", "rank")
+    own = select(*columns, literal(0).label("position")).where(
+        RANKS.c.deployment == deployment,
+        RANKS.c.instance.in_(sorted({reg.instance for reg in candidates})),
     )
-    own, classes, existing = [], [], None
-    for instance, rank, generation, expires, digest, position in rows:
-        if position:
-            classes.append((instance, rank, generation))
-        elif rank == reg.rank:
-            existing = (generation, digest)
-        elif expires > at:
-            own.append((instance, rank, generation))
-    return own, classes, existing
-
-
-async def write_admitted(
-    connection: AsyncConnection,
-    reg: RankRegistration,
-    at: datetime,
-    existing: tuple[int, str] | None,
-) -> RegisterOutcome:
-    """Stores a rank the caller admitted; ``existing`` is its row's (generation, canonical digest)."""
-    expires = at + timedelta(seconds=reg.lease_seconds)
-    key = and_(
-        RANKS.c.deployment == reg.deployment,
-        RANKS.c.instance == reg.instance,
-        RANKS.c.rank == reg.rank,
-    )
-    digest = reg.canonical_digest
-    if existing is not None and existing[1] == digest:
-        await connection.execute(
-            update(RANKS).where(key).values(lease_expires_at=expires, fenced_at=None)
-        )
-        return RegisterOutcome(existing[0], expires, created=False)
-    await _upsert_instance(connection, reg, at)
-    generation = await _next_generation(connection, reg)
-    document = reg.to_json()
-    values = {
-        "role": reg.role.value,
-        "generation": generation,
-        "lease_seconds": reg.lease_seconds,
-        "lease_expires_at": expires,
-        "registered_at": at,
-        "document": document,
-        "canonical_sha256": digest,
-        "geometry_class": reg.class_digest,
-        "fenced_at": None,
-    }
-    if existing is None:
-        rank_key = {"deployment": reg.deployment, "instance": reg.instance, "rank": reg.rank}
-        await connection.execute(insert(RANKS).values(**rank_key, **values))
-    else:
-        await connection.execute(update(RANKS).where(key).values(**values))
-        for table in (PoolRow.__table__, ViewRow.__table__):
-            await connection.execute(delete(table).where(*_child_key(table, reg)))
-    await _insert_children(connection, reg, document)
-    return RegisterOutcome(generation, expires, created=existing is None)
-
-
-async def _upsert_instance(
-    connection: AsyncConnection, reg: RankRegistration, at: datetime
-) -> None:
-    """Creates the instance or re-states its layout (the checks just agreed with every member)."""
-    table = Instance.__table__
-    layout = {
-        "role": reg.role.value,
-        "tp_size": reg.tp_size,
-        "pp_size": reg.pp_size,
-        "attention_dp": reg.attention_dp,
-        "dp_size": reg.dp_size,
-    }
-    statement = _upsert(connection, table).values(
-        deployment=reg.deployment, name=reg.instance, created_at=at, **layout
-    )
-    await connection.execute(
-        statement.on_conflict_do_update(
-            index_elements=[table.c.deployment, table.c.name], set_=layout
-        )
-    )
-
-
-async def _next_generation(connection: AsyncConnection, reg: RankRegistration) -> int:
-    """The rank's next generation; numbers are never reused, not even after a delete."""
-    table = Generation.__table__
-    statement = _upsert(connection, table).values(
-        deployment=reg.deployment, instance=reg.instance, rank=reg.rank, generation=1
-    )
-    statement = statement.on_conflict_do_update(
-        index_elements=[table.c.deployment, table.c.instance, table.c.rank],
-        set_={"generation": table.c.generation + literal(1)},
-    ).returning(table.c.generation)
-    return int((await connection.execute(statement)).scalar_one())
-
-
-async def _insert_children(
-    connection: AsyncConnection, reg: RankRegistration, document: dict[str, Any]
-) -> None:
-    key = {"deployment": reg.deployment, "instance": reg.instance, "rank": reg.rank}
-    if pools := [repo.pool_row(key, pool) for pool in document["pools"]]:
-        await connection.execute(insert(PoolRow.__table__), pools)
-    if views := [repo.view_row(key, view) for view in document["views"]]:
-        await connection.execute(insert(ViewRow.__table__), views)
-
-
-def _child_key(table: Any, reg: RankRegistration) -> tuple[Any, ...]:
-    return (
-        table.c.deployment == reg.deployment,
-        table.c.instance == reg.instance,
-        table.c.rank == reg.rank,
-    )
-
-
-def _upsert(connection: AsyncConnection, table: Any) -> Any:
-    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
-    return dialect.insert(table)
-
-
-def _greatest(connection: AsyncConnection, left: Any, right: Any) -> Any:
-    # SQLite's two-argument max() is its scalar greatest; its timestamps are ISO strings.
-    if connection.dialect.name == "postgresql":
-        return func.greatest(left, right)
-    return func.max(left, right)
+    rows = await connection.execute(own.union_all(select(live).where(live.c.position == 1)))
+    peers = _Peers({}, {Role(role): {} for role in roles})
+    for instance, rank, role, generation, digest, geometry, expires, first in rows:
+        if first:
+            peers.firsts[Role(role)][geometry] = (instance, rank, generation)
+        else:
+            peers.rows[instance, rank] = (generation, digest, geometry, expires)
+    return peers

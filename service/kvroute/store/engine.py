@@ -26,7 +26,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, CursorResult, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import (
@@ -48,6 +48,7 @@ READ_ONLY = "kvroute_read_only"
 CLIENT_TIMEOUT_MARGIN_S = 1.0
 
 SessionMaker = async_sessionmaker[AsyncSession]
+Engine = AsyncEngine  # the name the layers above use, so they need not import SQLAlchemy
 _AUTOCOMMIT: weakref.WeakKeyDictionary[AsyncEngine, AsyncEngine] = weakref.WeakKeyDictionary()
 # Each engine's timeouts, so its autocommit companion is bounded exactly like it.
 _TIMEOUTS: weakref.WeakKeyDictionary[AsyncEngine, DatabaseTimeouts] = weakref.WeakKeyDictionary()
@@ -126,6 +127,12 @@ async def reading(sessionmaker: SessionMaker) -> AsyncIterator[AsyncSession]:
         yield session
 
 
+async def ping(sessionmaker: SessionMaker) -> None:
+    """One round trip to the database (readiness): raises whatever the driver raises."""
+    async with autocommit_connection(engine_of(sessionmaker)) as connection:
+        await connection.execute(text("SELECT 1"))
+
+
 def engine_of(sessionmaker: SessionMaker) -> AsyncEngine:
     return cast("AsyncEngine", sessionmaker.kw["bind"])
 
@@ -149,10 +156,21 @@ def autocommit_engine(engine: AsyncEngine) -> AsyncEngine:
     """
     companion = _AUTOCOMMIT.get(engine)
     if companion is None:
+        timeouts = _TIMEOUTS.get(engine) or DatabaseTimeouts()
+        extra: dict[str, Any] = {}
+        if engine.dialect.name == "postgresql":
+            # Its only writes are lease renewals: soft state a worker repeats every lease/3. Not
+            # waiting for each one's WAL flush is what lets a fleet's heartbeats through; a
+            # PostgreSQL crash can forget the last few hundred milliseconds of renewals, which
+            # shortens those leases and nothing else. Registrations keep synchronous commits.
+            args = _postgres_connect_args(timeouts)
+            args["server_settings"]["synchronous_commit"] = "off"
+            extra["connect_args"] = args
         companion = create_engine(
             engine.url.render_as_string(hide_password=False),
-            _TIMEOUTS.get(engine),
+            timeouts,
             isolation_level="AUTOCOMMIT",
+            **extra,
         )
         _AUTOCOMMIT[engine] = companion
     return companion

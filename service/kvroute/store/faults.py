@@ -31,6 +31,14 @@ UNAVAILABLE_SQLSTATE_PREFIXES = {
     "3D": "database does not exist",
     "28": "authentication failed",
 }
+# What a unit of work may raise when the database is in trouble (``database_fault`` sorts them;
+# it declines a driver error that is not an outage).
+DATABASE_ERRORS: tuple[type[BaseException], ...] = (
+    DBAPIError,
+    PoolTimeoutError,
+    TimeoutError,
+    OSError,
+)
 SQLITE_BUSY_MESSAGES = ("database is locked", "database table is locked")
 # Socket errors of an unreachable server (other OSErrors, e.g. a missing file, are bugs).
 NETWORK_ERRNOS = frozenset(

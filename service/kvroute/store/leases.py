@@ -11,6 +11,7 @@ write run in one short write transaction.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import and_, bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -25,29 +26,47 @@ async def renew(
     engine: AsyncEngine, deployment: str, instance: str, rank: int, now: datetime
 ) -> datetime | None:
     """The renewed expiry, or None when the rank is unknown, expired or fenced."""
+    if engine.dialect.name == "postgresql":
+        values = {
+            "key_deployment": deployment,
+            "key_instance": instance,
+            "key_rank": rank,
+            "now": now,
+        }
+        return await retry_disconnect(lambda: _renew_in_one_statement(engine, values))
     key = and_(RANKS.c.deployment == deployment, RANKS.c.instance == instance, RANKS.c.rank == rank)
-    renew_in = (
-        _renew_in_one_statement if engine.dialect.name == "postgresql" else _renew_in_a_transaction
-    )
-    return await retry_disconnect(lambda: renew_in(engine, deployment, key, now))
+    return await retry_disconnect(lambda: _renew_in_a_transaction(engine, deployment, key, now))
 
 
-async def _renew_in_one_statement(
-    engine: AsyncEngine, deployment: str, key: object, now: datetime
-) -> datetime | None:
+def _renewal() -> Any:
+    """The heartbeat statement, built once: SQLAlchemy then reuses its compiled form."""
     checked_at = (
-        select(Deployment.checked_at).where(Deployment.name == deployment).scalar_subquery()
+        select(Deployment.checked_at)
+        .where(Deployment.name == bindparam("key_deployment"))
+        .scalar_subquery()
     )
-    judged = func.greatest(bindparam("now", now, type_=UTCDateTime()), checked_at)
+    judged = func.greatest(bindparam("now", type_=UTCDateTime()), checked_at)
     lease = func.make_interval(0, 0, 0, 0, 0, 0, RANKS.c.lease_seconds)
-    statement = (
+    return (
         update(RANKS)
-        .where(key, RANKS.c.fenced_at.is_(None), RANKS.c.lease_expires_at > judged)
+        .where(
+            RANKS.c.deployment == bindparam("key_deployment"),
+            RANKS.c.instance == bindparam("key_instance"),
+            RANKS.c.rank == bindparam("key_rank"),
+            RANKS.c.fenced_at.is_(None),
+            RANKS.c.lease_expires_at > judged,
+        )
         .values(lease_expires_at=judged + lease)
         .returning(RANKS.c.lease_expires_at)
     )
+
+
+RENEWAL = _renewal()
+
+
+async def _renew_in_one_statement(engine: AsyncEngine, values: dict[str, Any]) -> datetime | None:
     async with autocommit_connection(engine) as connection:
-        return (await connection.execute(statement)).scalar_one_or_none()
+        return (await connection.execute(RENEWAL, values)).scalar_one_or_none()
 
 
 async def _renew_in_a_transaction(

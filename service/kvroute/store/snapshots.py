@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, select
+from sqlalchemy import ColumnElement, Row, Select, bindparam, select
 
 from kvroute.store import ranks as repo
 from kvroute.store.engine import SessionMaker, autocommit_connection, engine_of, retry_disconnect
@@ -43,7 +43,9 @@ async def instance_states(
     One joined statement for any number of instances: this runs on every plan read, cache hits
     included.
     """
-    states = await _states(sessionmaker, deployment, now, Instance.name.in_(instances))
+    states = await _states(
+        sessionmaker, _INSTANCES, {"deployment": deployment, "names": list(instances)}, now
+    )
     missing = [name for name in instances if name not in states]
     if missing:
         raise NotFound(f"instance {missing[0]!r} of deployment {deployment!r} does not exist")
@@ -54,7 +56,7 @@ async def deployment_states(
     sessionmaker: SessionMaker, deployment: str, *, now: datetime
 ) -> list[InstanceState]:
     """Every instance of a deployment, by name; ``NotFound`` for an unknown deployment."""
-    states = await _states(sessionmaker, deployment, now)
+    states = await _states(sessionmaker, _DEPLOYMENT, {"deployment": deployment}, now)
     if not states:
         async with autocommit_connection(engine_of(sessionmaker)) as connection:
             found = await connection.scalar(
@@ -65,10 +67,9 @@ async def deployment_states(
     return [states[name] for name in sorted(states)]
 
 
-async def _states(
-    sessionmaker: SessionMaker, deployment: str, now: datetime, *where: ColumnElement[bool]
-) -> dict[str, InstanceState]:
-    query = (
+def _query(*where: ColumnElement[bool]) -> Select[Any]:
+    """The state query, built once per shape: SQLAlchemy reuses its compiled form."""
+    return (
         select(
             Deployment.checked_at,
             Instance.name,
@@ -83,12 +84,22 @@ async def _states(
         .outerjoin(
             Rank, (Rank.deployment == Instance.deployment) & (Rank.instance == Instance.name)
         )
-        .where(Deployment.name == deployment, *where)
+        .where(Deployment.name == bindparam("deployment"), *where)
     )
+
+
+_DEPLOYMENT = _query()
+_INSTANCES = _query(Instance.name.in_(bindparam("names", expanding=True)))
+
+
+async def _states(
+    sessionmaker: SessionMaker, query: Select[Any], values: dict[str, Any], now: datetime
+) -> dict[str, InstanceState]:
+    deployment = values["deployment"]
 
     async def read() -> Sequence[Row[Any]]:
         async with autocommit_connection(engine_of(sessionmaker)) as connection:
-            return (await connection.execute(query)).all()
+            return (await connection.execute(query, values)).all()
 
     rows = await retry_disconnect(read)
     layouts: dict[str, tuple[str, int, int]] = {}

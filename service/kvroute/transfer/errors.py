@@ -15,11 +15,28 @@ class TransferError(Exception):
 class PoolMemoryError(TransferError):
     """A pool's memory cannot be opened (missing segment, wrong size, no CUDA, bad descriptor)."""
 
-    def __init__(self, pool_id: int | None, backend: str, reason: str) -> None:
+    def __init__(
+        self,
+        pool_id: int | None,
+        backend: str,
+        reason: str,
+        *,
+        instance: str | None = None,
+        rank: int | None = None,
+    ) -> None:
         self.pool_id = pool_id
         self.backend = backend
         self.reason = reason
-        super().__init__(f"pool {pool_id} ({backend} memory): {reason}")
+        self.instance = instance  # the rank whose pool it is, once the caller knows it
+        self.rank = rank
+        owner = f" of {instance} rank {rank}" if instance is not None else ""
+        super().__init__(f"pool {pool_id}{owner} ({backend} memory): {reason}")
+
+    def of_rank(self, instance: str, rank: int) -> PoolMemoryError:
+        """The same failure, naming the rank whose pool could not be opened."""
+        return PoolMemoryError(
+            self.pool_id, self.backend, self.reason, instance=instance, rank=rank
+        )
 
 
 class TransferValidationError(TransferError, ValueError):

@@ -51,21 +51,6 @@ class TransferRequest:
         return (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
 
 
-class RankPoolMemoryError(PoolMemoryError):
-    """A pool of a named rank cannot be opened by this process."""
-
-    def __init__(self, error: PoolMemoryError, instance: str, rank: int) -> None:
-        super().__init__(error.pool_id, error.backend, error.reason)
-        self.instance = instance
-        self.rank = rank
-
-    def __str__(self) -> str:
-        return (
-            f"pool {self.pool_id} of {self.instance} rank {self.rank} ({self.backend} memory): "
-            f"{self.reason}"
-        )
-
-
 @dataclass(frozen=True, slots=True)
 class Leg:
     """One receiver rank's plan with the pools of its rank documents (memory not yet opened)."""
@@ -155,7 +140,7 @@ class LegResolver:
         try:
             return self._memories.open_pool(pool.memory, pool)
         except PoolMemoryError as error:
-            raise RankPoolMemoryError(error, instance, rank) from error
+            raise error.of_rank(instance, rank) from error
 
 
 def sending_pools(plan: CopyPlan, *, state: bool | None = None) -> list[tuple[int, int]]:

@@ -1,0 +1,99 @@
+"""Group admission: the registrations of one deployment that arrive together share a transaction.
+
+Admissions of a deployment serialize on its database lock, so under a fleet's bring-up they queue.
+Instead of each taking the lock for its own dozen statements, the first to arrive admits
+everything queued behind it in one batch (``store.admission.admit_batch``), whose answers are
+exactly those of admitting the same registrations one by one in arrival order; registrations that
+arrive meanwhile form the next batch. A quiet deployment sees batches of one, so nothing waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from kvroute.geometry import RankRegistration
+from kvroute.store.admission import BatchResult, Outcome
+
+MAX_BATCH = 64  # bounds one transaction's lock hold and its statements' sizes
+
+AdmitBatch = Callable[[list[RankRegistration], datetime], Awaitable[BatchResult]]
+
+
+@dataclass
+class _Waiting:
+    reg: RankRegistration
+    now: datetime
+    answer: asyncio.Future[Outcome]
+
+
+class Admissions:
+    """Per-deployment queues of registrations, each drained by one task at a time."""
+
+    def __init__(self, admit_batch: AdmitBatch) -> None:
+        self._admit_batch = admit_batch
+        self._queues: dict[str, list[_Waiting]] = {}
+        self._drains: dict[str, asyncio.Task[None]] = {}
+
+    async def submit(self, reg: RankRegistration, now: datetime) -> Outcome:
+        """The registration's outcome (a refusal is returned, not raised)."""
+        waiting = _Waiting(reg, now, asyncio.get_running_loop().create_future())
+        self._queues.setdefault(reg.deployment, []).append(waiting)
+        if reg.deployment not in self._drains:
+            self._drains[reg.deployment] = asyncio.create_task(
+                self._drain(reg.deployment), name=f"kvroute-admissions-{reg.deployment}"
+            )
+        return await waiting.answer
+
+    async def _drain(self, deployment: str) -> None:
+        queue = self._queues[deployment]
+        try:
+            while queue:
+                batch = _take(queue)
+                try:
+                    result = await self._admit_batch(
+                        [waiting.reg for waiting in batch], max(w.now for w in batch)
+                    )
+                except Exception as error:  # the database failed the whole batch
+                    for waiting in batch:
+                        _settle(waiting.answer, error=error)
+                    continue
+                for waiting, outcome in zip(batch, result.outcomes, strict=False):
+                    _settle(waiting.answer, outcome=outcome)
+                queue[:0] = batch[len(result.outcomes) :]  # deferred: first in the next batch
+        finally:
+            del self._drains[deployment]
+            del self._queues[deployment]
+            for waiting in queue:  # only when the drain itself was cancelled (shutdown)
+                waiting.answer.cancel()
+
+
+def _take(queue: list[_Waiting]) -> list[_Waiting]:
+    """The longest prefix of distinct ranks, at most ``MAX_BATCH`` long, removed from ``queue``."""
+    keys: set[tuple[str, int]] = set()
+    count = 0
+    for waiting in queue[:MAX_BATCH]:
+        if waiting.reg.key in keys:
+            break
+        keys.add(waiting.reg.key)
+        count += 1
+    batch = queue[:count]
+    del queue[:count]
+    return batch
+
+
+def _settle(
+    answer: asyncio.Future[Outcome],
+    *,
+    outcome: Outcome | None = None,
+    error: BaseException | None = None,
+) -> None:
+    if answer.done():  # its request went away; the registration still took effect
+        return
+    if error is not None:
+        answer.set_exception(error)
+    else:
+        assert outcome is not None
+        answer.set_result(outcome)

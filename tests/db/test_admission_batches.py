@@ -1,0 +1,132 @@
+"""A batch of admissions answers exactly what admitting the same registrations one by one does.
+
+Random sequences of registrations (two geometry families that refuse each other, an instance
+whose ranks disagree, identical renewals, changed documents of the same class and of another
+class, which ends a batch early) go once through ``admit_batch`` until every one is answered and
+once, in a second deployment, through ``admit`` one at a time. Each registration must get the same
+outcome (generation and creation, or the same refusal naming the same peer) and the two
+deployments must end with the same rows.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from sqlalchemy import select
+
+from kvroute.geometry import GeometryError, RankRegistration
+from kvroute.store.admission import admit, admit_batch, prepare
+from kvroute.store.engine import SessionMaker
+from kvroute.store.models import Instance, PoolRow, Rank, ViewRow
+from kvroute.store.registrations import RegistrationCache
+from tests.db.documents import T0, registration
+
+SCENARIOS = 12
+LENGTH = 14
+INSTANCES = ("ctx0", "ctx1", "gen0", "gen1")
+
+
+def _candidate(rng: random.Random, deployment: str) -> RankRegistration:
+    instance = rng.choice(INSTANCES)
+    role = "context" if instance.startswith("ctx") else "generation"
+    return registration(
+        deployment,
+        instance,
+        rng.randrange(2),
+        role=role,
+        tp_size=2,
+        head_dim=rng.choice([128, 128, 128, 64]),  # another family now and then
+        lease_seconds=rng.choice([30, 30, 31]),  # 31: a changed document of the same class
+    )
+
+
+def _outcome(outcome: object) -> tuple[Any, ...]:
+    if isinstance(outcome, GeometryError):
+        return ("refused", outcome.code, outcome.field, outcome.peer_instance, outcome.peer_rank)
+    return ("admitted", outcome.generation, outcome.created)  # type: ignore[attr-defined]
+
+
+async def _one_by_one(sessionmaker: SessionMaker, regs: list[RankRegistration]) -> list[tuple]:
+    cache, memo, outcomes = RegistrationCache(sessionmaker), {}, []
+    for reg in regs:
+        try:
+            outcomes.append(
+                _outcome(await admit(sessionmaker, reg, now=T0, registrations=cache, verdicts=memo))
+            )
+        except GeometryError as error:
+            outcomes.append(_outcome(error))
+    return outcomes
+
+
+async def _batched(
+    sessionmaker: SessionMaker, regs: list[RankRegistration]
+) -> tuple[list[tuple], int]:
+    """Outcomes, and how many batches ended early (a rank changed its class)."""
+    cache, memo, outcomes, pending = RegistrationCache(sessionmaker), {}, [], list(regs)
+    for reg in regs:
+        await prepare(reg)
+    ended_early = 0
+    while pending:
+        batch = _distinct(pending)
+        result = await admit_batch(sessionmaker, batch, now=T0, registrations=cache, verdicts=memo)
+        outcomes += [_outcome(outcome) for outcome in result.outcomes]
+        ended_early += bool(result.deferred)
+        pending = result.deferred + pending[len(batch) :]
+    return outcomes, ended_early
+
+
+def _distinct(pending: list[RankRegistration]) -> list[RankRegistration]:
+    """The longest prefix naming each rank once (what the service's queue hands a batch)."""
+    seen: set[tuple[str, int]] = set()
+    for index, reg in enumerate(pending):
+        if reg.key in seen:
+            return pending[:index]
+        seen.add(reg.key)
+    return pending
+
+
+async def _rows(sessionmaker: SessionMaker, deployment: str) -> dict[str, list[tuple]]:
+    tables = {
+        "ranks": select(
+            Rank.instance, Rank.rank, Rank.generation, Rank.canonical_sha256, Rank.geometry_class
+        ).where(Rank.deployment == deployment),
+        "instances": select(Instance.name, Instance.role, Instance.tp_size).where(
+            Instance.deployment == deployment
+        ),
+        "pools": select(PoolRow.instance, PoolRow.rank, PoolRow.pool_id).where(
+            PoolRow.deployment == deployment
+        ),
+        "views": select(ViewRow.instance, ViewRow.rank, ViewRow.view_id).where(
+            ViewRow.deployment == deployment
+        ),
+    }
+    async with sessionmaker() as session:
+        return {name: sorted((await session.execute(q)).all()) for name, q in tables.items()}
+
+
+async def test_a_batch_answers_what_one_by_one_admission_answers(
+    sessionmaker: SessionMaker,
+) -> None:
+    rng = random.Random(13)
+    ended_early, kinds = 0, set()
+    for scenario in range(SCENARIOS):
+        seeds = [rng.randrange(10**6) for _ in range(LENGTH)]
+        one = [_candidate(random.Random(seed), f"one{scenario}") for seed in seeds]
+        many = [_candidate(random.Random(seed), f"many{scenario}") for seed in seeds]
+        # Half the sequence first, one by one in both deployments: the batch then meets old rows.
+        half = LENGTH // 2
+        assert await _one_by_one(sessionmaker, one[:half]) == await _one_by_one(
+            sessionmaker, many[:half]
+        )
+        expected = await _one_by_one(sessionmaker, one[half:])
+        got, early = await _batched(sessionmaker, many[half:])
+        assert got == expected, scenario
+        assert await _rows(sessionmaker, f"many{scenario}") == await _rows(
+            sessionmaker, f"one{scenario}"
+        )
+        ended_early += early
+        kinds |= {outcome[0] if outcome[0] == "admitted" else outcome[1] for outcome in got}
+    # The scenarios met every path: admissions, refusals of both stages, batches ended early.
+    assert {"admitted", "head_dim_mismatch", "instance_layout_mismatch"} <= kinds, kinds
+    assert ended_early > 0

@@ -1,0 +1,145 @@
+"""The package's shape, read from its source: layers point one way, no cycles, small modules.
+
+``cli -> api -> control -> {transfer, store, geometry}``, ``transfer -> geometry``,
+``store -> geometry``; ``client -> geometry``. The api layer runs no SQL (it imports no
+SQLAlchemy), the data plane knows no store, the control layer no HTTP, the geometry core no I/O.
+Imports are read with ``ast`` (function-level ones included, ``TYPE_CHECKING`` blocks excluded),
+so a lazy import cannot hide a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "service" / "kvroute"
+MAX_MODULE_LINES = 400
+MAX_TOP_LEVEL_MODULES = 5  # plain modules beside the packages, __init__ excluded
+
+# Layer -> kvroute layers (and outside libraries) it must not import.
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "geometry": ("kvroute", "aiohttp", "sqlalchemy", "torch", "numpy", "asyncio"),
+    "store": ("kvroute.api", "kvroute.control", "kvroute.transfer", "kvroute.cli", "aiohttp"),
+    "transfer": ("kvroute.store", "kvroute.control", "kvroute.api", "kvroute.cli", "sqlalchemy"),
+    "control": ("kvroute.api", "kvroute.cli", "aiohttp"),
+    "api": ("kvroute.cli", "sqlalchemy"),
+    "client": ("kvroute.store", "kvroute.control", "kvroute.api", "kvroute.cli", "sqlalchemy"),
+}
+# geometry may import itself; the entry above forbids every other kvroute package.
+ALLOWED_SELF = {"geometry": "kvroute.geometry"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path, *, top_level_only: bool) -> Iterator[str]:
+    """Every module name an import statement of ``path`` names (TYPE_CHECKING blocks skipped)."""
+
+    def visit(nodes: list[ast.stmt]) -> Iterator[str]:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.Import):
+                yield from (alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                submodules = [f"{node.module}.{alias.name}" for alias in node.names]
+                named = [name for name in submodules if name in MODULES]
+                yield from named or [node.module]
+            if top_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                children = getattr(node, field, None)
+                if isinstance(children, list) and children and isinstance(children[0], ast.AST):
+                    yield from visit(children)  # type: ignore[arg-type]
+
+    return visit(ast.parse(path.read_text()).body)
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_layers_import_only_downwards(layer: str) -> None:
+    offences = []
+    for name, path in MODULES.items():
+        if not name.startswith(f"kvroute.{layer}"):
+            continue
+        for imported in _imports(path, top_level_only=False):
+            own = ALLOWED_SELF.get(layer)
+            if own and _within(imported, own):
+                continue
+            if any(_within(imported, package) for package in FORBIDDEN[layer]):
+                offences.append(f"{name} imports {imported}")
+    assert offences == []
+
+
+def test_no_import_cycles_between_modules() -> None:
+    graph = {
+        name: {imported for imported in _imports(path, top_level_only=True) if imported in MODULES}
+        - {name}
+        for name, path in MODULES.items()
+    }
+    cycles = _strongly_connected(graph)
+    assert cycles == []
+
+
+def test_modules_stay_small_and_few_sit_at_the_top() -> None:
+    long = {
+        name: n
+        for name, path in MODULES.items()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}
+    top = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, sorted(top)
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm; components of more than one module are cycles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    counter = itertools.count()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = next(counter)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
