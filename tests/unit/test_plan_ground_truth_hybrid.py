@@ -181,7 +181,7 @@ def jobs(draw: st.DrawFn, ctx: Side, gen: Side) -> Job:
     if span is None:  # whole block pairs from token 0: name the range they hold
         span = TokenRange(0, len(dst.blocks) * td)
         src, dst = replace(src, named=False), replace(dst, named=False)
-    prompt = draw(st.one_of(st.none(), st.integers(span.end, MAX_PROMPT + 4)))
+    prompt = draw(st.one_of(st.none(), st.integers(span.end, span.end + 4)))
     return Job(span, src, dst, prompt, state)
 
 
