@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class Role(StrEnum):
@@ -79,9 +79,13 @@ DTYPE_BITS: Mapping[str, int] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class LayerSlot:
-    """One layer's region inside a slot: global layer id (owner namespace) and its byte offset."""
+class LayerSlot(NamedTuple):
+    """One layer's region inside a slot: global layer id (owner namespace) and its byte offset.
+
+    A tuple of two ints: a cache of thousands of registrations holds hundreds of thousands of
+    these, and the cyclic collector stops tracking such tuples, which dataclass instances it never
+    does (full collections over them stalled the server).
+    """
 
     layer: int
     offset: int
