@@ -4,8 +4,9 @@ For each deployment it prints the median time to build one receiver rank's plan 
 receiver instance's plans, the fragments per (receiver) block and per token, and, as a ratio, the
 plan build time against two baselines measured in the same run on the same plans: validating the
 pair (check_peers, which every plan request repeats) and serialising the plan to JSON (which every
-HTTP answer pays anyway). Two deployments pair different tokens per block (16 -> 64, 64 -> 16), whose
-plans state a period of 64 tokens instead of block fragments.
+HTTP answer pays anyway). Deployments pairing different tokens per block (16 -> 64, 64 -> 16) have
+plans that state a period of 64 tokens instead of block fragments; the hybrid rows add per-request
+state fragments, and the last one windowed attention between block sizes.
 
     python bench/plan_bench.py [--repeat N]
 """
@@ -16,14 +17,23 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 from rich.console import Console
 from rich.table import Table
 
-from kvroute.geometry import Kind, Owner, Plan, RankRegistration, build_plan, check_peers
+from kvroute.geometry import (
+    Kind,
+    Owner,
+    Plan,
+    Pool,
+    RankRegistration,
+    View,
+    build_plan,
+    check_peers,
+)
 from kvroute.geometry.builder import LayerSpec, build_views
 from kvroute.geometry.document import render_pool, render_view
 
@@ -92,18 +102,68 @@ def _specs(model: Model, tp: int, stage: range, draft: bool) -> list[LayerSpec]:
     return specs
 
 
+@dataclass(frozen=True)
+class Hybrid:
+    """Nemotron-H-like: Mamba2 layers (SSM + [x | B | C] conv state in a per-request pool) and a few
+    attention layers (8 KV heads) in a KV pool; the other layers are MLPs without cache."""
+
+    layers: int = 52
+    attention: tuple[int, ...] = (7, 18, 29, 40)
+    kv_heads: int = 8
+    draft_heads: int = 8
+    ssm_heads: int = 128
+    ssm_head_bytes: int = 64 * 128 * 2  # head_dim x d_state x bf16
+    conv_sections: tuple[int, ...] = (8192 * 3 * 2, 1024 * 3 * 2, 1024 * 3 * 2)  # x, B, C
+    head_dim: int = 128
+    tokens: int = 32
+    window: int | None = None  # a sliding window on the attention layers (gpt-oss-like)
+
+    def head_bytes(self) -> int:
+        return self.tokens * self.head_dim * 2
+
+    def mamba(self, layer: int) -> bool:
+        return layer % 2 == 0 and layer not in self.attention
+
+
+def _hybrid_specs(model: Hybrid, tp: int, stage: range, draft: bool) -> list[LayerSpec]:
+    heads = max(1, model.kv_heads // tp)
+    kv_bytes, offsets = 2 * heads * model.head_bytes(), [0, 0]
+    specs = []
+    sections = tuple(size // tp for size in model.conv_sections)
+    for layer in stage:
+        if layer in model.attention:
+            specs.append(LayerSpec(layer, 0, offsets[0], kv_bytes, num_kv_heads=heads,
+                                   total_kv_heads=model.kv_heads,
+                                   sliding_window=model.window))  # fmt: skip
+            offsets[0] += kv_bytes
+        elif model.mamba(layer):
+            ssm = model.ssm_heads // tp * model.ssm_head_bytes
+            specs.append(LayerSpec(layer, 1, offsets[1], ssm, Kind.SSM, roles=frozenset({"ssm"}),
+                                   buffers_per_layer=1, ssm_bytes_per_head=model.ssm_head_bytes))  # fmt: skip
+            specs.append(LayerSpec(layer, 1, offsets[1] + ssm, sum(sections), Kind.CONV,
+                                   roles=frozenset({"conv"}), buffers_per_layer=1,
+                                   conv_sections=sections))  # fmt: skip
+            offsets[1] += ssm + sum(sections)
+    if draft:
+        specs.append(LayerSpec(0, 0, offsets[0], kv_bytes, owner=Owner.DRAFT, num_kv_heads=heads,
+                               total_kv_heads=model.draft_heads))  # fmt: skip
+    return specs
+
+
 def instance(
-    model: Model, role: str, name: str, tp: int, pp: int, dp: int = 1
+    model: Model | Hybrid, role: str, name: str, tp: int, pp: int, dp: int = 1
 ) -> list[RankRegistration]:
     split = [model.layers // pp + (1 if p < model.layers % pp else 0) for p in range(pp)]
     ranks = []
     for rank in range(tp * pp):
         pp_rank, tp_rank = divmod(rank, tp)
         start = sum(split[:pp_rank])
+        stage, draft = range(start, start + split[pp_rank]), pp_rank == pp - 1
         views = build_views(
-            _specs(model, tp, range(start, start + split[pp_rank]), draft=pp_rank == pp - 1)
+            _hybrid_specs(model, tp, stage, draft)
+            if isinstance(model, Hybrid)
+            else _specs(model, tp, stage, draft)
         )
-        slot = max(s.offset + v.bytes_per_layer for v in views for s in v.layers)
         doc = {
             "role": role,
             "tp_size": tp,
@@ -118,17 +178,27 @@ def instance(
                 "head_dim": model.head_dim,
                 "dtype": "bfloat16",
             },
-            "pools": [render_pool_doc(slot)],
+            "pools": [
+                render_pool_doc(
+                    pool, max(s.offset + v.bytes_per_layer for v in group for s in v.layers)
+                )
+                for pool, group in _by_pool(views).items()
+            ],
             "views": [render_view(v) for v in views],
         }
         ranks.append(RankRegistration.from_json(doc, deployment="bench", instance=name, rank=rank))
     return ranks
 
 
-def render_pool_doc(slot: int) -> dict:
-    from kvroute.geometry.model import Pool
+def _by_pool(views: Sequence[View]) -> dict[int, list[View]]:
+    pools: dict[int, list[View]] = {}
+    for view in views:
+        pools.setdefault(view.pool_id, []).append(view)
+    return pools
 
-    return render_pool(Pool(0, slot, slot, 4096))
+
+def render_pool_doc(pool_id: int, slot: int) -> dict:
+    return render_pool(Pool(pool_id, slot, slot, 4096))
 
 
 def median_seconds(action: Callable[[], object], repeat: int) -> float:
@@ -178,6 +248,19 @@ CASES: list[
         Model(61, 1, 1, head_dim=576, indexer=True),
         (8, 1, 1),
         (8, 1, 8),
+    ),
+    (
+        "52L Nemotron-H-like hybrid ctx TP4 -> gen TP2 (Mamba2 state + 4 attention)",
+        Hybrid(),
+        (4, 1),
+        (2, 1),
+    ),
+    (
+        "52L hybrid, 4096-token windows, 32 -> 64 tokens/block, ctx TP4 -> gen TP2",
+        Hybrid(window=4096),
+        (4, 1),
+        (2, 1),
+        Hybrid(window=4096, tokens=64),
     ),
 ]
 
@@ -231,7 +314,8 @@ def main() -> None:
             name,
             f"{one * 1e3:.2f}",
             f"{every * 1e3:.1f}",
-            str(plan.fragments_per_block),
+            f"{plan.fragments_per_block}"
+            + (f" + {plan.state_fragments}/request" if plan.has_state else ""),
             f"{fragments_per_token(plan):.1f}",
             f"{one / checks:.2f}x",
             f"{one / dumps:.2f}x",

@@ -3,7 +3,9 @@
 Works on the plan JSON document (API.md shape), so the service, the CLI and a worker holding a
 fetched plan render the same thing. Nothing here knows how plans are built. A new plan member
 shows up as one more header line in ``plan_text`` or one more column (``COLUMNS`` and a cell in
-``plan_rows``). The pictures (SVG) live in ``kvroute.pictures``.
+``plan_rows``). View pairs planned by period and windowed ones add a line each; recurrent state adds a second table (one row
+per sender rank and state view pair, per request slot). The pictures (SVG) live in
+``kvroute.pictures``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,18 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
+STATE_COLUMNS = (
+    "sender",
+    "view",
+    "owner",
+    "roles",
+    "mapper",
+    "mamba tp",
+    "writes",
+    "layers",
+    "bytes/request",
+    "fragments",
+)
 COLUMNS = (
     "sender",
     "sends",
@@ -77,8 +91,24 @@ def plan_text(plan: dict[str, Any]) -> str:
         f"bytes/block {plan['bytes_per_block']}  fragments/block {plan['fragments_per_block']}",
         "",
     ]
-    rows = [COLUMNS, *plan_rows(plan)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines += _table(COLUMNS, plan_rows(plan))
+    lines += period_lines(plan)
+    lines += window_lines(plan)
+    if "state_bytes" in plan:
+        lines += [
+            "",
+            f"recurrent state, once per request slot: {plan['state_bytes']} bytes/request, "
+            f"{plan['state_fragments']} fragments",
+            *_table(STATE_COLUMNS, state_rows(plan)),
+        ]
+    lines += [f"warning: {w}" for w in plan.get("warnings", [])]
+    return "\n".join(lines) + "\n"
+
+
+def _table(columns: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
+    rows = [columns, *body]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = []
     for index, row in enumerate(rows):
         lines.append(
             "  ".join(
@@ -88,9 +118,7 @@ def plan_text(plan: dict[str, Any]) -> str:
         )
         if index == 0:
             lines.append("  ".join("-" * w for w in widths))
-    lines += period_lines(plan)
-    lines += [f"warning: {w}" for w in plan.get("warnings", [])]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def period_pieces(view: dict[str, Any]) -> list[tuple[int, int, int, int]]:
@@ -116,3 +144,67 @@ def period_lines(plan: dict[str, Any], limit: int = 12) -> list[str]:
             f"{dst} receiver blocks of {period // dst}; {shown}"
         )
     return lines
+
+
+def window_lines(plan: dict[str, Any]) -> list[str]:
+    """One line per windowed view pair: the window it moves and the first block that is sent."""
+    windows = {
+        (v["src_view"], v["dst_view"]): v["window"]
+        for p in plan["peers"]
+        for v in p["views"]
+        if "window" in v
+    }
+    return [
+        f"window {src}->{dst}: last {w['tokens']} tokens (sender {_tokens(w['sender'])}, "
+        f"receiver {_tokens(w['receiver'])}); {_window_start(w)}"
+        for (src, dst), w in sorted(windows.items())
+    ]
+
+
+def _window_start(window: dict[str, Any]) -> str:
+    """Where a windowed pair starts moving, in the prompt length's terms (``geometry.window``)."""
+    first = f"prompt_tokens + 1 - {window['tokens']}"
+    src, dst = window["src_tokens_per_block"], window["dst_tokens_per_block"]
+    if src == dst:
+        return f"request blocks from floor(({first}) / {src}) are sent"
+    return (
+        f"tokens from the later block start at or before {first} ({src}-token sender blocks, "
+        f"{dst}-token receiver blocks) are sent"
+    )
+
+
+def _tokens(window: int | None) -> str:
+    return "full" if window is None else str(window)
+
+
+def state_rows(plan: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per (sender rank, state view pair): what it writes of the request's state slot."""
+    rows = []
+    for peer in plan["peers"]:
+        for state in peer.get("states", []):
+            (s_tp, s_rank), (r_tp, r_rank) = state["mamba_tp"]["src"], state["mamba_tp"]["dst"]
+            rows.append(
+                (
+                    str(peer["rank"]),
+                    f"{state['src_view']}->{state['dst_view']}",
+                    state["owner"],
+                    "+".join(state["roles"]),
+                    state["mapper"],
+                    f"{s_rank}/{s_tp}->{r_rank}/{r_tp}",
+                    state_shard(state),
+                    _layers(state["layers"]),
+                    str(state["bytes"]),
+                    str(state["descriptors"]),
+                )
+            )
+    return rows
+
+
+def state_shard(state: dict[str, Any]) -> str:
+    """What part of every section a state transfer writes: SSM heads, parts of lcm(TPs), all."""
+    shard = state["shard"]
+    if shard["unit"] == "whole":
+        return "all"
+    lo, hi = shard["dst"]
+    unit = "heads" if shard["unit"] == "head" else f"parts of {shard['total']}"
+    return f"{unit} {lo}" if hi - lo == 1 else f"{unit} {lo}-{hi - 1}"

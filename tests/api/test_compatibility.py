@@ -17,8 +17,8 @@ from aiohttp.test_utils import TestClient
 
 from kvroute.api.keys import sessionmaker_key
 from kvroute.geometry import RankRegistration
-from kvroute.store.rank_writes import write_admitted
 from kvroute.store.engine import engine_of
+from kvroute.store.rank_writes import write_admitted
 from tests.api.conftest import ADMIN, WORKER, register
 from tests.api.documents import rank_document
 

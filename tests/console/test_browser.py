@@ -21,8 +21,8 @@ import pytest
 from kvroute.client import KvrouteClient, KvrouteError
 from kvroute.geometry import RankRegistration
 from kvroute.live import LiveServer
-from kvroute.store.rank_writes import write_admitted
 from kvroute.store.engine import create_engine, dispose
+from kvroute.store.rank_writes import write_admitted
 from tests.client.live import ADMIN_TOKEN, WORKER_TOKEN
 from tests.documents import rank_document
 from tests.transfer.conftest import Owners

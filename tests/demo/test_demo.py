@@ -39,3 +39,40 @@ def test_small_demo_moves_and_verifies_every_byte() -> None:
     # 6 slots of 8 tokens x 2 ranks x (4 target layers x K,V x 4 heads x 16 x 2 bytes + 1 draft
     # layer with 1 head), per token.
     assert int(verified.group(1).replace(",", "")) == 6 * 8 * 2 * (4 * 2 * 4 * 16 * 2 + 2 * 16 * 2)
+
+
+def test_small_hybrid_demo_moves_blocks_and_state_and_refuses_other_ssm_heads() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvroute", "demo", "--model", "hybrid", "--small", "--jobs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=DEMO_LIMIT_S,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "registered ctx0: context, TP4, 4 live ranks" in output
+    assert "registered gen0: generation, TP2, 2 live ranks" in output
+    # The refused instance keeps half the d_state: 4 x 2 x 2 bytes per SSM head against 4 x 4 x 2.
+    assert (
+        "refused gen-bad: 409 ssm_bytes_per_head_mismatch field=views[1].ssm_bytes_per_head "
+        "local=16 peer=32" in output
+    )
+    assert "4 tokens/block -> generation gen0 TP2, 8 tokens/block" in output
+    # Each job: one request's prompt after a 3-token cached prefix, starting mid-block on both
+    # sides, and its state slot once.
+    assert output.count("succeeded") == 2
+    assert output.count("[3, 11)") == 2
+    verified = re.search(r"verified\s*│\s*ok\s*│.*?([\d,]+) checked\s*│\s*0 wrong", output)
+    assert verified is not None, output
+    # Every byte of both generation pools: 6 slots (2 requests x 2 blocks of 8 tokens + 1 state
+    # slot each) of max(KV block: 2 layers x K,V x 2 heads x 8 tokens x 16 x 2 bytes = 2048,
+    # state: 3 Mamba layers x (4 SSM heads x 4 x 4 x 2 + 24 conv channels x 3 x 2) = 816) bytes,
+    # per rank.
+    assert int(verified.group(1).replace(",", "")) == 2 * 6 * 2048
+    # Each request's state reaches each generation rank from its two context ranks: 816 bytes.
+    assert re.search(r"│\s*0\s*│\s*0, 1\s*│\s*0, 1\s*│\s*16\s*│\s*2,048\s*│\s*816\s*│", output), (
+        output
+    )
+    # Per job and rank: 8 tokens x 256 bytes of KV, and the state.
+    assert output.count("5,728") == 2

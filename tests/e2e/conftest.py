@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from tests.api.conftest import client, make_client, make_settings
+from tests.api.conftest import client, clock, make_client, make_settings
 
-__all__ = ["client", "make_client", "make_settings"]
+__all__ = ["client", "clock", "make_client", "make_settings"]

@@ -16,7 +16,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from tests.api.conftest import WORKER, rank_path
-from tests.world import Layout, Side, Truth, ViewClass, execute, layout_rank
+from tests.executor import Request, execute
+from tests.truth import Truth
+from tests.world import Layout, Side, ViewClass, layout_rank
 
 Client = TestClient[web.Request, web.Application]
 HEAD_DIM, TOKENS, LAYERS = 128, 32, 32
@@ -67,7 +69,7 @@ def _views(plan: dict[str, Any], rank: int) -> list[str]:
 
 
 async def test_api_md_example_plans_move_every_byte_exactly_once(client: Client) -> None:
-    truth = Truth(CLASSES, TOKENS)
+    truth = Truth(CLASSES)
     senders = await _register(client, CONTEXT, "ctx0")
     receivers = await _register(client, GENERATION, "gen0")
     sender_pools = {
@@ -76,7 +78,7 @@ async def test_api_md_example_plans_move_every_byte_exactly_once(client: Client)
     }
     for rank, layout in receivers.items():
         plan = await _plan(client, rank)
-        out, writes = execute(plan, sender_pools, senders, layout, SRC_BLOCKS, DST_BLOCKS)
+        out, writes = execute(plan, sender_pools, senders, layout, Request(SRC_BLOCKS, DST_BLOCKS))
         expected = truth.fill(GENERATION, layout, rank, DST_BLOCKS, CONTENT)
         for pool, wanted in expected.items():
             destination = wanted != 0

@@ -25,7 +25,8 @@ from kvroute.api import create_app
 from kvroute.settings import Settings
 from tests.transfer.conftest import Owners
 from tests.transfer.layouts import seeded_bytes
-from tests.world import Layout, Side, Truth, ViewClass, layout_rank
+from tests.truth import Truth
+from tests.world import Layout, Side, ViewClass, layout_rank
 
 WORKER = {"Authorization": "Bearer e2e-worker-token-0123456789"}
 ADMIN_TOKEN = "e2e-admin-token-0123456789abcd"
@@ -179,7 +180,7 @@ async def test_job_copies_exactly_the_logical_blocks_and_nothing_else(
     segments: list[tuple[str, str]],
 ) -> None:
     classes, ctx_side, gen_side = CASES[case]
-    truth = Truth(classes, ctx_side.tokens_per_block)
+    truth = Truth(classes)
     ctx = deploy(owners, segments, "ctx", ctx_side, classes, SENDER_SLOTS, seed=100)
     gen = deploy(owners, segments, "gen", gen_side, classes, RECEIVER_SLOTS, seed=200)
     write_kv(ctx, truth)

@@ -10,7 +10,9 @@ import pytest
 from kvroute.client.nixl_descs import PoolAddress, plan_descriptors
 from kvroute.client.pools import KvLayout, Parallel, SharedKvPool, rank_document
 from kvroute.geometry import Kind, Owner, RankRegistration, TokenGap, build_plan
-from tests.world import Side, Truth, ViewClass, background, instance
+from tests.hybrid import HYBRID
+from tests.truth import Truth, background, window_starts
+from tests.world import Side, ViewClass, instance
 
 
 def plan(*peers: dict[str, Any]) -> dict[str, Any]:
@@ -268,3 +270,90 @@ def test_a_token_range_needs_the_period_form_and_the_lists_must_cover_it() -> No
     with pytest.raises(TokenGap) as gap:
         plan_descriptors(period, tokens=(1, 9), src_first_token=0, dst_first_token=0, **arguments)
     assert (gap.value.field, gap.value.token, gap.value.covered) == ("src_blocks", 8, (0, 8))
+
+
+def _hybrid_world(ctx_tokens: int = 4, gen_tokens: int = 4):
+    ctx_side = Side(
+        "context", 4, (6,), tokens_per_block=ctx_tokens, num_slots=8, shared_state_pool=True, seed=1
+    )
+    gen_side = Side("generation", 2, (3, 3), tokens_per_block=gen_tokens, num_slots=8, seed=2)
+    ctx, ctx_layouts = instance(ctx_side, HYBRID, "ctx")
+    gen, gen_layouts = instance(gen_side, HYBRID, "gen")
+    return ctx_side, gen_side, ctx, ctx_layouts, gen, gen_layouts  # fmt: skip
+
+
+def _address(rank: int, pool: int, offset: int = 0) -> int:
+    return ((rank + 1) << 32) + (pool << 24) + offset
+
+
+# (tokens per block on each side, request): issue 12's paired suffix lists with the prompt length,
+# and a token range cut mid-block between block sizes (the window measured from its end).
+HYBRID_REQUESTS = {
+    "4 -> 4, paired, prompt 12": ((4, 4), {"src_blocks": [0, 1, 2], "dst_blocks": [2, 0, 1],
+                                           "prompt_tokens": 12}),
+    "2 -> 8, tokens [3, 13)": ((2, 8), {"src_blocks": [0, 1, 2, 3, 4, 5, 6], "dst_blocks": [2, 0],
+                                        "tokens": (3, 13), "src_first_token": 0}),
+    "6 -> 4, tokens [5, 12), prompt 14": ((6, 4), {"src_blocks": [0, 1], "dst_blocks": [3, 1],
+                                                   "tokens": (5, 12), "src_first_token": 0,
+                                                   "prompt_tokens": 14}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(HYBRID_REQUESTS))
+def test_hybrid_descriptors_pull_the_window_and_the_state_slot(name: str) -> None:
+    """Per request: the windowed layer's tokens from the window on, the state slot once."""
+    (ts, td), request = HYBRID_REQUESTS[name]
+    ctx_side, gen_side, ctx, ctx_layouts, gen, gen_layouts = _hybrid_world(ts, td)
+    truth, src_slot, dst_slot = Truth(HYBRID), 7, 6
+    placement = {b: b * ts for b in request["src_blocks"]}  # sender slot b holds block b
+    sender = {
+        r: truth.place(ctx_side, layout, r, placement, states={src_slot: 5})
+        for r, layout in enumerate(ctx_layouts)
+    }
+    tokens = request.get("tokens")
+    prompt = request.get("prompt_tokens") or tokens[1]
+    first = tokens[0] // td if tokens else 0
+    want_placement = {d: (first + i) * td for i, d in enumerate(request["dst_blocks"])}
+    positions = range(*tokens) if tokens else None
+    starts = window_starts(ctx_side, gen_side, HYBRID, prompt)
+    for receiver, layout in zip(gen, gen_layouts, strict=True):
+        result = plan_descriptors(
+            build_plan(ctx, receiver).to_json(period=tokens is not None),
+            receiver_pools={p: PoolAddress(_address(-1, p), s, n) for p, (_, s, n) in layout.pools.items()},
+            sender_pools={
+                r: {p: PoolAddress(_address(r, p), s, n) for p, (_, s, n) in lay.pools.items()}
+                for r, lay in enumerate(ctx_layouts)
+            },
+            src_state_slot=src_slot, dst_state_slot=dst_slot, **request,
+        )  # fmt: skip
+        out = {p: np.zeros(s * n, np.int64) for p, (_, s, n) in layout.pools.items()}
+        for descs in result.peers:
+            for (dst, length, _), (src, _, _) in zip(descs.local, descs.remote, strict=True):
+                rank, pool, offset = (src >> 32) - 1, (src >> 24) & 0xFF, src & 0xFFFFFF
+                target = out[(dst >> 24) & 0xFF]
+                target[dst & 0xFFFFFF : (dst & 0xFFFFFF) + length] = sender[rank][pool][
+                    offset : offset + length
+                ]
+        want = truth.place(gen_side, layout, receiver.rank, want_placement, positions,
+                           starts=starts, states={dst_slot: 5})  # fmt: skip
+        for pool, ids in want.items():
+            np.testing.assert_array_equal(
+                out[pool], ids, err_msg=f"rank {receiver.rank} pool {pool}"
+            )
+
+
+@pytest.mark.parametrize(
+    ("missing", "message"),
+    [("src_state_slot", "moves recurrent state"), ("prompt_tokens", "sliding-window views")],
+)
+def test_hybrid_descriptors_need_the_state_slots_and_the_prompt(missing: str, message: str) -> None:
+    _, _, ctx, _, gen, gen_layouts = _hybrid_world()
+    arguments: dict[str, Any] = {"src_state_slot": 3, "dst_state_slot": 1, "prompt_tokens": 12}
+    arguments[missing] = None
+    pools = {p: PoolAddress(0, s, n) for p, (_, s, n) in gen_layouts[3].pools.items()}
+    with pytest.raises(ValueError, match=message):
+        plan_descriptors(
+            build_plan(ctx, gen[3]).to_json(), receiver_pools=pools,
+            sender_pools={r: pools for r in range(4)}, src_blocks=[0, 1, 2], dst_blocks=[2, 0, 1],
+            **arguments,
+        )  # fmt: skip

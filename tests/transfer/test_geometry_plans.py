@@ -21,7 +21,8 @@ from kvroute.transfer import (
     TransferJob,
     TransferLeg,
 )
-from tests.world import Side, Truth, ViewClass, instance
+from tests.truth import Truth
+from tests.world import Side, ViewClass, instance
 
 TARGET = ViewClass(("key", "value"), "target", "hnd", total_heads=4, buffers=2, unit=4)
 TARGET_NHD = ViewClass(("key", "value"), "target", "nhd", total_heads=4, buffers=2, unit=4)
@@ -47,7 +48,7 @@ def test_geometry_plans_copy_the_right_bytes(world: str, strategy: Strategy) -> 
     classes, ctx_side, gen_side = WORLDS[world]
     ctx, ctx_layouts = instance(ctx_side, classes, "ctx")
     gen, gen_layouts = instance(gen_side, classes, "gen")
-    truth = Truth(classes, ctx_side.tokens_per_block)
+    truth = Truth(classes)
     backend = LocalBackend()
     cache = PoolMemoryCache([backend])
 

@@ -26,7 +26,9 @@ def view(
     buffers: int = 2,
     pool: int = 0,
     tokens: int | None = None,
+    **members: Any,
 ) -> dict[str, Any]:
+    """A view document; ``members`` adds optional members as given (e.g. ``sliding_window``)."""
     offsets = offsets if offsets is not None else [i * bytes_per_layer for i in range(len(layers))]
     doc: dict[str, Any] = {
         "view_id": view_id,
@@ -47,7 +49,7 @@ def view(
     ):
         if value is not None:
             doc[key] = value
-    return doc
+    return doc | members
 
 
 def rank(

@@ -6,8 +6,8 @@ draft views with different head totals sharing one pool, attention-DP on either 
 without head counts, sub-byte (1-byte unit) views, and independent tokens per block on the two sides.
 Each deployment moves a random token range (starting and ending mid-block on either side, lists named
 by their first token or by upstream's suffix rule), or, with equal block sizes, whole block pairs by
-the block fragments. The expected bytes come from tests/world.py, which shards one logical KV tensor by
-rule 1 written independently of the planner; bytes outside the range must stay untouched.
+the block fragments. The expected bytes come from tests/truth.py, which shards one logical KV tensor
+by rule 1 written independently of the planner; bytes outside the range must stay untouched.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroute.geometry import GeometryError, TokenGap, TokenRange, build_plan, check_registration
-from tests.world import Side, Truth, ViewClass, background, execute, instance
+from tests.executor import Request, execute
+from tests.truth import Truth, background
+from tests.world import Side, ViewClass, instance
 
 EXAMPLES = int(os.environ.get("KVROUTE_PROPERTY_EXAMPLES", "2000"))
 HEAD_TOTALS = [1, 2, 3, 4, 6, 8, 12, 16]
@@ -188,8 +190,11 @@ def shortened(lists: Lists, tokens: int, drop_first: bool) -> Lists:
 
 
 @st.composite
-def transfers(draw: st.DrawFn, ctx: Side, gen: Side) -> tuple[TokenRange | None, Lists, Lists]:
-    """A token range with lists on both sides, or (equal sizes) whole block pairs (range None)."""
+def transfers(
+    draw: st.DrawFn, ctx: Side, gen: Side, *, gaps: bool = True
+) -> tuple[TokenRange | None, Lists, Lists]:
+    """A token range with lists on both sides (with ``gaps``, now and then a list a block short),
+    or (equal sizes) whole block pairs (range None)."""
     if ctx.tokens_per_block == gen.tokens_per_block and draw(st.booleans()):
         count = draw(st.integers(1, 3))
         src = draw(st.permutations(range(ctx.num_slots)))[:count]
@@ -199,7 +204,7 @@ def transfers(draw: st.DrawFn, ctx: Side, gen: Side) -> tuple[TokenRange | None,
     span = TokenRange(start, draw(st.integers(start + 1, MAX_PROMPT)))
     src = draw(block_list(ctx.tokens_per_block, span, ctx.num_slots))
     dst = draw(block_list(gen.tokens_per_block, span, gen.num_slots))
-    if draw(st.integers(0, 9)) == 0:  # one list a block short: the range may have a gap
+    if gaps and draw(st.integers(0, 9)) == 0:  # one list a block short: the range may have a gap
         drop_first = draw(st.booleans())
         if draw(st.booleans()) and len(src.blocks) > 1:
             src = shortened(src, ctx.tokens_per_block, drop_first)
@@ -239,6 +244,7 @@ def test_every_destination_byte_written_once_with_the_right_content(world, data)
         r: truth.place(ctx_side, ctx_layouts[r], r, src.placement(ts)) for r in range(len(ctx))
     }
     firsts = (src.first if src.named else None, dst.first if dst.named else None)
+    request = Request(src.blocks, dst.blocks, span, firsts if span else (None, None))
     periodic = ts != td
     for receiver, layout in zip(gen, gen_layouts, strict=True):
         built = build_plan(ctx, receiver, sender_dp_rank=sender_dp)
@@ -252,14 +258,14 @@ def test_every_destination_byte_written_once_with_the_right_content(world, data)
             plan = built.to_json(period=True)
         assert all(ctx[p["rank"]].group == sender_dp for p in plan["peers"])
         assert plan["expected_writers"] == sum(p["sends"] for p in plan["peers"])
-        run = partial(execute, plan, sender_pools, dict(enumerate(ctx_layouts)), layout)
+        run = partial(execute, plan, sender_pools, dict(enumerate(ctx_layouts)), layout, request)
         if gap:
             with pytest.raises(TokenGap) as missing:
-                run(src.blocks, dst.blocks, tokens=span, firsts=firsts)
+                run()
             assert (missing.value.field, missing.value.token) == gap
             continue
         before = background(layout)
-        out, writes = run(src.blocks, dst.blocks, tokens=span, firsts=firsts, into=before)
+        out, writes = run(into=before)
         positions = range(span.start, span.end) if span else None
         expected = truth.place(
             gen_side, layout, receiver.rank, dst.placement(td), positions, before

@@ -9,6 +9,7 @@ from kvroute.pictures import plan_svg
 from kvroute.render import plan_rows, plan_text
 from tests.unit.docs import instance, view
 from tests.unit.test_reference_derived import d1, d3
+from tests.unit.test_reference_state import ssm
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -133,3 +134,57 @@ def test_svg_draws_the_period_under_its_view() -> None:
         for a in (0, 16, 32, 48)
     ]
     assert "64 tokens per period, 32 fragments" in texts
+
+
+def _hybrid_plan() -> dict:
+    ctx = instance("context", tp=4, views=lambda t, p: _hybrid_views(4))
+    gen = instance("generation", tp=2, views=lambda t, p: _hybrid_views(2))
+    return build_plan(ctx, gen[1]).to_json()
+
+
+def _hybrid_views(tp: int) -> list[dict]:
+    # Attention layer 0 with a 64-token window, Mamba layers 1 and 2 (8 SSM heads of 64 bytes).
+    return [
+        view(0, [0], 4 * 8 * 16 // tp * 2, heads=8 // tp, total=8, sliding_window=64),
+        ssm(tp, layers=(1, 2), view_id=1),
+    ]
+
+
+def test_text_shows_windows_and_state_writers() -> None:
+    text = plan_text(_hybrid_plan())
+    assert "window 0->0: last 64 tokens (sender 64, receiver 64)" in text
+    assert "floor((prompt_tokens + 1 - 64) / 16)" in text
+    assert "recurrent state, once per request slot: 512 bytes/request" in text
+    state_rows = [r for r in text.splitlines() if " ssm " in f" {r} "]
+    assert [r.split()[:2] + r.split()[4:8] for r in state_rows] == [
+        ["2", "1->1", "ssm", "2/4->1/2", "heads", "4-5"],
+        ["3", "1->1", "ssm", "3/4->1/2", "heads", "6-7"],
+    ]
+
+
+def test_svg_draws_state_views_per_request_slot() -> None:
+    texts, titles = _cells(plan_svg(_hybrid_plan()))
+    assert "view 0 (target, key+value, hnd) window 64" in texts
+    assert "state view 1 (target, ssm, ssm, per request)" in texts
+    writer = "tp2 pp0 writes view 0 (target) h4-5 = 256 bytes, 2 fragments; "
+    assert f"{writer}state view 1 heads 4-5 = 256 bytes per request" in texts
+    assert [t for t in titles if t.startswith("state")] == [
+        "state head 4, layers 1-2: sender rank 2",
+        "state head 5, layers 1-2: sender rank 2",
+        "state head 6, layers 1-2: sender rank 3",
+        "state head 7, layers 1-2: sender rank 3",
+    ]
+
+
+def test_text_names_a_window_between_block_sizes() -> None:
+    ctx = instance("context", tp=2, views=lambda t, p: [view(0, [0, 1], 512, sliding_window=64)])
+    gen = instance(
+        "generation", tp=2, tpb=64, views=lambda t, p: [view(0, [0, 1], 2048, sliding_window=64)]
+    )
+    text = plan_text(build_plan(ctx, gen[0]).to_json())
+    assert (
+        "window 0->0: last 64 tokens (sender 64, receiver 64); tokens from the later block start "
+        "at or before prompt_tokens + 1 - 64 (16-token sender blocks, 64-token receiver blocks) "
+        "are sent"
+    ) in text
+    assert "period view 0: 64 tokens = 4 sender blocks of 16 -> 1 receiver blocks of 64" in text

@@ -95,6 +95,9 @@ async def post_transfer(request: web.Request) -> web.Response:
         tokens=(body["tokens"]["start"], body["tokens"]["end"]) if "tokens" in body else None,
         src_first_token=body.get("src_first_token"),
         dst_first_token=body.get("dst_first_token"),
+        src_state_slot=body.get("src_state_slot"),
+        dst_state_slot=body.get("dst_state_slot"),
+        prompt_tokens=body.get("prompt_tokens"),
     )
     record = await service.submit(transfer, now=app_now(request.app))  # refusals: the error table
     return web.json_response(

@@ -3,9 +3,12 @@
 Starts an embedded kvroute (SQLite in a temp directory, 127.0.0.1, a free port, random tokens),
 spawns context TP4 and generation TP2 worker processes with shared-memory pools (the generation
 side cutting tokens into larger blocks), registers them through ``kvroute.client``, shows a refused
-instance with its reason, fetches plans, moves one prompt in token-range jobs on kvroute's worker
-pool (as a receiver holding a cached prefix would: chunks that start and end mid-block), verifies
-every byte in the receivers and prints a summary. Exits 1 if any byte is wrong or a job failed.
+instance with its reason, fetches plans, runs token-range jobs on kvroute's worker pool (as a
+receiver holding a cached prefix would: ranges that start and end mid-block), verifies every byte
+in the receivers and prints a summary. Exits 1 if any byte is wrong or a job failed.
+``--model llama`` (``demo_workers``) is a dense model with an Eagle draft whose prompt moves in
+chunks; ``--model hybrid`` (``demo_hybrid``) a Nemotron-H-like model whose Mamba2 state and
+attention KV share one pool, one job per request with its state slots.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from itertools import pairwise
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress
@@ -32,11 +35,7 @@ from rich.table import Table
 from kvroute.cli.common import CommandError
 from kvroute.client import KvrouteClient, KvrouteError, TransferStatus
 
-if TYPE_CHECKING:
-    from kvroute.cli import demo_workers as demo
-
 REPLY_WAIT_S = 120.0
-CACHED_TOKENS = 3  # the generation side already holds the prompt's first tokens
 console = Console(highlight=False, width=110)
 
 
@@ -80,15 +79,14 @@ def embedded_kvroute(directory: Path) -> Iterator[tuple[str, str, str]]:
 
 
 class Workers:
-    """The worker processes and their command/reply queues."""
+    """The worker processes and their command/reply queues; ``demo`` is the model's worker module
+    (``demo_workers`` or ``demo_hybrid``)."""
 
-    def __init__(self, url: str, token: str, model: demo.Model) -> None:
-        from kvroute.cli import demo_workers as demo
-
+    def __init__(self, url: str, token: str, model: Any, demo: ModuleType) -> None:
         # Workers fork from one server process that imported torch once, instead of each spawned
         # worker importing it again (2 s of CPU each); the server runs no torch work itself.
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["kvroute.cli.demo_workers"])
+        context.set_forkserver_preload([demo.__name__])
         self.replies: Any = context.Queue()
         self.commands: dict[tuple[str, int], Any] = {}
         self.processes: list[Any] = []
@@ -125,10 +123,12 @@ class Workers:
             self.replies.get(timeout=REPLY_WAIT_S)
             progress.advance(task)
 
-    def verify(self, moved: tuple[int, int], ranks: int, progress: Progress) -> dict[str, int]:
+    def verify(
+        self, requests: list[dict[str, Any]], ranks: int, progress: Progress
+    ) -> dict[str, int]:
         task = progress.add_task("verifying every received byte", total=ranks)
         for rank in range(ranks):
-            self.commands[("gen0", rank)].put(("verify", moved))
+            self.commands[("gen0", rank)].put(("verify", requests))
         total = {"checked": 0, "wrong": 0}
         for _ in range(ranks):
             _, _, counts = self.replies.get(timeout=REPLY_WAIT_S)
@@ -145,101 +145,80 @@ class Workers:
                 process.terminate()
 
 
-def refuse_incompatible(client: KvrouteClient, model: demo.Model) -> KvrouteError | None:
-    """A generation instance whose heads are half as wide: kvroute must refuse it (blocks of
-    another size would be fine: plans re-cut them)."""
-    from kvroute.cli import demo_workers as demo
-    from kvroute.client.pools import Parallel, SharedKvPool, rank_document
-
-    halved = [
-        replace(layout, head_dim=layout.head_dim // 2) for layout in model.layouts("generation")
-    ]
-    pool = replace(SharedKvPool.carve(halved, 1).describe(), num_slots=4)
-    document = rank_document(
-        role="generation",
-        target=halved[0],
-        pools=[pool],
-        num_draft_layers=1,
-        parallel=Parallel(tp_size=model.generation_tp),
-    )
+def refuse_incompatible(client: KvrouteClient, demo: ModuleType, model: Any) -> KvrouteError | None:
+    """The model's incompatible generation instance: kvroute must refuse it."""
     try:
-        client.register(demo.DEPLOYMENT, "gen-bad", 0, document)
+        client.register(demo.DEPLOYMENT, "gen-bad", 0, demo.incompatible_document(model))
     except KvrouteError as error:
         return error
     return None
 
 
-def chunks(model: demo.Model, jobs: int) -> list[tuple[int, int]]:
-    """The prompt after the cached prefix, in ``jobs`` token ranges that start mid-block."""
-    start, end = CACHED_TOKENS, model.prompt_tokens
-    bounds = [start + (end - start) * job // jobs for job in range(jobs + 1)]
-    return list(pairwise(bounds))
-
-
 def run_jobs(
-    client: KvrouteClient, model: demo.Model, jobs: int, progress: Progress
-) -> tuple[list[TransferStatus], list[tuple[int, int]]]:
-    """Moves the prompt in token ranges through kvroute's worker pool: each job names the context
-    blocks and the (reverse-ordered) generation blocks that hold its tokens; upstream's suffix rule
-    places both lists, so a range may start and end mid-block on either side."""
-    from kvroute.cli import demo_workers as demo
-
-    src_tokens, dst_tokens = model.tokens("context"), model.tokens("generation")
-    ranges = chunks(model, jobs)
-    task = progress.add_task(f"{jobs} token-range jobs on kvroute's worker pool", total=jobs)
+    client: KvrouteClient,
+    demo: ModuleType,
+    model: Any,
+    requests: list[dict[str, Any]],
+    progress: Progress,
+) -> list[TransferStatus]:
+    """One transfer job per request (a token range with the blocks holding it, and for hybrid
+    models its state slots) through kvroute's worker pool, for every generation rank."""
+    task = progress.add_task(
+        f"{len(requests)} transfer jobs on kvroute's worker pool", total=len(requests)
+    )
     statuses = []
-    for start, end in ranges:
-        src = list(range(start // src_tokens, -(-end // src_tokens)))
-        blocks = range(start // dst_tokens, -(-end // dst_tokens))
+    for request in requests:
         submitted = client.submit_transfer(
             demo.DEPLOYMENT,
             sender="ctx0",
             receiver="gen0",
             receiver_ranks=list(range(model.generation_tp)),
-            src_blocks=src,
-            dst_blocks=[demo.receiver_slot(model, block) for block in blocks],
-            tokens=(start, end),
+            **request,
         )
         statuses.append(client.wait_transfer(submitted.id, limit_s=REPLY_WAIT_S))
         progress.advance(task)
-    return statuses, ranges
+    return statuses
 
 
-def plan_table(plans: list[Any], model: demo.Model) -> Table:
+def plan_table(plans: list[Any], model: Any) -> Table:
     table = Table(
         title=f"plans (context ctx0 TP4, {model.tokens('context')} tokens/block -> generation gen0 "
         f"TP2, {model.tokens('generation')} tokens/block)"
     )
-    for column in ("rank", "hears from", "writers", "frags/block", "bytes/block", "bounce-safe"):
+    state = any(plan.state_bytes for plan in plans)
+    columns = ["rank", "hears from", "writers", "frags/block", "bytes/block"]
+    columns += ["state bytes/request", "state frags"] if state else []
+    for column in (*columns, "bounce-safe"):
         table.add_column(column, justify="right")
     for plan in plans:
         peers = plan.document["peers"]
-        table.add_row(
+        cells = [
             str(plan.receiver_rank),
             ", ".join(str(p["rank"]) for p in peers),
             ", ".join(str(r) for r in plan.sending_ranks),
             str(plan.fragments_per_block),
             f"{plan.bytes_per_block:,}",
-            str(plan.fanin_bounce_safe),
-        )
+        ]
+        cells += [f"{plan.state_bytes:,}", str(plan.state_fragments)] if state else []
+        table.add_row(*cells, str(plan.fanin_bounce_safe))
     return table
 
 
 def summary_table(
     plans: list[Any],
     statuses: list[TransferStatus],
-    ranges: list[tuple[int, int]],
+    requests: list[dict[str, Any]],
     verified: dict[str, int],
 ) -> Table:
     table = Table(title="summary")
     for column in ("job", "state", "tokens", "fragments", "bytes", "seconds", "GB/s"):
         table.add_column(column, justify="right")
-    for status, (start, end) in zip(statuses, ranges, strict=True):
+    for status, request in zip(statuses, requests, strict=True):
         rate = status.gigabytes_per_second
         table.add_row(
             status.id[:8],
             status.state,
-            f"[{start}, {end})",
+            "[{}, {})".format(*request["tokens"]),
             f"{status.fragments:,}",
             f"{status.bytes:,}",
             f"{status.duration_seconds or 0:.3f}",
@@ -269,9 +248,10 @@ def summary_table(
     return table
 
 
-def run(args: argparse.Namespace) -> int:
+def _model(args: argparse.Namespace) -> tuple[ModuleType, Any, list[dict[str, Any]]]:
+    """The worker module, the model and its transfer requests; torch is imported only here."""
     try:
-        from kvroute.cli import demo_workers as demo  # torch is imported only when the demo runs
+        from kvroute.cli import demo_hybrid, demo_workers
     except ModuleNotFoundError as missing:
         if missing.name != "torch":
             raise
@@ -279,13 +259,29 @@ def run(args: argparse.Namespace) -> int:
             "kvroute demo moves bytes with torch, which is not installed: "
             "pip install 'kvroute[server,transfer]'"
         ) from None
-    model = demo.SMALL if args.small else demo.FULL
+    if args.model == "hybrid":
+        base = demo_hybrid.SMALL if args.small else demo_hybrid.FULL
+        model = replace(base, jobs=args.jobs)
+        return demo_hybrid, model, model.requests()
+    model = demo_workers.SMALL if args.small else demo_workers.FULL
+    return demo_workers, model, demo_workers.requests(model, args.jobs)
+
+
+def _print_refusal(refusal: KvrouteError) -> None:
+    console.print(
+        f"refused gen-bad: {refusal.status} {refusal.code} field={refusal.field} "
+        f"local={refusal.local} peer={refusal.peer} ({refusal.peer_instance} rank {refusal.peer_rank})"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    demo, model, requests = _model(args)
     with (
         tempfile.TemporaryDirectory(prefix="kvroute-demo-") as directory,
         embedded_kvroute(Path(directory)) as (url, worker_token, admin_token),
     ):
         console.print(f"kvroute at {url} (SQLite in {directory})")
-        workers = Workers(url, worker_token, model)
+        workers = Workers(url, worker_token, model, demo)
         try:
             with Progress(console=console, transient=False) as progress:
                 workers.start(progress)
@@ -294,21 +290,17 @@ def run(args: argparse.Namespace) -> int:
                     console.print(
                         f"registered {instance.name}: {instance.role}, TP{instance.tp_size}, {instance.live_ranks} live ranks"
                     )
-                refusal = refuse_incompatible(admin, model)
+                refusal = refuse_incompatible(admin, demo, model)
                 if refusal is None:
                     console.print("[red]an incompatible instance was accepted[/]")
                     return 1
-                console.print(
-                    f"refused gen-bad: {refusal.status} {refusal.code} field={refusal.field} "
-                    f"local={refusal.local} peer={refusal.peer} ({refusal.peer_instance} rank {refusal.peer_rank})"
-                )
+                _print_refusal(refusal)
                 plans = admin.get_plans(demo.DEPLOYMENT, sender="ctx0", receiver="gen0")
                 console.print(plan_table(plans, model))
                 with Progress(console=console) as progress:
-                    statuses, ranges = run_jobs(admin, model, args.jobs, progress)
-                    moved = (ranges[0][0], ranges[-1][1])
-                    verified = workers.verify(moved, model.generation_tp, progress)
-            console.print(summary_table(plans, statuses, ranges, verified))
+                    statuses = run_jobs(admin, demo, model, requests, progress)
+                    verified = workers.verify(requests, model.generation_tp, progress)
+            console.print(summary_table(plans, statuses, requests, verified))
         finally:
             workers.stop()
     failed = [status for status in statuses if status.state != "succeeded"]
@@ -321,7 +313,14 @@ def add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser = commands.add_parser(
         "demo", help="run a whole deployment locally and verify every byte"
     )
-    parser.add_argument("--small", action="store_true", help="a 4-layer model instead of 32 layers")
+    parser.add_argument(
+        "--model",
+        choices=["llama", "hybrid"],
+        default="llama",
+        help="llama: a Llama-3-8B-like model with an Eagle draft; hybrid: a Nemotron-H-like model "
+        "(Mamba2 state and attention KV in one pool per rank)",
+    )
+    parser.add_argument("--small", action="store_true", help="a few layers with small heads")
     parser.add_argument(
         "--jobs",
         type=int,

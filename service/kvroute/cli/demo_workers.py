@@ -11,7 +11,8 @@ heads it holds, whatever block it landed in, without trusting the plan that move
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import pairwise
 from multiprocessing.queues import Queue
 from typing import Any
 
@@ -24,6 +25,7 @@ from kvroute.geometry import Kind, Owner
 
 DEPLOYMENT = "demo"
 COMMAND_WAIT_S = 300.0
+CACHED_TOKENS = 3  # the generation side already holds the prompt's first tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,11 +173,48 @@ def fill(spec: WorkerSpec, pool: SharedKvPool, layouts: list[KvLayout]) -> None:
             words[block] = truth(layout, block * tokens, first)
 
 
+def requests(model: Model, jobs: int) -> list[dict[str, Any]]:
+    """The prompt after the cached prefix in ``jobs`` token ranges that start mid-block: each names
+    the context blocks and the (reverse-ordered) generation blocks that hold its tokens; upstream's
+    suffix rule places both lists, so a range may start and end mid-block on either side."""
+    start, end = CACHED_TOKENS, model.prompt_tokens
+    bounds = [start + (end - start) * job // jobs for job in range(jobs + 1)]
+    src_tokens, dst_tokens = model.tokens("context"), model.tokens("generation")
+    return [
+        {
+            "src_blocks": list(range(first // src_tokens, -(-last // src_tokens))),
+            "dst_blocks": [
+                receiver_slot(model, block)
+                for block in range(first // dst_tokens, -(-last // dst_tokens))
+            ],
+            "tokens": (first, last),
+        }
+        for first, last in pairwise(bounds)
+    ]
+
+
+def incompatible_document(model: Model) -> dict[str, Any]:
+    """A generation rank whose heads are half as wide: kvroute must refuse it (blocks of another
+    size would be fine: plans re-cut them)."""
+    halved = [
+        replace(layout, head_dim=layout.head_dim // 2) for layout in model.layouts("generation")
+    ]
+    pool = replace(SharedKvPool.carve(halved, 1).describe(), num_slots=4)
+    return rank_document(
+        role="generation",
+        target=halved[0],
+        pools=[pool],
+        num_draft_layers=1,
+        parallel=Parallel(tp_size=model.generation_tp),
+    )
+
+
 def verify(
-    spec: WorkerSpec, pool: SharedKvPool, layouts: list[KvLayout], moved: tuple[int, int]
+    spec: WorkerSpec, pool: SharedKvPool, layouts: list[KvLayout], jobs: list[dict[str, Any]]
 ) -> dict[str, int]:
-    """Bytes checked and wrong over every slot: the tokens in ``moved`` must hold their truth
+    """Bytes checked and wrong over every slot: the tokens the jobs moved must hold their truth
     (whichever context block they came from), every other token must still be zero."""
+    moved = (jobs[0]["tokens"][0], jobs[-1]["tokens"][1])  # consecutive ranges
     checked = wrong = 0
     tokens = spec.model.generation_tokens_per_block
     for tensor, layout, first in zip(pool.tensors, layouts, _first_heads(spec), strict=True):

@@ -2,10 +2,12 @@
 
 Reading path: errors (the one exception) -> models (typed answers) -> retry (backoff policy) -> aio
 (the async client) -> lease (heartbeats, re-registration) -> sync (blocking facade) -> pools
-(torch KV tensors -> pools and views; shm and CUDA IPC memory) -> nixl_descs (plan -> NIXL
-descriptor lists, pure) -> nixl_transport (a plan executed with NIXL agents over UCX).
+(torch KV tensors -> pools and views; shm and CUDA IPC memory) -> hybrid (Mamba2 state and
+attention KV in one pool) -> nixl_descs (plan -> NIXL descriptor lists, pure) -> nixl_transport (a
+plan executed with NIXL agents over UCX).
 
-torch and nixl are optional: only ``pools``, ``memory`` and ``nixl_transport`` import them, lazily.
+torch and nixl are optional: only ``pools``, ``hybrid``, ``memory`` and ``nixl_transport`` import
+them, lazily.
 """
 
 from kvroute.client.aio import AsyncKvrouteClient

@@ -225,11 +225,17 @@ class AsyncKvrouteClient:
         tokens: tuple[int, int] | None = None,
         src_first_token: int | None = None,
         dst_first_token: int | None = None,
+        src_state_slot: int | None = None,
+        dst_state_slot: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> TransferStatus:
-        """Queue a copy. Without token arguments ``src_blocks[i]`` goes to ``dst_blocks[i]``;
-        with them each list holds a run of the prompt and the tokens [start, end) move (a side's
-        first token defaults to upstream's suffix rule). A gap answers 422
-        ``token_range_not_covered`` (``KvrouteError.problem`` names the token and the list)."""
+        """Queue a copy of one request. Without token arguments ``src_blocks[i]`` goes to
+        ``dst_blocks[i]``; with them each list holds a run of the prompt and the tokens
+        [start, end) move (a side's first token defaults to upstream's suffix rule). A gap answers
+        422 ``token_range_not_covered`` (``KvrouteError.problem`` names the token and the list).
+        Hybrid models add the request's recurrent-state slot on both sides, and sliding windows
+        the prompt's length (default: the range's end; a range past it is 422
+        ``prompt_tokens_contradicts_tokens``)."""
         document: dict[str, Any] = {
             "sender": sender,
             "receiver": receiver,
@@ -242,6 +248,9 @@ class AsyncKvrouteClient:
         for name, value in (
             ("src_first_token", src_first_token),
             ("dst_first_token", dst_first_token),
+            ("src_state_slot", src_state_slot),
+            ("dst_state_slot", dst_state_slot),
+            ("prompt_tokens", prompt_tokens),
         ):
             if value is not None:
                 document[name] = value

@@ -234,6 +234,15 @@ class PlanDocument:
     def bytes_per_block(self) -> int:
         return sum(int(peer["bytes_per_block"]) for peer in self.document["peers"])
 
+    @property
+    def state_bytes(self) -> int:
+        """Recurrent-state bytes the receiver gets per request (0 for a plan without state)."""
+        return int(self.document.get("state_bytes", 0))
+
+    @property
+    def state_fragments(self) -> int:
+        return int(self.document.get("state_fragments", 0))
+
 
 @dataclass(frozen=True, slots=True)
 class TransferStatus:

@@ -10,7 +10,9 @@ small-transfer latency, so it is reported next to the bytes.
 A transfer may instead name a token range (``tokens``, and each list's first token): then every
 view pair must come in its period form (a plan between blocks of different sizes, or one fetched
 with ``period=True``), and the range is cut from it as ``geometry.ranges`` states: whole pieces by
-the period's fragments, the few tokens at each end by ``range_copies``.
+the period's fragments, the few tokens at each end by ``range_copies``. A windowed view pair
+moves the range from its window's first token on (``geometry.window``), and a recurrent-state
+pair the request's state slot once.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from typing import Any
 import numpy as np
 
 from kvroute.geometry import (
+    BlockList,
     PeriodMap,
     TokenRange,
     check_covered,
     periods_inside,
+    prompt_length,
     range_copies,
     resolve_lists,
     whole_pieces,
+    window_start,
+    windowed_range,
 )
 
 Descriptor = tuple[int, int, int]  # (address, length, device id), NIXL's xfer-descriptor tuple
@@ -84,22 +90,30 @@ def plan_descriptors(
     tokens: tuple[int, int] | None = None,
     src_first_token: int | None = None,
     dst_first_token: int | None = None,
+    src_state_slot: int | None = None,
+    dst_state_slot: int | None = None,
+    prompt_tokens: int | None = None,
 ) -> NixlTransfer:
     """Descriptor lists for the pull of ``src_blocks`` (sender) into ``dst_blocks`` (receiver).
 
     ``sender_pools`` maps sender rank -> pool id -> address. Ranks with ``sends: false`` get no
-    entry. Raises ``ValueError`` naming a missing pool, a block outside its pool, a fragment
-    outside its slot (because NIXL would only fail later with ``NIXL_ERR_NOT_FOUND``) or, for a
-    token range, the first token a list lacks (``geometry.TokenGap``).
+    entry. A plan that moves recurrent state (``states``) also pulls the request's state slot
+    once; a windowed view only the tokens from its window on (measured from ``prompt_tokens``, else
+    the range's end). Raises ``ValueError`` naming a missing pool, a block outside its pool, a
+    fragment outside its slot, a missing state slot or prompt length (because NIXL would only fail
+    later with ``NIXL_ERR_NOT_FOUND``, and a skipped state would leave the receiver zeroed) or,
+    for a token range, the first token a list lacks (``geometry.TokenGap``).
     """
-    window = _Window(tokens, src_first_token, dst_first_token)
-    periodic = any("period_tokens" in v for peer in plan["peers"] for v in peer["views"])
-    if not window.named and not periodic and len(src_blocks) != len(dst_blocks):
-        raise ValueError(
-            f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks"
-        )
-    src = np.asarray(src_blocks, dtype=np.int64)
-    dst = np.asarray(dst_blocks, dtype=np.int64)
+    request = _Request(
+        np.asarray(src_blocks, dtype=np.int64),
+        np.asarray(dst_blocks, dtype=np.int64),
+        TokenRange(*tokens) if tokens is not None else None,
+        src_first_token,
+        dst_first_token,
+        src_state_slot,
+        dst_state_slot,
+        prompt_tokens,
+    )
     peers = []
     for peer in plan["peers"]:
         if not peer["sends"]:
@@ -107,23 +121,64 @@ def plan_descriptors(
         rank = int(peer["rank"])
         if rank not in sender_pools:
             raise ValueError(f"no pool addresses for sender rank {rank}")
-        pools = (receiver_pools, sender_pools[rank])
-        if window.named or periodic:
-            peers.append(_peer_range(rank, peer["views"], pools, src, dst, window))
-        else:
-            peers.append(_peer(rank, peer["views"], *pools, src, dst))
+        peers.append(_peer(rank, peer, (receiver_pools, sender_pools[rank]), request))
     return NixlTransfer(tuple(peers), int(plan["expected_writers"]))
 
 
 @dataclass(frozen=True, slots=True)
-class _Window:
-    tokens: tuple[int, int] | None
+class _Request:
+    """One request's lists, token range, state slots and prompt length (``geometry.ranges``)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    tokens: TokenRange | None
     src_first_token: int | None
     dst_first_token: int | None
+    src_state_slot: int | None
+    dst_state_slot: int | None
+    prompt_tokens: int | None
 
-    @property
-    def named(self) -> bool:
-        return (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
+    def pairs(self, view: Mapping[str, Any]) -> bool:
+        """The view moves block pairs: no range named, block fragments, no window."""
+        named = (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
+        if named or "fragments" not in view or "window" in view:
+            return False
+        if len(self.src) != len(self.dst):
+            raise ValueError(
+                f"{len(self.src)} source blocks but {len(self.dst)} destination blocks"
+            )
+        return True
+
+    def state(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.src_state_slot is None or self.dst_state_slot is None:
+            raise ValueError(
+                "the plan moves recurrent state: give src_state_slot and dst_state_slot"
+            )
+        return np.array([self.src_state_slot]), np.array([self.dst_state_slot])
+
+    def lists(self, sizes: tuple[int, int]) -> tuple[TokenRange, BlockList, BlockList]:
+        return resolve_lists(
+            self.src.tolist(),
+            self.dst.tolist(),
+            *sizes,
+            tokens=self.tokens,
+            src_first_token=self.src_first_token,
+            dst_first_token=self.dst_first_token,
+            prompt_tokens=self.prompt_tokens,
+        )
+
+    def windowed(self, view: Mapping[str, Any], tokens: TokenRange) -> TokenRange | None:
+        """The view's part of the range: from its window's first token on, if it has one."""
+        window = view.get("window")
+        if window is None:
+            return tokens
+        prompt = prompt_length(self.tokens, self.prompt_tokens)
+        if prompt is None:
+            raise ValueError(
+                "the plan has sliding-window views: give prompt_tokens (or a token range)"
+            )
+        sizes = (window["src_tokens_per_block"], window["dst_tokens_per_block"])
+        return windowed_range(tokens, window_start(int(window["tokens"]), prompt, *sizes))
 
 
 def _pool(
@@ -141,79 +196,86 @@ def _pool(
 
 def _peer(
     rank: int,
-    views: Sequence[Mapping[str, Any]],
-    receiver_pools: Mapping[int, PoolAddress],
-    sender_pools: Mapping[int, PoolAddress],
-    src_blocks: np.ndarray,
-    dst_blocks: np.ndarray,
+    peer: Mapping[str, Any],
+    pools: tuple[Mapping[int, PoolAddress], Mapping[int, PoolAddress]],
+    request: _Request,
 ) -> PeerDescriptors:
-    columns: list[np.ndarray] = []  # per view: [blocks * fragments, 7] rows, block-major
-    for view in views:
-        fragments = np.asarray(view["fragments"], dtype=np.int64).reshape(-1, 3)
-        if not len(fragments):
-            continue
-        src_pool = _pool(sender_pools, int(view["src_pool"]), f"sender rank {rank}", src_blocks)
-        dst_pool = _pool(receiver_pools, int(view["dst_pool"]), "receiver", dst_blocks)
-        for pool, column, side in ((src_pool, 0, "source"), (dst_pool, 1, "destination")):
-            if (fragments[:, column] + fragments[:, 2]).max() > pool.slot_stride:
-                raise ValueError(
-                    f"a {side} fragment of view {view['src_view']} exceeds the slot stride"
-                )
-        src_addr = (
-            src_pool.base + src_blocks[:, None] * src_pool.slot_stride + fragments[None, :, 0]
-        )
-        dst_addr = (
-            dst_pool.base + dst_blocks[:, None] * dst_pool.slot_stride + fragments[None, :, 1]
-        )
-        lengths = np.broadcast_to(fragments[None, :, 2], src_addr.shape)
-        # Rows keep the pools' identity so a run never crosses from one registration into another.
-        tags = (int(view["src_pool"]), src_pool.device, int(view["dst_pool"]), dst_pool.device)
-        rows = np.empty((src_addr.size, 7), dtype=np.int64)
-        rows[:, 0], rows[:, 1], rows[:, 2] = src_addr.ravel(), dst_addr.ravel(), lengths.ravel()
-        rows[:, 3:] = tags
-        columns.append(rows)
-    if not columns:
-        return PeerDescriptors(rank, (), (), 0)
-    rows = _block_major(columns, len(src_blocks))
-    return _coalesce(rank, rows)
+    """One sending rank's rows: block pairs interleaved per block (the slot order coalesces
+    best), then token ranges sorted by destination, then the state slot."""
+    pairs, ranges, states = [], [], []
+    for view in peer["views"]:
+        if request.pairs(view):
+            rows = _pair_rows(rank, view, pools, request.src, request.dst)
+            if rows is not None:
+                pairs.append(rows)
+        else:
+            copies = _range_copies(view, request)
+            if len(copies):
+                ranges.append(_addressed(rank, view, pools, copies))
+    for state in peer.get("states", []):
+        src_slot, dst_slot = request.state()
+        rows = _pair_rows(rank, state, pools, src_slot, dst_slot)
+        if rows is not None:
+            states.append(rows)
+    parts = [_block_major(pairs, len(request.src))] if pairs else []
+    if ranges:
+        rows = np.concatenate(ranges)
+        parts.append(rows[np.lexsort((rows[:, 1], rows[:, 6], rows[:, 5]))])
+    parts += states
+    return _coalesce(rank, np.concatenate(parts) if parts else np.empty((0, 7), np.int64))
 
 
-def _peer_range(
+def _pair_rows(
     rank: int,
-    views: Sequence[Mapping[str, Any]],
+    view: Mapping[str, Any],
     pools: tuple[Mapping[int, PoolAddress], Mapping[int, PoolAddress]],
     src_blocks: np.ndarray,
     dst_blocks: np.ndarray,
-    window: _Window,
-) -> PeerDescriptors:
-    """One sending rank's descriptors for a token range, cut from each view pair's period."""
-    columns = []
-    for view in views:
-        if "period_fragments" not in view:
-            raise ValueError(
-                f"view pair {view['src_view']}->{view['dst_view']} has block fragments only; "
-                "fetch the plan with period=True to cut a token range"
-            )
-        period = PeriodMap.from_json(view)
-        span = TokenRange(*window.tokens) if window.tokens is not None else None
-        tokens, src, dst = resolve_lists(
-            src_blocks.tolist(),
-            dst_blocks.tolist(),
-            period.src_tokens_per_block,
-            period.dst_tokens_per_block,
-            tokens=span,
-            src_first_token=window.src_first_token,
-            dst_first_token=window.dst_first_token,
-        )
-        check_covered(tokens, src, dst)
-        copies = _range_rows(period, tokens, src, dst, src_blocks, dst_blocks)
-        if len(copies):
-            columns.append(_addressed(rank, view, pools, copies))
-    if not columns:
-        return PeerDescriptors(rank, (), (), 0)
-    rows = np.concatenate(columns)
-    rows = rows[np.lexsort((rows[:, 1], rows[:, 6], rows[:, 5]))]
-    return _coalesce(rank, rows)
+) -> np.ndarray | None:
+    """[blocks * fragments, 7] rows of one view's block pairs, block-major; None: no fragments."""
+    fragments = np.asarray(view["fragments"], dtype=np.int64).reshape(-1, 3)
+    if not len(fragments):
+        return None
+    copies = np.empty((len(src_blocks), len(fragments), 5), dtype=np.int64)
+    copies[..., 0], copies[..., 2] = src_blocks[:, None], dst_blocks[:, None]
+    copies[..., 1], copies[..., 3], copies[..., 4] = fragments.T[:, None, :]
+    return _addressed(rank, view, pools, copies.reshape(-1, 5))
+
+
+def _range_copies(view: Mapping[str, Any], request: _Request) -> np.ndarray:
+    """(src block, src offset, dst block, dst offset, length) of the view's part of the range."""
+    period = PeriodMap.from_json(view) if "period_fragments" in view else None
+    window = view.get("window")
+    if period is not None:
+        sizes = (period.src_tokens_per_block, period.dst_tokens_per_block)
+    elif window is not None:
+        sizes = (window["src_tokens_per_block"], window["dst_tokens_per_block"])
+    else:
+        raise _needs_period(view)
+    tokens, src, dst = request.lists(sizes)
+    part = request.windowed(view, tokens)
+    if part is None:
+        return np.empty((0, 5), dtype=np.int64)
+    check_covered(part, src, dst)
+    if period is not None:
+        return _range_rows(period, part, src, dst, request.src, request.dst)
+    inner = whole_pieces(part, *sizes)
+    if inner != part:  # equal block sizes in the block form: only whole blocks can move
+        raise _needs_period(view)
+    blocks = np.arange(part.start // sizes[0], part.end // sizes[0], dtype=np.int64)
+    fragments = np.asarray(view["fragments"], dtype=np.int64).reshape(-1, 3)
+    copies = np.empty((len(blocks), len(fragments), 5), dtype=np.int64)
+    copies[..., 0] = request.src[blocks - src.first_block][:, None]
+    copies[..., 2] = request.dst[blocks - dst.first_block][:, None]
+    copies[..., 1], copies[..., 3], copies[..., 4] = fragments.T[:, None, :]
+    return copies.reshape(-1, 5)
+
+
+def _needs_period(view: Mapping[str, Any]) -> ValueError:
+    return ValueError(
+        f"view pair {view['src_view']}->{view['dst_view']} has block fragments only; "
+        "fetch the plan with period=True to cut a token range"
+    )
 
 
 def _addressed(

@@ -39,12 +39,21 @@ class KvLayout:
     owner: Owner = Owner.TARGET
     first_layer: int = 0  # global id of the first layer in the owner's namespace
     total_kv_heads: int | None = None
+    # Global ids of the layers when they are not consecutive (the attention layers of a hybrid).
+    layer_ids: tuple[int, ...] | None = None
+    sliding_window: int | None = None  # tokens; None is full attention
 
     def __post_init__(self) -> None:
-        if self.kind is Kind.REPLICATED:
+        if not self.kind.sharded:
             raise ValueError("KvLayout describes head-sharded K/V tensors (hnd or nhd)")
         if DTYPE_BITS.get(self.dtype, 0) < 8:
             raise ValueError(f"dtype {self.dtype!r} is not a whole-byte kvroute dtype")
+        if self.layer_ids is not None and len(self.layer_ids) != self.num_layers:
+            raise ValueError(f"{len(self.layer_ids)} layer_ids for {self.num_layers} layers")
+
+    def layer_id(self, index: int) -> int:
+        """Global id (owner namespace) of the ``index``-th layer of the tensor."""
+        return self.first_layer + index if self.layer_ids is None else self.layer_ids[index]
 
     @property
     def element_bytes(self) -> int:
@@ -84,7 +93,7 @@ class KvLayout:
         """The per-layer specs of this region placed at ``offset`` inside a slot."""
         return [
             LayerSpec(
-                layer=self.first_layer + index,
+                layer=self.layer_id(index),
                 pool_id=pool_id,
                 offset=offset + index * self.layer_bytes,
                 bytes_per_layer=self.layer_bytes,
@@ -93,6 +102,7 @@ class KvLayout:
                 num_kv_heads=self.num_kv_heads,
                 total_kv_heads=self.total_kv_heads,
                 buffers_per_layer=KV_BUFFERS,
+                sliding_window=self.sliding_window,
             )
             for index in range(self.num_layers)
         ]
@@ -185,7 +195,7 @@ def describe_tensor(
     )
 
 
-def _align(value: int, alignment: int) -> int:
+def align(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
 
 
@@ -219,10 +229,10 @@ class SharedKvPool:
 
         offsets, end = [], 0
         for layout in layouts:
-            start = _align(end, max(alignment, layout.element_bytes))
+            start = align(end, max(alignment, layout.element_bytes))
             offsets.append(start)
             end = start + layout.block_bytes
-        stride = _align(end, alignment)
+        stride = align(end, alignment)
         if buffer is None:
             buffer = torch.zeros(num_blocks * stride, dtype=torch.uint8)
         if (
@@ -236,7 +246,7 @@ class SharedKvPool:
         slots = buffer.reshape(-1)[: num_blocks * stride].view(num_blocks, stride)
         tensors = tuple(
             slots[:, start : start + layout.block_bytes]
-            .view(_torch_dtype(layout.dtype))
+            .view(torch_dtype(layout.dtype))
             .view(num_blocks, *layout.block_shape)
             for layout, start in zip(layouts, offsets, strict=True)
         )
@@ -255,7 +265,7 @@ class SharedKvPool:
         )
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     dtype = getattr(torch, name, None)

@@ -149,6 +149,9 @@ class KvrouteClient:
         tokens: tuple[int, int] | None = None,
         src_first_token: int | None = None,
         dst_first_token: int | None = None,
+        src_state_slot: int | None = None,
+        dst_state_slot: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> TransferStatus:
         return self._run(
             self.aio.submit_transfer(
@@ -161,6 +164,9 @@ class KvrouteClient:
                 tokens=tokens,
                 src_first_token=src_first_token,
                 dst_first_token=dst_first_token,
+                src_state_slot=src_state_slot,
+                dst_state_slot=dst_state_slot,
+                prompt_tokens=prompt_tokens,
             )
         )
 

@@ -1,10 +1,11 @@
 """kvroute.geometry: the pure planning core.
 
 Reading path: model (what a rank registers) -> document (its JSON) -> heads (rule 1) -> validate
-(self and instance checks) -> matching and pairs (view pairs between peers) -> compat (the ordered
-registration check) -> topology, mappers, planner (plans) -> periods (plans between blocks of
-different sizes) -> ranges (token ranges cut from plans) -> bounce (rule 6) -> builder (views for
-workers). Nothing here does I/O or imports aiohttp, SQLAlchemy or torch.
+and instance (self and instance checks) -> matching and pairs (view pairs between peers; window:
+sliding windows; state: recurrent state pairs) -> compat (the ordered registration check) ->
+topology, mappers, planner and state_planner (plans) -> periods (plans between blocks of different
+sizes) -> ranges (token ranges cut from plans; a window restricts them) -> bounce (rule 6) ->
+builder (views for workers). Nothing here does I/O or imports aiohttp, SQLAlchemy or torch.
 """
 
 from kvroute.geometry.compat import check_peers, check_registration
@@ -21,10 +22,11 @@ from kvroute.geometry.model import (
     View,
 )
 from kvroute.geometry.periods import PeriodMap, TokenAxis
-from kvroute.geometry.plan import PeerPlan, Plan, ViewTransfer
+from kvroute.geometry.plan import PeerPlan, Plan, StateTransfer, ViewTransfer
 from kvroute.geometry.planner import build_plan
 from kvroute.geometry.ranges import (
     BlockList,
+    PromptContradiction,
     TokenGap,
     TokenRange,
     TokenRangeError,
@@ -32,10 +34,12 @@ from kvroute.geometry.ranges import (
     first_gap,
     full_periods,
     periods_inside,
+    prompt_length,
     range_copies,
     resolve_lists,
     whole_pieces,
 )
+from kvroute.geometry.window import Window, window_start, windowed_range
 
 __all__ = [
     "DTYPE_BITS",
@@ -49,14 +53,17 @@ __all__ = [
     "PeriodMap",
     "Plan",
     "Pool",
+    "PromptContradiction",
     "RankRegistration",
     "Role",
+    "StateTransfer",
     "TokenAxis",
     "TokenGap",
     "TokenRange",
     "TokenRangeError",
     "View",
     "ViewTransfer",
+    "Window",
     "build_plan",
     "check_covered",
     "check_peers",
@@ -64,7 +71,10 @@ __all__ = [
     "first_gap",
     "full_periods",
     "periods_inside",
+    "prompt_length",
     "range_copies",
     "resolve_lists",
     "whole_pieces",
+    "window_start",
+    "windowed_range",
 ]

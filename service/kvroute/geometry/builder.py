@@ -1,9 +1,9 @@
 """Builds a rank's views from per-layer specs, the way a worker describes its KV pools.
 
-Layers are partitioned into views by (pool, kind, owner, roles, head count and byte geometry), so a
-view is homogeneous by construction: target and draft layers never share a view even inside one pool,
-and layers with different KV-head counts can never land in one view, which is the defect the
-per-view head counts exist to fix. Replicated layers record no head count.
+Layers are partitioned into views by (pool, kind, owner, roles, head count, byte geometry, window and
+state layout), so a view is homogeneous by construction: target and draft layers never share a view
+even inside one pool, and layers with different KV-head counts can never land in one view, which is
+the defect the per-view head counts exist to fix. Replicated and recurrent-state layers record no head count.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ class LayerSpec:
     buffers_per_layer: int = 2
     tokens_per_block: int | None = None
     dtype: str | None = None
+    per_request: bool = False  # replicated recurrent side state (implied by ssm and conv)
+    ssm_bytes_per_head: int | None = None
+    conv_sections: tuple[int, ...] | None = None
+    sliding_window: int | None = None
 
     @classmethod
     def from_buffers(
@@ -75,8 +79,8 @@ class LayerSpec:
         )
 
     def view_key(self) -> tuple[object, ...]:
-        heads = None if self.kind is Kind.REPLICATED else self.num_kv_heads
-        total = None if self.kind is Kind.REPLICATED else self.total_kv_heads
+        heads = self.num_kv_heads if self.kind.sharded else None
+        total = self.total_kv_heads if self.kind.sharded else None
         return (
             self.pool_id,
             self.kind,
@@ -88,15 +92,20 @@ class LayerSpec:
             self.bytes_per_layer,
             self.tokens_per_block,
             self.dtype,
+            self.per_request,
+            self.ssm_bytes_per_head,
+            self.conv_sections,
+            self.sliding_window,
         )
 
 
 def build_views(specs: Iterable[LayerSpec], *, first_view_id: int = 0) -> tuple[View, ...]:
     """Views in canonical order (pool, then smallest offset), layers ordered by offset."""
     groups: dict[tuple[object, ...], list[LayerSpec]] = defaultdict(list)
-    seen: dict[tuple[Owner, frozenset[str], int], LayerSpec] = {}
+    seen: dict[tuple[Owner, frozenset[str], int, bool], LayerSpec] = {}
     for spec in specs:
-        identity = (spec.owner, spec.roles, spec.layer)
+        # One layer id may have KV blocks and recurrent state (a hybrid layer), under any roles.
+        identity = (spec.owner, spec.roles, spec.layer, spec.per_request or spec.kind.recurrent)
         if identity in seen:
             raise GeometryError(
                 "duplicate_layer",
@@ -115,7 +124,7 @@ def build_views(specs: Iterable[LayerSpec], *, first_view_id: int = 0) -> tuple[
 
 def _view(view_id: int, group: list[LayerSpec]) -> View:
     first = group[0]
-    replicated = first.kind is Kind.REPLICATED
+    replicated = not first.kind.sharded
     return View(
         view_id=view_id,
         pool_id=first.pool_id,
@@ -129,4 +138,8 @@ def _view(view_id: int, group: list[LayerSpec]) -> View:
         total_kv_heads=None if replicated else first.total_kv_heads,
         tokens_per_block=first.tokens_per_block,
         dtype=first.dtype,
+        per_request=first.per_request,
+        ssm_bytes_per_head=first.ssm_bytes_per_head,
+        conv_sections=first.conv_sections,
+        sliding_window=first.sliding_window,
     )

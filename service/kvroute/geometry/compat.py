@@ -1,8 +1,9 @@
 """Peer compatibility and the full registration check (DESIGN.md "Rejected at the boundary").
 
-Checks run stage by stage across all peers (rank-wide fields, then view matching, then per-view head
-geometry), so a draft-layer mismatch is always reported as such, never as the head-geometry error it
-would otherwise surface as on the draft views.
+Checks run stage by stage across all peers (rank-wide fields, then view matching, then per-pair
+geometry: KV heads and sliding windows of block views, SSM heads, TP-aggregated bytes and conv
+sections of state views), so a draft-layer mismatch is always reported as such, never as the
+geometry error it would otherwise surface as on the draft views.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvroute.geometry.errors import GeometryError
+from kvroute.geometry.instance import check_instance
 from kvroute.geometry.matching import match_view
 from kvroute.geometry.model import DTYPE_BITS, RankRegistration, View
 from kvroute.geometry.pairs import PairGeometry, pair_geometry
-from kvroute.geometry.validate import check_instance, check_self
+from kvroute.geometry.state import StateGeometry, state_geometry
+from kvroute.geometry.validate import check_self
 
 MatchedPair = tuple[RankRegistration, View, RankRegistration, View]
 
@@ -72,8 +75,19 @@ def matched_pairs(reg: RankRegistration, peer: RankRegistration) -> list[Matched
     return pairs
 
 
-def matched_geometries(reg: RankRegistration, peer: RankRegistration) -> list[PairGeometry]:
-    return [pair_geometry(*pair) for pair in matched_pairs(reg, peer)]
+def check_pair(
+    local: RankRegistration, view: View, peer: RankRegistration, theirs: View
+) -> PairGeometry | StateGeometry:
+    """One matched pair's geometry: KV heads and windows for block views, 2.10 for state views."""
+    if view.is_state:
+        return state_geometry(local, view, peer, theirs)
+    return pair_geometry(local, view, peer, theirs)
+
+
+def matched_geometries(
+    reg: RankRegistration, peer: RankRegistration
+) -> list[PairGeometry | StateGeometry]:
+    return [check_pair(*pair) for pair in matched_pairs(reg, peer)]
 
 
 # The peer checks in order; each raises the pair's first failure at its stage.

@@ -178,10 +178,12 @@ def _parse_view(r: _Reader) -> View:
     for index in range(len(r.list("layers"))):
         slot = r.item("layers", index, "View.layers[]")
         layers.append(LayerSlot(slot.int("layer"), slot.int("offset")))
+    kind = r.enum("kind", Kind)
+    _check_kind_members(r, kind)
     return View(
         view_id=r.int("view_id"),
         pool_id=r.int("pool_id"),
-        kind=r.enum("kind", Kind),
+        kind=kind,
         roles=frozenset(roles),
         owner=r.enum("owner", Owner),
         layers=tuple(layers),
@@ -191,6 +193,57 @@ def _parse_view(r: _Reader) -> View:
         total_kv_heads=r.opt_int("total_kv_heads"),
         tokens_per_block=r.opt_int("tokens_per_block"),
         dtype=r.dtype("dtype") if r.has("dtype") else None,
+        per_request=r.bool("per_request", default=False),
+        ssm_bytes_per_head=r.opt_int("ssm_bytes_per_head"),
+        conv_sections=_conv_sections(r) if r.has("conv_sections") else None,
+        sliding_window=r.opt_int("sliding_window"),
+    )
+
+
+# Members that only mean something for some kinds: (member, kinds that require it, kinds allowing it).
+_KIND_MEMBERS: tuple[tuple[str, frozenset[Kind], frozenset[Kind]], ...] = (
+    ("ssm_bytes_per_head", frozenset({Kind.SSM}), frozenset({Kind.SSM})),
+    ("conv_sections", frozenset({Kind.CONV}), frozenset({Kind.CONV})),
+    ("num_kv_heads", frozenset(), frozenset({Kind.HND, Kind.NHD, Kind.REPLICATED})),
+    ("total_kv_heads", frozenset(), frozenset({Kind.HND, Kind.NHD, Kind.REPLICATED})),
+    ("tokens_per_block", frozenset(), frozenset({Kind.HND, Kind.NHD, Kind.REPLICATED})),
+    ("sliding_window", frozenset(), frozenset({Kind.HND, Kind.NHD, Kind.REPLICATED})),
+)
+
+
+def _check_kind_members(r: _Reader, kind: Kind) -> None:
+    """Refuses members the view's kind does not have, so a document never means two things."""
+    for member, required, allowed in _KIND_MEMBERS:
+        if kind in required and not r.has(member):
+            raise _invalid(r._field(member), f"is required for a {kind} view")
+        if kind not in allowed and r.has(member):
+            raise _invalid(
+                r._field(member), f"does not apply to a {kind} view", _short(r.obj[member])
+            )
+    per_request = r.bool("per_request", default=False)
+    if kind in (Kind.HND, Kind.NHD) and per_request:
+        raise _invalid(
+            r._field("per_request"),
+            f"a {kind} view is sliced by KV heads per token block; per-request state is "
+            "ssm, conv or replicated",
+            True,
+        )
+    if kind.recurrent and r.obj.get("per_request") is False:
+        raise _invalid(r._field("per_request"), f"a {kind} view is per-request state", False)
+    if per_request:
+        for member in ("num_kv_heads", "total_kv_heads", "tokens_per_block", "sliding_window"):
+            if r.has(member):
+                raise _invalid(
+                    r._field(member), "does not apply to per-request state", _short(r.obj[member])
+                )
+
+
+def _conv_sections(r: _Reader) -> tuple[int, ...]:
+    sections = r.list("conv_sections")
+    low, high = INTEGER_BOUNDS["View.conv_sections[]"]
+    field = r._field("conv_sections")
+    return tuple(
+        _bounded_int(f"{field}[{index}]", size, low, high) for index, size in enumerate(sections)
     )
 
 
@@ -268,9 +321,20 @@ def render_view(view: View) -> dict[str, Any]:
         "bytes_per_layer": view.bytes_per_layer,
         "layers": [{"layer": s.layer, "offset": s.offset} for s in view.layers],
     }
-    for key in ("num_kv_heads", "total_kv_heads", "tokens_per_block", "dtype"):
+    for key in (
+        "num_kv_heads",
+        "total_kv_heads",
+        "tokens_per_block",
+        "dtype",
+        "ssm_bytes_per_head",
+        "sliding_window",
+    ):
         if getattr(view, key) is not None:
             doc[key] = getattr(view, key)
+    if view.conv_sections is not None:
+        doc["conv_sections"] = list(view.conv_sections)
+    if view.per_request:
+        doc["per_request"] = True
     return doc
 
 

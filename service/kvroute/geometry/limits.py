@@ -13,7 +13,9 @@ hostile document is refused before it costs anything:
   attention DP over 320 GPUs); ranks are numbered ``0..size-1``;
 - pools: 64 per rank, ids below 1024; views: 256 per rank (a K view and a V view for each of
   Llama 3.1 405B's 126 layers is 252), ids below 4096; 16 roles per view;
-- bytes: 1 TiB for any byte count or offset (beyond any GPU's memory).
+- bytes: 1 TiB for any byte count or offset (beyond any GPU's memory);
+- recurrent state: 16 conv sections per view (Mamba2 has three, ``[x | B | C]``, GDN three,
+  ``[Q | K | V]``); sliding windows up to 2**30 tokens (far past any context length).
 
 ``api_spec/openapi.yaml`` states the same numbers; ``tests/unit/test_limits.py`` checks every entry
 of ``INTEGER_BOUNDS`` and ``ARRAY_BOUNDS`` against it.
@@ -37,6 +39,8 @@ MAX_BUFFERS_PER_LAYER = 64
 MAX_LEASE_SECONDS = 86_400
 MAX_ENDPOINT_LENGTH = 512
 MAX_NIXL_METADATA_LENGTH = 1 << 20
+MAX_CONV_SECTIONS = 16
+MAX_SLIDING_WINDOW = 2**30
 
 # "Schema.property" (``[]`` for an array's items) -> inclusive (minimum, maximum).
 INTEGER_BOUNDS: dict[str, tuple[int, int]] = {
@@ -64,6 +68,9 @@ INTEGER_BOUNDS: dict[str, tuple[int, int]] = {
     "View.buffers_per_layer": (1, MAX_BUFFERS_PER_LAYER),
     "View.bytes_per_layer": (1, MAX_BYTES),
     "View.tokens_per_block": (1, MAX_TOKENS_PER_BLOCK),
+    "View.ssm_bytes_per_head": (1, MAX_BYTES),
+    "View.conv_sections[]": (1, MAX_BYTES),
+    "View.sliding_window": (1, MAX_SLIDING_WINDOW),
     "View.layers[].layer": (0, MAX_LAYERS - 1),
     "View.layers[].offset": (0, MAX_BYTES),
 }
@@ -76,6 +83,7 @@ ARRAY_BOUNDS: dict[str, tuple[int, int]] = {
     "RegistrationDocument.views": (1, MAX_VIEWS),
     "View.roles": (1, MAX_ROLES),
     "View.layers": (1, MAX_LAYERS),
+    "View.conv_sections": (1, MAX_CONV_SECTIONS),
 }
 
 # "Schema.property" -> inclusive (minLength, maxLength) of a string.

@@ -1,9 +1,11 @@
 """View matching between a rank and a peer rank.
 
-A view matches a peer view with the same role set (set equality), the same owner and overlapping
-layers. Where the peer is responsible for some of a view's layers, exactly one peer view must carry
-them all; anything else would leave destination bytes unwritten or written twice, so it is refused:
-missing, ambiguous ("overlaps several peer views"), misplaced, or of another mapper kind.
+A view matches a peer view with the same role set (set equality), the same owner, the same slot axis
+(per-token blocks or per-request state: a hybrid model may list one global layer id in both, so
+matching stays within one axis) and overlapping layers. Where the peer is responsible for some of a
+view's layers, exactly one peer view must carry them all; anything else would leave destination
+bytes unwritten or written twice, so it is refused: missing, ambiguous ("overlaps several peer
+views"), misplaced, or of another mapper kind.
 """
 
 from __future__ import annotations
@@ -17,18 +19,13 @@ def match_view(view: View, owner_rank: RankRegistration, peer: RankRegistration)
     needed = view.layer_ids & peer.held_layers(view.owner)
     if not needed:
         return None
-    candidates = [
-        theirs
-        for theirs in peer.views
-        if theirs.owner is view.owner
-        and theirs.roles == view.roles
-        and theirs.layer_ids & view.layer_ids
-    ]
+    candidates = _candidates(view, peer)
     field = _field(owner_rank, view)
     if not candidates:
+        what = f"{view.owner} {'state ' if view.is_state else ''}view"
         raise _match_error(
             "view_missing",
-            f"{peer.label()} holds layers {_span(needed)} of {view.label()} but has no {view.owner} view "
+            f"{peer.label()} holds layers {_span(needed)} of {view.label()} but has no {what} "
             f"with roles {sorted(view.roles)} for them",
             field,
             view,
@@ -58,6 +55,26 @@ def match_view(view: View, owner_rank: RankRegistration, peer: RankRegistration)
             peer,
             local=view.kind.value,
         )
+    _check_placed(view, theirs, needed, field, peer)
+    return theirs
+
+
+def _candidates(view: View, peer: RankRegistration) -> list[View]:
+    """Peer views of the same owner, slot axis and roles that share a layer with ``view``."""
+    return [
+        theirs
+        for theirs in peer.views
+        if theirs.owner is view.owner
+        and theirs.axis is view.axis
+        and theirs.roles == view.roles
+        and theirs.layer_ids & view.layer_ids
+    ]
+
+
+def _check_placed(
+    view: View, theirs: View, needed: frozenset[int], field: str, peer: RankRegistration
+) -> None:
+    """Every layer of ``view`` the peer holds is in its matching view."""
     stray = needed - theirs.layer_ids
     if stray:
         raise _match_error(
@@ -70,7 +87,6 @@ def match_view(view: View, owner_rank: RankRegistration, peer: RankRegistration)
             peer,
             local=sorted(stray),
         )
-    return theirs
 
 
 def _field(owner_rank: RankRegistration, view: View) -> str:

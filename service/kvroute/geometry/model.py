@@ -25,15 +25,34 @@ class Role(StrEnum):
 
 
 class Kind(StrEnum):
-    """How a view lays out heads inside one layer buffer."""
+    """How a view lays out its bytes inside one layer region."""
 
     HND = "hnd"  # [heads][tokens][bytes]: head-major
     NHD = "nhd"  # [tokens][heads][bytes]: token-major
     REPLICATED = "replicated"  # identical bytes on every TP rank (MLA latent, indexer keys)
+    SSM = "ssm"  # recurrent SSM state per request, [heads][head_dim][d_state], heads split by TP
+    CONV = "conv"  # recurrent conv state per request: sections back to back, each split by TP
 
     @property
     def sharded(self) -> bool:
-        return self is not Kind.REPLICATED
+        """Split by KV heads (the attention kinds that carry ``num_kv_heads``)."""
+        return self in (Kind.HND, Kind.NHD)
+
+    @property
+    def recurrent(self) -> bool:
+        """Recurrent state: one slot per request, never per-token blocks."""
+        return self in (Kind.SSM, Kind.CONV)
+
+
+class Axis(StrEnum):
+    """What a view's slot ids name: a request's KV blocks, or the request's one state slot.
+
+    Views of different axes are never matched with each other, even when they list the same global
+    layer id (a hybrid layer can have both attention KV and recurrent state).
+    """
+
+    BLOCK = "block"
+    STATE = "state"
 
 
 class Owner(StrEnum):
@@ -101,6 +120,18 @@ class View:
     total_kv_heads: int | None = None
     tokens_per_block: int | None = None
     dtype: str | None = None
+    per_request: bool = False  # declared per-request (state) slots; implied by the recurrent kinds
+    ssm_bytes_per_head: int | None = None  # kind ssm: head_dim x d_state x element size
+    conv_sections: tuple[int, ...] | None = None  # kind conv: per-rank bytes of each section
+    sliding_window: int | None = None  # attention window in tokens; None is full attention
+
+    @property
+    def axis(self) -> Axis:
+        return Axis.STATE if self.per_request or self.kind.recurrent else Axis.BLOCK
+
+    @property
+    def is_state(self) -> bool:
+        return self.axis is Axis.STATE
 
     @cached_property
     def offsets(self) -> dict[int, int]:
@@ -120,7 +151,8 @@ class View:
         return self.num_kv_heads is None
 
     def label(self) -> str:
-        return f"view {self.view_id} ({self.owner}, roles={sorted(self.roles)}, {self.kind})"
+        state = " state" if self.is_state else ""
+        return f"view {self.view_id} ({self.owner}, roles={sorted(self.roles)}, {self.kind}{state})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +247,21 @@ class RankRegistration:
     @property
     def tp_rank_in_group(self) -> int:
         return self.tp_rank % self.tp_per_dp
+
+    @property
+    def state_tp(self) -> int:
+        """Mamba TP: the ranks one request's recurrent state is split over (reference 2.10).
+
+        The reference takes (1, 0) under attention DP, since a DP rank serves its requests alone;
+        kvroute generalises that to the DP group's TP, which is 1 when dp_size == tp_size as the
+        reference assumes, and (tp, tp_rank) without attention DP. Helix CP, the reference's third
+        case, never arises: context parallelism is refused at registration.
+        """
+        return self.tp_per_dp
+
+    @property
+    def state_rank(self) -> int:
+        return self.tp_rank_in_group
 
     @property
     def group(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.heads import pair_total
 from kvroute.geometry.model import Kind, RankRegistration, View
+from kvroute.geometry.window import Window, pair_window
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,7 @@ class PairGeometry:
     tokens: int  # tokens per block on the local side
     peer_tokens: int
     token_unit: int  # bytes per token-head (per token for replicated); 0 when not exact
+    window: Window | None = None  # the sliding window the pair moves; None: every token
 
     @property
     def reblocks(self) -> bool:
@@ -54,7 +56,7 @@ def pair_geometry(
     bytes per token(-head), which must be exact on both sides (``tokens_per_block_mismatch``
     otherwise, the one re-blocking refusal left) and equal.
     """
-    fail = _Failer(local, view, peer)
+    fail = PairFailer(local, view, peer)
     if view.buffers_per_layer != theirs.buffers_per_layer:
         raise fail(
             "buffers_mismatch",
@@ -65,12 +67,35 @@ def pair_geometry(
     if view.dtype and theirs.dtype and view.dtype != theirs.dtype:
         raise fail("view_dtype_mismatch", "dtype", view.dtype, theirs.dtype)
     tokens, peer_tokens = local.tokens(view), peer.tokens(theirs)
+    window = pair_window(local, view, peer, theirs)
     if view.kind is Kind.REPLICATED:
         token_unit = _token_units(fail, view, 1, tokens, theirs, 1, peer_tokens, same_heads=True)
         _check_same_bytes(fail, view, theirs, tokens, peer_tokens)
         return PairGeometry(
-            "replicated", 1, 1, 1, view.bytes_per_layer, tokens, peer_tokens, token_unit
+            "replicated", 1, 1, 1, view.bytes_per_layer, tokens, peer_tokens, token_unit, window
         )
+    local_heads, peer_heads = local.heads(view), peer.heads(theirs)
+    total = _head_total(fail, local, view, peer, theirs)
+    same = local_heads == peer_heads
+    token_unit = _token_units(
+        fail, view, local_heads, tokens, theirs, peer_heads, peer_tokens, same_heads=same
+    )
+    if same:
+        _check_same_bytes(fail, view, theirs, tokens, peer_tokens)
+        unit, mapper = view.bytes_per_layer, "intact"
+    elif tokens != peer_tokens:
+        unit, mapper = token_unit, view.kind.value  # re-blocked: only bytes per token-head matter
+    else:
+        unit, mapper = _sliced_unit(fail, view, local_heads, theirs, peer_heads, tokens)
+    return PairGeometry(
+        mapper, total, local_heads, peer_heads, unit, tokens, peer_tokens, token_unit, window
+    )
+
+
+def _head_total(
+    fail: PairFailer, local: RankRegistration, view: View, peer: RankRegistration, theirs: View
+) -> int:
+    """The head total the pair is planned with (rule 1); raises when no total fits both sides."""
     local_heads, peer_heads = local.heads(view), peer.heads(theirs)
     total = pair_total(
         local_heads,
@@ -87,24 +112,11 @@ def pair_geometry(
         local_value = view.total_kv_heads if both_declared else local_heads
         peer_value = theirs.total_kv_heads if both_declared else peer_heads
         raise fail(code, field, local_value, peer_value, reason=total.problem)
-    same = local_heads == peer_heads
-    token_unit = _token_units(
-        fail, view, local_heads, tokens, theirs, peer_heads, peer_tokens, same_heads=same
-    )
-    if same:
-        _check_same_bytes(fail, view, theirs, tokens, peer_tokens)
-        unit, mapper = view.bytes_per_layer, "intact"
-    elif tokens != peer_tokens:
-        unit, mapper = token_unit, view.kind.value  # re-blocked: only bytes per token-head matter
-    else:
-        unit, mapper = _sliced_unit(fail, view, local_heads, theirs, peer_heads, tokens)
-    return PairGeometry(
-        mapper, total.total, local_heads, peer_heads, unit, tokens, peer_tokens, token_unit
-    )
+    return total.total
 
 
 def _check_same_bytes(
-    fail: _Failer, view: View, theirs: View, tokens: int, peer_tokens: int
+    fail: PairFailer, view: View, theirs: View, tokens: int, peer_tokens: int
 ) -> None:
     """Equal heads and equal blocks move whole layer regions, which must be the same size."""
     if tokens == peer_tokens and view.bytes_per_layer != theirs.bytes_per_layer:
@@ -117,7 +129,7 @@ def _check_same_bytes(
 
 
 def _sliced_unit(
-    fail: _Failer, view: View, heads: int, theirs: View, peer_heads: int, tokens: int
+    fail: PairFailer, view: View, heads: int, theirs: View, peer_heads: int, tokens: int
 ) -> tuple[int, str]:
     unit, peer_unit = _head_unit(view, heads, tokens), _head_unit(theirs, peer_heads, tokens)
     if unit != peer_unit:
@@ -134,7 +146,7 @@ def _sliced_unit(
 
 
 def _token_units(
-    fail: _Failer,
+    fail: PairFailer,
     view: View,
     heads: int,
     tokens: int,
@@ -194,7 +206,7 @@ def _head_unit(view: View, heads: int, tokens: int) -> int:
     return view.bytes_per_layer // per
 
 
-class _Failer:
+class PairFailer:
     """Builds pair errors that name both views, both values and the peer rank."""
 
     def __init__(self, local: RankRegistration, view: View, peer: RankRegistration) -> None:

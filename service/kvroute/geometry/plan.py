@@ -8,7 +8,11 @@ one block on each side. Where the sizes differ it carries a period instead (``pe
 names ``period_tokens``, the blocks per period on each side and ``period_fragments`` with their
 token spans, and has no ``fragments`` member, so a reader that knows only block fragments fails
 loudly rather than copying nothing. ``to_json(period=True)`` writes every pair in the period form,
-which any token range (one starting mid-block included) can be cut from.
+which any token range (one starting mid-block included) can be cut from. A windowed pair also
+names its ``window``: it moves a job's tokens from the window's first token on (``window``).
+
+Recurrent-state pairs (a peer's ``states``) move bytes of a request's one state slot on each side,
+once per job, whatever the block sizes or the token range.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 from kvroute.geometry.mappers import Fragment
 from kvroute.geometry.periods import PeriodMap, TokenAxis
+from kvroute.geometry.window import Window
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +45,7 @@ class ViewTransfer:
     src_heads: tuple[int, int]  # global head range the sender holds (under total_heads)
     dst_heads: tuple[int, int]  # global head range this pair writes on the receiver
     axis: TokenAxis | None = field(default=None, compare=False, repr=False)
+    window: Window | None = None  # sliding window: only the tokens in it move
 
     @property
     def periodic(self) -> bool:
@@ -66,7 +72,7 @@ class ViewTransfer:
         return self.period_map.descriptors_per_dst_block if self.periodic else len(self.fragments)
 
     def to_json(self, *, period: bool = False) -> dict[str, Any]:
-        doc = {
+        doc: dict[str, Any] = {
             "src_view": self.src_view,
             "dst_view": self.dst_view,
             "src_pool": self.src_pool,
@@ -84,10 +90,66 @@ class ViewTransfer:
             },
             "bytes_per_block": self.bytes_per_block,
         }
+        if self.window is not None:
+            doc["window"] = self.window.to_json()
         if self.periodic or (period and self.axis is not None):
             return doc | self.period_map.to_json()
         return doc | {
             "descriptors_per_block": len(self.fragments),
+            "fragments": [list(fragment) for fragment in self.fragments],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class StateTransfer:
+    """One matched recurrent-state view pair as sent by one sender rank.
+
+    Fragments are relative to a request's state slot on each side (not to a block), and are
+    copied once per request, from the sender's state slot to the receiver's.
+    """
+
+    src_view: int
+    dst_view: int
+    src_pool: int
+    dst_pool: int
+    mapper: str  # "ssm" | "conv" | "replicated"
+    duplicate_head_factor: int
+    peer_duplicate_head_factor: int
+    fragments: tuple[Fragment, ...]
+    layers: tuple[int, ...]
+    owner: str
+    roles: tuple[str, ...]
+    mamba_tp: tuple[tuple[int, int], tuple[int, int]]  # (tp, rank) of the sender, the receiver
+    shard_unit: str  # "head" (ssm), "part" (conv: lcm of the TPs), "whole" (replicated)
+    shard_total: int
+    src_shard: tuple[int, int]  # positions of every section the sender holds
+    dst_shard: tuple[int, int]  # positions this pair writes on the receiver
+
+    @property
+    def nbytes(self) -> int:
+        return sum(length for _, _, length in self.fragments)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "src_view": self.src_view,
+            "dst_view": self.dst_view,
+            "src_pool": self.src_pool,
+            "dst_pool": self.dst_pool,
+            "mapper": self.mapper,
+            "duplicate_head_factor": self.duplicate_head_factor,
+            "peer_duplicate_head_factor": self.peer_duplicate_head_factor,
+            "owner": self.owner,
+            "roles": list(self.roles),
+            "layers": list(self.layers),
+            "mamba_tp": {"src": list(self.mamba_tp[0]), "dst": list(self.mamba_tp[1])},
+            "shard": {
+                "unit": self.shard_unit,
+                "total": self.shard_total,
+                "src": list(self.src_shard),
+                "dst": list(self.dst_shard),
+            },
+            "bytes": self.nbytes,
+            "descriptors": len(self.fragments),
             "fragments": [list(fragment) for fragment in self.fragments],
         }
 
@@ -100,10 +162,18 @@ class PeerPlan:
     pp_rank: int
     tp_rank: int
     views: tuple[ViewTransfer, ...]
+    states: tuple[StateTransfer, ...] = ()
 
     @property
     def sends(self) -> bool:
-        return any(view.bytes_per_block for view in self.views)
+        return any(view.bytes_per_block for view in self.views) or any(
+            state.fragments for state in self.states
+        )
+
+    @property
+    def state_bytes(self) -> int:
+        """Recurrent bytes this rank writes per request."""
+        return sum(state.nbytes for state in self.states)
 
     @property
     def bytes_per_block(self) -> int:
@@ -115,7 +185,7 @@ class PeerPlan:
 
     def to_json(self, *, period: bool = False) -> dict[str, Any]:
         views = [view.to_json(period=period) for view in self.views]
-        return {
+        doc: dict[str, Any] = {
             "rank": self.rank,
             "pp_rank": self.pp_rank,
             "tp_rank": self.tp_rank,
@@ -124,6 +194,10 @@ class PeerPlan:
             "descriptors_per_block": sum(view["descriptors_per_block"] for view in views),
             "views": views,
         }
+        if self.states:
+            doc["state_bytes"] = self.state_bytes
+            doc["states"] = [state.to_json() for state in self.states]
+        return doc
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +227,19 @@ class Plan:
     def fragments_per_block(self) -> int:
         return sum(peer.descriptors_per_block for peer in self.peers)
 
+    @property
+    def state_bytes(self) -> int:
+        """Recurrent bytes the receiver gets per request: what a bounce region adds for state."""
+        return sum(peer.state_bytes for peer in self.peers)
+
+    @property
+    def state_fragments(self) -> int:
+        return sum(len(state.fragments) for peer in self.peers for state in peer.states)
+
+    @property
+    def has_state(self) -> bool:
+        return any(peer.states for peer in self.peers)
+
     def to_json(
         self,
         *,
@@ -163,7 +250,7 @@ class Plan:
         """The API.md document; ``period`` writes every view pair in the period form."""
         generations = sender_generations or {}
         peers = [peer.to_json(period=period) for peer in self.peers]
-        return {
+        doc: dict[str, Any] = {
             "deployment": self.deployment,
             "sender": {
                 "instance": self.sender_instance,
@@ -187,3 +274,7 @@ class Plan:
             "warnings": list(self.warnings),
             "peers": peers,
         }
+        if self.has_state:
+            doc["state_bytes"] = self.state_bytes
+            doc["state_fragments"] = self.state_fragments
+        return doc

@@ -3,6 +3,7 @@
 For every receiver view and every layer of it, the sender ranks that overlap the receiver in TP
 position and hold that layer in the matching view are grouped by the heads they hold; each group
 holds identical bytes, and exactly one of its ranks (elected) writes them (DESIGN.md rule 3).
+Recurrent-state views are planned per request slot by ``state_planner`` under the same rule.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from kvroute.geometry.matching import match_view
 from kvroute.geometry.model import RankRegistration, Role, View
 from kvroute.geometry.pairs import PairGeometry, duplication, pair_geometry
 from kvroute.geometry.periods import token_axis
-from kvroute.geometry.plan import PeerPlan, Plan, ViewTransfer
+from kvroute.geometry.plan import PeerPlan, Plan, StateTransfer, ViewTransfer
+from kvroute.geometry.state_planner import plan_state_view
 from kvroute.geometry.topology import candidate_senders, elect
 
 
@@ -46,24 +48,23 @@ def build_plan(
     _check_roles(senders, receiver)
     check_peers(receiver, senders)
     candidates = candidate_senders(senders, receiver, sender_dp_rank)
-    transfers: dict[int, list[ViewTransfer]] = defaultdict(list)
-    heard: set[int] = set()
-    warnings: list[str] = []
+    planned = _Planned()
     for view in sorted(receiver.views, key=lambda v: v.view_id):
-        sources = _sources(view, candidates, receiver)
-        _assign_layers(view, sources, receiver)
-        for source in sources:
-            heard.add(source.sender.rank)
-            if source.assigned:
-                transfer = _transfer(source, view, receiver)
-                transfers[source.sender.rank].append(transfer)
-                warnings.extend(_warnings(source, transfer))
+        if view.is_state:
+            planned.add_state(*plan_state_view(view, candidates, receiver))
+        else:
+            planned.add_view(view, _sources(view, candidates, receiver), receiver)
     by_rank = {s.rank: s for s in senders}
     peers = tuple(
-        PeerPlan(rank, by_rank[rank].pp_rank, by_rank[rank].tp_rank, tuple(transfers.get(rank, ())))
-        for rank in sorted(heard)
+        PeerPlan(
+            rank,
+            by_rank[rank].pp_rank,
+            by_rank[rank].tp_rank,
+            tuple(planned.transfers.get(rank, ())),
+            tuple(planned.states.get(rank, ())),
+        )
+        for rank in sorted(planned.heard)
     )
-    writers = [peer.bytes_per_block for peer in peers if peer.sends]
     return Plan(
         deployment=receiver.deployment,
         sender_instance=senders[0].instance,
@@ -75,19 +76,49 @@ def build_plan(
         fingerprint=plan_fingerprint(senders, receiver, sender_dp_rank),
         sender_parallel=(senders[0].tp_size, senders[0].pp_size),
         receiver_parallel=(receiver.tp_size, receiver.pp_size),
-        # Staging is split per receiver block; blocks of different sizes are not one unit on both
-        # sides, so such a plan is never declared bounce safe (unsafe only costs the direct path).
-        fanin_bounce_safe=not any(v.periodic for peer in peers for v in peer.views)
-        and fanin_bounce_safe(
-            pp_stages=len({peer.pp_rank for peer in peers}),
-            view_pairs=[
-                (v.mapper, v.duplicate_head_factor, v.peer_duplicate_head_factor)
-                for peer in peers
-                for v in peer.views
-            ],
-            writer_bytes=writers,
-        ),
-        warnings=tuple(dict.fromkeys(warnings)),
+        fanin_bounce_safe=_bounce_safe(peers),
+        warnings=tuple(dict.fromkeys(planned.warnings)),
+    )
+
+
+@dataclass
+class _Planned:
+    """What the receiver's views collect, per sender rank."""
+
+    transfers: dict[int, list[ViewTransfer]] = field(default_factory=lambda: defaultdict(list))
+    states: dict[int, list[StateTransfer]] = field(default_factory=lambda: defaultdict(list))
+    heard: set[int] = field(default_factory=set)
+    warnings: list[str] = field(default_factory=list)
+
+    def add_view(self, view: View, sources: list[_Source], receiver: RankRegistration) -> None:
+        _assign_layers(view, sources, receiver)
+        for source in sources:
+            self.heard.add(source.sender.rank)
+            if source.assigned:
+                transfer = _transfer(source, view, receiver)
+                self.transfers[source.sender.rank].append(transfer)
+                self.warnings.extend(_warnings(source, transfer))
+
+    def add_state(self, heard: list[int], sent: list[tuple[int, StateTransfer]]) -> None:
+        self.heard.update(heard)
+        for rank, state in sent:
+            self.states[rank].append(state)
+
+
+def _bounce_safe(peers: Sequence[PeerPlan]) -> bool:
+    # Staging is split per receiver block; blocks of different sizes are not one unit on both
+    # sides, so such a plan is never declared bounce safe (unsafe only costs the direct path).
+    if any(view.periodic for peer in peers for view in peer.views):
+        return False
+    return fanin_bounce_safe(
+        pp_stages=len({peer.pp_rank for peer in peers}),
+        view_pairs=[
+            (v.mapper, v.duplicate_head_factor, v.peer_duplicate_head_factor)
+            for peer in peers
+            for v in (*peer.views, *peer.states)
+        ],
+        writer_bytes=[peer.bytes_per_block for peer in peers if peer.sends],
+        state=any(peer.states for peer in peers),
     )
 
 
@@ -179,6 +210,7 @@ def _transfer(source: _Source, view: View, receiver: RankRegistration) -> ViewTr
         src_heads=src_heads,
         dst_heads=dst_heads,
         axis=axis,
+        window=geometry.window,
     )
 
 

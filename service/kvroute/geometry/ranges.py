@@ -7,6 +7,11 @@ chunk's list, a receiver that already holds a prefix): ``blocks[0]`` holds that 
 position ``first % tpb``, and each later id holds the next whole block. A range is covered when every
 token of it lies in both lists; the first token that does not is the gap reported.
 
+A request may also name the prompt's length (``prompt_tokens``), which sliding windows are measured
+from (``window``). It defaults to the range's end, and a range ending after it is refused: the two
+would contradict each other. Without a range, a prompt length places the lists as the prompt's last
+blocks (the suffix rule against it, issue 12's block lists).
+
 Pure arithmetic over a ``PeriodMap``: data planes use ``range_copies`` where a range cuts blocks (or
 as the reference), and their own fused copies for whole periods (``full_periods``).
 """
@@ -15,9 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvroute.geometry.periods import PeriodMap
+if TYPE_CHECKING:  # periods imports pairs, which imports window, which imports this module
+    from kvroute.geometry.periods import PeriodMap
 
 Copy = tuple[int, int, int, int, int]  # src block id, src offset, dst block id, dst offset, length
 
@@ -49,6 +55,21 @@ class TokenGap(TokenRangeError):
         )
         self.token = token
         self.covered = covered
+
+
+class PromptContradiction(TokenRangeError):
+    """A prompt length that ends before the token range it belongs to."""
+
+    code = "prompt_tokens_contradicts_tokens"
+
+    def __init__(self, prompt_tokens: int, tokens: TokenRange) -> None:
+        super().__init__(
+            "prompt_tokens",
+            f"a prompt of {prompt_tokens} tokens ends before tokens.end {tokens.end} of the range "
+            f"[{tokens.start}, {tokens.end}); a range moves prompt tokens only",
+            prompt_tokens=prompt_tokens,
+            tokens=[tokens.start, tokens.end],
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +122,15 @@ class BlockList:
         return self.blocks[block - self.first_block]
 
 
+def prompt_length(tokens: TokenRange | None, prompt_tokens: int | None) -> int | None:
+    """The prompt length windows are measured from: ``prompt_tokens``, else the range's end."""
+    if prompt_tokens is None:
+        return None if tokens is None else tokens.end
+    if tokens is not None and tokens.end > prompt_tokens:
+        raise PromptContradiction(prompt_tokens, tokens)
+    return prompt_tokens
+
+
 def resolve_lists(
     src_blocks: Sequence[int],
     dst_blocks: Sequence[int],
@@ -110,26 +140,34 @@ def resolve_lists(
     tokens: TokenRange | None = None,
     src_first_token: int | None = None,
     dst_first_token: int | None = None,
+    prompt_tokens: int | None = None,
 ) -> tuple[TokenRange, BlockList, BlockList]:
     """A transfer request's range and lists for one view pair's block sizes.
 
-    A side's first token defaults to upstream's suffix rule against ``tokens.end``, or to 0 when no
-    range is named; the range defaults to every token either list holds, so lists that hold
-    different tokens leave a gap (and lists of one block size pair up one to one).
+    A side's first token defaults to upstream's suffix rule against ``tokens.end`` (else against
+    ``prompt_tokens``), or to 0 when neither is named. The range defaults to every token either list
+    holds, so lists that hold different tokens leave a gap (and lists of one block size pair up one
+    to one); with a prompt length, to the tokens from the first listed one through the prompt's
+    last and on to the end of the shorter list (the prompt's last blocks move whole, as block
+    pairs do, where both lists hold them).
     """
+    prompt_length(tokens, prompt_tokens)
+    end = tokens.end if tokens is not None else prompt_tokens
     sides = []
     for blocks, first, size, field in (
         (src_blocks, src_first_token, src_tokens_per_block, "src_blocks"),
         (dst_blocks, dst_first_token, dst_tokens_per_block, "dst_blocks"),
     ):
-        if first is None and tokens is not None:
-            sides.append(BlockList.suffix(blocks, tokens.end, size, field))
+        if first is None and end is not None:
+            sides.append(BlockList.suffix(blocks, end, size, field))
         else:
             sides.append(BlockList(blocks, first or 0, size))
-    span = tokens or TokenRange(
-        min(side.first_token for side in sides), max(side.end_token for side in sides)
-    )
-    return span, sides[0], sides[1]
+    if tokens is not None:
+        return tokens, sides[0], sides[1]
+    start = min(side.first_token for side in sides)
+    ends = [side.end_token for side in sides]
+    stop = max(ends) if prompt_tokens is None else max(prompt_tokens, min(ends))
+    return TokenRange(start, stop), sides[0], sides[1]
 
 
 def first_gap(tokens: TokenRange, src: BlockList, dst: BlockList) -> TokenGap | None:

@@ -1,4 +1,5 @@
-"""Self-consistency and instance-consistency checks (DESIGN.md "Rejected at the boundary", 2 and 3).
+"""Self-consistency checks (DESIGN.md "Rejected at the boundary", 2): what one document must satisfy
+on its own. Instance consistency (3) lives in ``instance``.
 
 Each function raises the first GeometryError it finds, in the documented order, so the same bad
 document always gets the same answer.
@@ -7,7 +8,6 @@ document always gets the same answer.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
 
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.heads import declared_total_problem
@@ -149,6 +149,8 @@ def _check_view(reg: RankRegistration, index: int, view: View) -> None:
             )
     if view.kind.sharded:
         _check_view_heads(reg, field, view)
+    elif view.kind.recurrent:
+        _check_state_view(field, view)
     elif view.bytes_per_layer % view.buffers_per_layer:
         raise _self_error(
             "bytes_per_layer_not_divisible",
@@ -236,9 +238,53 @@ def _check_view_heads(reg: RankRegistration, field: str, view: View) -> None:
         )
 
 
+def _check_state_view(field: str, view: View) -> None:
+    """A recurrent view is one buffer per layer whose bytes split into whole heads or sections."""
+    if view.buffers_per_layer != 1:
+        raise _self_error(
+            "state_buffers_invalid",
+            f"{view.label()}: recurrent state is one region per layer, not "
+            f"buffers_per_layer={view.buffers_per_layer}",
+            f"{field}.buffers_per_layer",
+            view.buffers_per_layer,
+            1,
+        )
+    if view.kind is Kind.SSM:
+        unit = view.ssm_bytes_per_head or 1
+        if view.bytes_per_layer % unit:
+            raise _self_error(
+                "bytes_per_layer_not_divisible",
+                f"{view.label()}: bytes_per_layer {view.bytes_per_layer} is not a whole number of "
+                f"SSM heads of ssm_bytes_per_head={unit} bytes",
+                f"{field}.bytes_per_layer",
+                view.bytes_per_layer,
+                unit,
+            )
+        return
+    sections = view.conv_sections or ()
+    if sum(sections) != view.bytes_per_layer:
+        raise _self_error(
+            "conv_sections_sum_mismatch",
+            f"{view.label()}: conv_sections {list(sections)} sum to {sum(sections)} bytes, "
+            f"not bytes_per_layer={view.bytes_per_layer}",
+            f"{field}.conv_sections",
+            sum(sections),
+            view.bytes_per_layer,
+        )
+
+
 def _check_no_overlap(reg: RankRegistration) -> None:
+    """Views of one slot axis must not overlap. A block view and a state view may: a slot of a
+    shared pool holds a KV block or one request's state, never both (the data plane refuses a job
+    naming one slot both ways where their regions overlap)."""
     regions = sorted(
-        (view.pool_id, slot.offset, slot.offset + view.bytes_per_layer, view.view_id, slot.layer)
+        (
+            (view.pool_id, view.axis.value),
+            slot.offset,
+            slot.offset + view.bytes_per_layer,
+            view.view_id,
+            slot.layer,
+        )
         for view in reg.views
         for slot in view.layers
     )
@@ -246,108 +292,9 @@ def _check_no_overlap(reg: RankRegistration) -> None:
         if before[0] == after[0] and after[1] < before[2]:
             raise _self_error(
                 "views_overlap",
-                f"pool {before[0]}: view {before[3]} layer {before[4]} [{before[1]}, {before[2]}) overlaps "
+                f"pool {before[0][0]}: view {before[3]} layer {before[4]} [{before[1]}, {before[2]}) overlaps "
                 f"view {after[3]} layer {after[4]} starting at {after[1]}",
                 "views",
                 [before[3], before[4]],
                 [after[3], after[4]],
             )
-
-
-# Fields every rank of an instance must agree on, in the order they are compared.
-_INSTANCE_FIELDS: tuple[str, ...] = (
-    "role",
-    "tp_size",
-    "pp_size",
-    "cp_size",
-    "attention_dp",
-    "dp_size",
-    "layers_per_stage",
-    "tokens_per_block",
-    "num_draft_layers",
-)
-_ATTENTION_FIELDS: tuple[str, ...] = ("num_kv_heads", "head_dim", "dtype", "is_mla")
-
-
-def check_instance(reg: RankRegistration, others: Iterable[RankRegistration]) -> None:
-    """The rank agrees with its instance's layout (fixed by its first rank) and its rank number."""
-    expected_rank = reg.pp_rank * reg.tp_size + reg.tp_rank
-    if reg.rank != expected_rank:
-        raise GeometryError(
-            "rank_mismatch",
-            f"rank {reg.rank} must be pp_rank * tp_size + tp_rank = {expected_rank}",
-            field="rank",
-            local=reg.rank,
-            peer=expected_rank,
-            stage="instance",
-        )
-    for other in sorted(others, key=lambda o: o.rank):
-        if other.rank != reg.rank:
-            _compare_instance_ranks(reg, other)
-
-
-def _compare_instance_ranks(reg: RankRegistration, other: RankRegistration) -> None:
-    pairs = [(f, getattr(reg, f), getattr(other, f)) for f in _INSTANCE_FIELDS]
-    pairs += [
-        (f"attention.{f}", getattr(reg.attention, f), getattr(other.attention, f))
-        for f in _ATTENTION_FIELDS
-    ]
-    for field, mine, theirs in pairs:
-        if mine != theirs:
-            mine, theirs = _jsonable(mine), _jsonable(theirs)
-            raise GeometryError(
-                "instance_layout_mismatch",
-                f"{field}={mine} disagrees with {other.label()} of the same instance ({field}={theirs})",
-                field=field,
-                local=mine,
-                peer=theirs,
-                stage="instance",
-                peer_instance=other.instance,
-                peer_rank=other.rank,
-            )
-    _compare_instance_views(reg, other)
-
-
-def _compare_instance_views(reg: RankRegistration, other: RankRegistration) -> None:
-    """Views of one role class that share layers must have one geometry on every rank of the instance."""
-    for index, view in enumerate(reg.views):
-        for theirs in other.views:
-            if (
-                theirs.owner is not view.owner
-                or theirs.roles != view.roles
-                or not view.layer_ids & theirs.layer_ids
-            ):
-                continue
-            for field, a, b in _view_signature(reg, view, other, theirs):
-                if a != b:
-                    raise GeometryError(
-                        "instance_view_mismatch",
-                        f"{view.label()} has {field}={a}, but {other.label()} registers {field}={b} "
-                        f"for the same layers",
-                        field=f"views[{index}].{field}",
-                        local=_jsonable(a),
-                        peer=_jsonable(b),
-                        stage="instance",
-                        peer_instance=other.instance,
-                        peer_rank=other.rank,
-                    )
-
-
-def _view_signature(
-    reg: RankRegistration, view: View, other: RankRegistration, theirs: View
-) -> Sequence[tuple[str, object, object]]:
-    return (
-        ("kind", view.kind.value, theirs.kind.value),
-        ("num_kv_heads", reg.heads(view), other.heads(theirs)),
-        ("buffers_per_layer", view.buffers_per_layer, theirs.buffers_per_layer),
-        ("bytes_per_layer", view.bytes_per_layer, theirs.bytes_per_layer),
-        (
-            "total_kv_heads",
-            view.total_kv_heads or theirs.total_kv_heads,
-            theirs.total_kv_heads or view.total_kv_heads,
-        ),
-    )
-
-
-def _jsonable(value: object) -> object:
-    return list(value) if isinstance(value, tuple) else value

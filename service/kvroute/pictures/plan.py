@@ -3,7 +3,9 @@
 Top to bottom: the pair and both instances' TP/PP sizes; the totals; a legend saying what a cell
 and its ``rN`` label mean; one row per sender rank heard from (the heads it writes in each view, its
 bytes and fragments per block); then one grid per receiver view, columns being the receiver's
-heads and rows runs of layers whose writers are the same. Works on the plan JSON document only.
+heads and rows runs of layers whose writers are the same (a windowed view names its window), and
+one grid per recurrent-state view, written once per request slot. Works on the plan JSON document
+only.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from kvroute.pictures.period import period_strip
 from kvroute.pictures.svg import LINE, Canvas, colour
+from kvroute.render import state_shard
 
 CELL = 44
 SWATCH = 14
@@ -100,11 +103,17 @@ def _writers(canvas: Canvas, plan: dict[str, Any], y: float) -> float:
             + ("all" if view["mapper"] == "replicated" else f"h{span(_written_heads(view))}")
             for view in peer["views"]
         )
+        state = ", ".join(
+            f"state view {s['dst_view']} {state_shard(s)}" for s in peer.get("states", [])
+        )
+        if state:
+            state = f"; {state} = {peer['state_bytes']:,} bytes per request"
         position = f"tp{peer.get('tp_rank', '?')} pp{peer.get('pp_rank', '?')}"
         if peer["sends"]:
             line = (
-                f"{position} writes {writes} = {peer['bytes_per_block']:,} bytes, "
-                f"{peer['descriptors_per_block']:,} fragments"
+                f"{position} writes {writes or 'no block view'} = "
+                f"{peer['bytes_per_block']:,} bytes, {peer['descriptors_per_block']:,} fragments"
+                f"{state}"
             )
         else:
             line = f"{position}: sends nothing (another rank holding the same heads writes them)"
@@ -127,13 +136,18 @@ def _bands(
             heads.update(written)
             for layer in view["layers"]:
                 writer.setdefault(layer, {}).update(dict.fromkeys(written, peer["rank"]))
+    return sorted(heads), _runs(writer)
+
+
+def _runs(writer: dict[int, dict[int, int]]) -> list[tuple[list[int], dict[int, int]]]:
+    """Runs of consecutive layers whose column -> writer mapping is the same."""
     bands: list[tuple[list[int], dict[int, int]]] = []
     for layer in sorted(writer):
         if bands and bands[-1][1] == writer[layer] and bands[-1][0][-1] == layer - 1:
             bands[-1][0].append(layer)
         else:
             bands.append(([layer], writer[layer]))
-    return sorted(heads), bands
+    return bands
 
 
 def _grid(
@@ -142,6 +156,8 @@ def _grid(
     heads, bands = _bands(plan, view_id)
     replicated = sample["mapper"] == "replicated"
     title = f"view {view_id} ({sample['owner']}, {'+'.join(sample['roles'])}, {sample['mapper']})"
+    if "window" in sample:
+        title += f" window {sample['window']['tokens']}"
     canvas.text(10, y, title, weight="bold")
     y += 8
     if "period_tokens" in sample:
@@ -178,4 +194,62 @@ def plan_svg(plan: dict[str, Any]) -> str:
     views = sorted({v["dst_view"]: v for p in plan["peers"] for v in p["views"]}.items())
     for view_id, sample in views:
         y = _grid(canvas, plan, view_id, sample, y)
+    states = sorted({s["dst_view"]: s for p in plan["peers"] for s in p.get("states", [])}.items())
+    for view_id, sample in states:
+        y = _state_grid(canvas, plan, view_id, sample, y)
     return canvas.render()
+
+
+def _state_bands(
+    plan: dict[str, Any], dst_view: int
+) -> tuple[list[int], list[tuple[list[int], dict[int, int]]]]:
+    """Receiver shard positions of one state view, and layer runs with one position -> writer."""
+    writer: dict[int, dict[int, int]] = {}
+    units: set[int] = set()
+    for peer in plan["peers"]:
+        for state in peer.get("states", []):
+            if state["dst_view"] == dst_view:
+                written = range(*state["shard"]["dst"])
+                units.update(written)
+                for layer in state["layers"]:
+                    writer.setdefault(layer, {}).update(dict.fromkeys(written, peer["rank"]))
+    return sorted(units), _runs(writer)
+
+
+def _state_grid(
+    canvas: Canvas, plan: dict[str, Any], view_id: int, sample: dict[str, Any], y: float
+) -> float:
+    """A recurrent-state view, written once per request slot: columns are the receiver's shard
+    positions (SSM heads hN, or parts pN of every conv section), rows runs of layers."""
+    units, bands = _state_bands(plan, view_id)
+    unit = sample["shard"]["unit"]
+    canvas.text(
+        10,
+        y,
+        f"state view {view_id} ({sample['owner']}, {'+'.join(sample['roles'])}, "
+        f"{sample['mapper']}, per request)",
+        weight="bold",
+    )
+    y += 8
+    prefix = {"head": "h", "part": "p"}.get(unit)
+    for column, position in enumerate(units):
+        name = f"{prefix}{position}" if prefix else "all"
+        canvas.text(GRID_LEFT + column * CELL + CELL / 2, y + 12, name, size=11, anchor="middle")
+    y += 18
+    for layers, mapping in bands:
+        canvas.text(10, y + CELL / 2 + 4, f"layers {span(layers)}", size=12)
+        for column, position in enumerate(units):
+            rank = mapping.get(position)
+            x = GRID_LEFT + column * CELL
+            canvas.box(
+                x,
+                y,
+                CELL - 2,
+                CELL - 2,
+                fill=colour(rank) if rank is not None else "#ffffff",
+                title=f"state {unit} {position}, layers {span(layers)}: sender rank {rank}",
+            )
+            label = f"r{rank}" if rank is not None else "-"
+            canvas.text(x + CELL / 2 - 1, y + CELL / 2 + 4, label, size=12, anchor="middle")
+        y += CELL
+    return y + 24

@@ -35,7 +35,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from kvroute.geometry import GeometryError, RankRegistration, Role
 from kvroute.geometry.classes import VerdictMemo, check_peers_by_class
-from kvroute.geometry.validate import check_instance, check_self
+from kvroute.geometry.instance import check_instance
+from kvroute.geometry.validate import check_self
 from kvroute.store import ranks as repo
 from kvroute.store.engine import SessionMaker, engine_of, retry_disconnect
 from kvroute.store.models import Deployment, Rank

@@ -1,9 +1,10 @@
 """kvroute.transfer: the same-node data plane.
 
 Reading path: memory (pool -> flat byte tensor; backends in shm, cuda_ipc) -> plan (a plan
-document made executable, checked for exactly-once) -> program (fragments folded into strided
-runs) -> passes (a job's blocks or token range split into block-pair passes and cut pieces) ->
-engine (bounds checks and the copy strategies) -> jobs (what is submitted, its states) ->
+document made executable) and exactly_once (its destination checks) -> program (fragments folded
+into strided runs) -> jobs (what is submitted, its states) -> slots (state slots and prompt length a
+leg needs) -> passes (a job's blocks or token range, a window's part of it or the state slot pair,
+split into block-pair passes and cut pieces) -> engine (bounds checks and the copy strategies) ->
 workers (threads, CUDA streams, the bounded queue, drain) -> metrics.
 
 Typical use (names are imported on first use, so ``kvroute.transfer.errors`` needs no torch)::

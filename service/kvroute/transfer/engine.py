@@ -2,7 +2,8 @@
 
 For every sending rank and view of every leg the engine splits the job into passes (paired block
 lists for one fragment set: the job's block pairs, one block pair of a period in every period of a
-token range, or the few copies of the blocks a range cuts; see ``passes``), compiles each pass's
+token range, or the few copies of the blocks a range cuts, a windowed view's from its window on, or
+the request's state slot pair for recurrent state; see ``passes`` and ``slots``), compiles each pass's
 fragments once (cached by plan fingerprint, see ``program``), checks them and the job's block ids
 against the concrete pools, then copies each pass with one of three strategies over a strided view
 of each pool whose first dimension is the slot:
@@ -40,6 +41,7 @@ from kvroute.transfer.memory import PoolMemory
 from kvroute.transfer.passes import view_work
 from kvroute.transfer.plan import ViewCopy
 from kvroute.transfer.program import CopyProgram, StridedRun, compile_fragments
+from kvroute.transfer.slots import check_leg, state_slots
 
 GATHER_MAX_RUNS = 8  # above this many runs per pool pair, one indexed gather beats per-run kernels
 INDEXED_MAX_ELEMENTS = 1 << 24  # 128 MiB of int64 indices per side: beyond that, gather per run
@@ -121,9 +123,12 @@ class CopyEngine:
         self._jobs: _LruCache[str, tuple[TransferJob, list[_ViewTask]]] = _LruCache(64)
         self._strategy = strategy
 
-    def validate(self, job: TransferJob) -> None:
-        """Raise ``TransferValidationError`` if the job can not run as given; copies nothing."""
-        self._tasks(job)
+    def validate(self, job: TransferJob) -> CopyResult:
+        """Raise ``TransferValidationError`` if the job can not run as given; copies nothing.
+
+        Returns what ``copy`` will report (``totals``).
+        """
+        return self.totals(job)
 
     def copy(self, job: TransferJob, *, strategy: Strategy | None = None) -> CopyResult:
         """Copy every fragment of every block pair; returns bytes and fragments x blocks."""
@@ -168,11 +173,13 @@ class CopyEngine:
         if cached is not None and cached[0] is job:
             return cached[1]
         _check_unique(job.dst_blocks)
+        for leg_index, leg in enumerate(job.legs):
+            check_leg(job, leg, leg_index)
         tasks = [
             self._task(job, leg_index, peer.rank, index, view)
             for leg_index, leg in enumerate(job.legs)
             for peer in leg.plan.senders
-            for index, view in enumerate(peer.views)
+            for index, view in enumerate(peer.copies)
         ]
         tasks.sort(key=lambda task: task.group)
         self._jobs.get_or_compute(job.job_id, lambda: (job, tasks))
@@ -193,8 +200,10 @@ class CopyEngine:
         src_end, dst_end = view.extent
         _check_extent(src_end, src, f"{where} pool {view.src_pool}")
         _check_extent(dst_end, dst, f"receiver pool {view.dst_pool}")
-        _check_blocks(job.src_blocks, src, "src_blocks", f"{where} pool {view.src_pool}")
-        _check_blocks(job.dst_blocks, dst, "dst_blocks", f"receiver pool {view.dst_pool}")
+        src_ids, dst_ids = state_slots(job) if view.state else (job.src_blocks, job.dst_blocks)
+        names = ("src_state_slot", "dst_state_slot") if view.state else ("src_blocks", "dst_blocks")
+        _check_blocks(src_ids, src, names[0], f"{where} pool {view.src_pool}")
+        _check_blocks(dst_ids, dst, names[1], f"receiver pool {view.dst_pool}")
         key = (leg.plan.fingerprint, rank, index)
         passes = tuple(
             _Pass(
@@ -233,9 +242,11 @@ def _check_blocks(blocks: np.ndarray, memory: PoolMemory, name: str, where: str)
     bad = np.flatnonzero((blocks < 0) | (blocks >= memory.pool.num_slots))
     if len(bad):
         index = int(bad[0])
+        state = name.endswith("_state_slot")
+        field, what = (name, "state slot") if state else (f"{name}[{index}]", "block id")
         raise TransferValidationError(
-            f"{name}[{index}]",
-            f"block id {int(blocks[index])} is outside {where} (num_slots {memory.pool.num_slots})",
+            field,
+            f"{what} {int(blocks[index])} is outside {where} (num_slots {memory.pool.num_slots})",
         )
 
 

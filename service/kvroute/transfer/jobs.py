@@ -1,14 +1,21 @@
 """What a transfer job is, and the states it moves through.
 
-A job copies one set of blocks for one or more receiver ranks of the same sender instance: each
+A job copies one request for one or more receiver ranks of the same sender instance: each
 ``TransferLeg`` is one receiver rank's plan with the pool memories it needs already opened (so a pool
 that cannot be opened fails the request up front, not a queued job later). The block lists are
 normalised to read-only ``int64`` arrays once, at construction.
 
 Without a ``TokenWindow`` the lists pair up one to one (block ``src_blocks[i]`` to ``dst_blocks[i]``),
 as before token ranges existed. With one, each list holds a run of the prompt (``geometry.ranges``):
-the window names the token range to move and, optionally, the first token of each list; a view pair
-planned by period is moved that way even without a window (both lists then start at token 0).
+the window names the token range to move, optionally the first token of each list, and the prompt's
+length that sliding windows are measured from; a view pair planned by period is moved that way even
+without a window (both lists then start at token 0). A window naming only the prompt's length keeps
+the lists the prompt's last blocks, paired up where block sizes are equal (issue 12's jobs): only
+windowed view pairs then skip their stale leading blocks.
+
+Recurrent-state views copy the request's ``src_state_slot`` (the same on every sender rank, as block
+ids are) to its ``dst_state_slot`` once, whatever the block sizes and the token range; both are
+required when a leg's plan moves state.
 """
 
 from __future__ import annotations
@@ -19,7 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvroute.geometry import BlockList, TokenRange, TokenRangeError, resolve_lists
+from kvroute.geometry import (
+    BlockList,
+    TokenRange,
+    TokenRangeError,
+    prompt_length,
+    resolve_lists,
+)
 from kvroute.job_state import JobState
 from kvroute.transfer.errors import PoolMemoryError, TransferValidationError
 from kvroute.transfer.memory import PoolMemory
@@ -44,20 +57,49 @@ def _blocks(blocks: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
     return array
 
 
+def _check_int(name: str, value: object, low: int) -> None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low
+    ):
+        raise TransferValidationError(name, f"must be an integer >= {low}, got {value!r}")
+
+
+def validation_error(error: TokenRangeError) -> TransferValidationError:
+    """A geometry refusal of a range or a list as the data plane's error: a gap and a contradicted
+    prompt keep their own codes and members, anything else is a request that can never copy."""
+    code = "invalid_transfer" if error.code == TokenRangeError.code else error.code
+    return TransferValidationError(error.field, error.detail, code=code, extras=dict(error.extras))
+
+
 @dataclass(frozen=True, slots=True)
 class TokenWindow:
-    """Which tokens a job moves: ``tokens`` (None: every token either list holds) and each list's
-    first token (None: 0 without ``tokens``, else upstream's suffix rule against ``tokens.end``)."""
+    """Which tokens a job moves: ``tokens`` (None: every token either list holds), each list's
+    first token (None: 0 without ``tokens``, else upstream's suffix rule against ``tokens.end``)
+    and the prompt's length (None: ``tokens.end``), which sliding windows are measured from."""
 
     tokens: TokenRange | None = None
     src_first_token: int | None = None
     dst_first_token: int | None = None
+    prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("src_first_token", "dst_first_token"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise TransferValidationError(name, f"{value} is below 0")
+            _check_int(name, getattr(self, name), 0)
+        _check_int("prompt_tokens", self.prompt_tokens, 1)
+        try:
+            prompt_length(self.tokens, self.prompt_tokens)
+        except TokenRangeError as error:
+            raise validation_error(error) from error
+
+    @property
+    def names_tokens(self) -> bool:
+        """A range or a first token is named: the lists hold runs of the prompt, not pairs."""
+        return (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
+
+    @property
+    def prompt(self) -> int | None:
+        """The prompt length windows are measured from (None: neither it nor a range is named)."""
+        return prompt_length(self.tokens, self.prompt_tokens)
 
     def lists(
         self, src: np.ndarray, dst: np.ndarray, src_tokens: int, dst_tokens: int
@@ -72,21 +114,25 @@ class TokenWindow:
                 tokens=self.tokens,
                 src_first_token=self.src_first_token,
                 dst_first_token=self.dst_first_token,
+                prompt_tokens=self.prompt_tokens,
             )
         except TokenRangeError as error:
-            raise TransferValidationError(error.field, error.detail) from error
+            raise validation_error(error) from error
 
 
 @dataclass(frozen=True, slots=True, eq=False, init=False)
 class TransferJob:
-    """Copy the blocks of every sender to the receiver, for each leg: ``src_blocks[i]`` to
-    ``dst_blocks[i]``, or the tokens of ``window`` where one is given (see the module docstring)."""
+    """Copy one request from every sender to the receiver, for each leg: ``src_blocks[i]`` to
+    ``dst_blocks[i]``, or the tokens of ``window`` where one is given, and the request's state
+    slot pair for recurrent-state views (see the module docstring)."""
 
     legs: tuple[TransferLeg, ...]
     src_blocks: np.ndarray
     dst_blocks: np.ndarray
     job_id: str
     window: TokenWindow | None
+    src_state_slot: int | None
+    dst_state_slot: int | None
 
     def __init__(
         self,
@@ -96,15 +142,26 @@ class TransferJob:
         job_id: str | None = None,
         *,
         window: TokenWindow | None = None,
+        src_state_slot: int | None = None,
+        dst_state_slot: int | None = None,
     ) -> None:
         src, dst = _blocks(src_blocks, "src_blocks"), _blocks(dst_blocks, "dst_blocks")
         if not legs:
             raise TransferValidationError("receiver_ranks", "a job needs at least one leg")
+        _check_int("src_state_slot", src_state_slot, 0)
+        _check_int("dst_state_slot", dst_state_slot, 0)
         object.__setattr__(self, "legs", tuple(legs))
         object.__setattr__(self, "src_blocks", src)
         object.__setattr__(self, "dst_blocks", dst)
         object.__setattr__(self, "job_id", job_id or str(uuid.uuid4()))
         object.__setattr__(self, "window", window)
+        object.__setattr__(self, "src_state_slot", src_state_slot)
+        object.__setattr__(self, "dst_state_slot", dst_state_slot)
+
+    @property
+    def pairs_blocks(self) -> bool:
+        """No range and no first token: block pairs, one to one, where block sizes are equal."""
+        return self.window is None or not self.window.names_tokens
 
     @property
     def num_blocks(self) -> int:
@@ -136,7 +193,7 @@ def _verify(memory: PoolMemory, side: str) -> None:
 @dataclass(frozen=True, slots=True)
 class CopyResult:
     bytes: int
-    fragments: int  # fragments x blocks
+    fragments: int  # fragments x blocks (x 1 state slot for state views)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,9 @@ strategies, so a range costs what its whole blocks cost.
 Only the tokens before the first boundary and after the last (fewer than one block of either side
 at each end: a receiver's cached prefix ending mid-block, a chunk boundary) are cut by arithmetic
 (``geometry.range_copies``); they form one small pass per block pair, compiled for the job alone.
+
+A windowed view moves the job's range from its window's first token on (``geometry.window``), by the
+same passes; a recurrent-state view is one pass over the request's state slot pair.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from kvroute.geometry import (
     periods_inside,
     range_copies,
     whole_pieces,
+    windowed_range,
 )
 from kvroute.transfer.errors import TransferValidationError
 from kvroute.transfer.jobs import TokenWindow, TransferJob
 from kvroute.transfer.plan import ViewCopy
+from kvroute.transfer.slots import state_slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,34 +52,61 @@ def view_work(
     view: ViewCopy, key: tuple[Hashable, ...], job: TransferJob, where: str
 ) -> tuple[Pass, ...]:
     """What ``job`` copies of ``view``; raises ``TransferValidationError`` naming a gap."""
-    if job.window is None and not view.periodic:
+    if view.state:
+        return (Pass(key, view.fragments, *state_slots(job)),)
+    if job.pairs_blocks and view.sliding_window is None and not view.periodic:
         src, dst = job.src_blocks, job.dst_blocks
         if len(src) != len(dst):
             raise TransferValidationError(
                 "dst_blocks", f"has {len(dst)} ids but src_blocks has {len(src)}; they pair up"
             )
         return (Pass(key, view.fragments, src, dst),)
-    period = view.period
-    if period is None:
-        raise TransferValidationError(
-            where,
-            "has block fragments only; a token range needs the plan's period form "
-            "(GET .../plans?fragments=period)",
-        )
+    sizes = view.tokens_per_block
+    if sizes is None:
+        raise _needs_period(where)
     window = job.window or TokenWindow()
-    tokens, src, dst = window.lists(
-        job.src_blocks, job.dst_blocks, period.src_tokens_per_block, period.dst_tokens_per_block
-    )
+    tokens, src, dst = window.lists(job.src_blocks, job.dst_blocks, *sizes)
+    if view.sliding_window is not None:
+        assert window.prompt is not None  # slots.check_leg refused a windowed job without it
+        windowed = windowed_range(tokens, view.sliding_window.first_token(window.prompt))
+        if windowed is None:
+            return ()
+        tokens = windowed
     gap = first_gap(tokens, src, dst)
     if gap is not None:
         raise TransferValidationError(gap.field, gap.detail, code=gap.code, extras=gap.extras)
+    return _range_passes(view, key, job, where, tokens, src, dst)
+
+
+def _needs_period(where: str) -> TransferValidationError:
+    return TransferValidationError(
+        where,
+        "has block fragments only; a token range needs the plan's period form "
+        "(GET .../plans?fragments=period)",
+    )
+
+
+def _range_passes(
+    view: ViewCopy,
+    key: tuple[Hashable, ...],
+    job: TransferJob,
+    where: str,
+    tokens: TokenRange,
+    src: BlockList,
+    dst: BlockList,
+) -> tuple[Pass, ...]:
+    """Whole pieces by cached passes, the ends of the range cut from the period."""
     inner = whole_pieces(tokens, src.tokens_per_block, dst.tokens_per_block)
     if inner is None:
-        return tuple(_cut_passes(view, tokens, src, dst))
-    passes = list(_inner_passes(view, key, inner, job, src, dst))
-    for start, end in ((tokens.start, inner.start), (inner.end, tokens.end)):
-        if start < end:
-            passes += _cut_passes(view, TokenRange(start, end), src, dst)
+        cuts = [tokens]
+    else:
+        ends = ((tokens.start, inner.start), (inner.end, tokens.end))
+        cuts = [TokenRange(start, end) for start, end in ends if start < end]
+    if cuts and view.period is None:
+        raise _needs_period(where)
+    passes = [] if inner is None else list(_inner_passes(view, key, inner, job, src, dst))
+    for cut in cuts:
+        passes += _cut_passes(view, cut, src, dst)
     return tuple(passes)
 
 

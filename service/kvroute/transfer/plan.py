@@ -1,9 +1,11 @@
 """The executable form of a plan: only what the data plane needs, checked once.
 
 A plan document (API.md "Plans") is parsed into frozen dataclasses whose fragments are read-only
-``int64`` arrays sorted by destination offset. Parsing refuses anything that can never copy exactly
-once: malformed fragments, and destination bytes written by two fragments (of one view, of two views,
-or of two sender ranks). Bounds against concrete pools are checked later, per job.
+``int64`` arrays sorted by destination offset: block views (copied per block pair or token range, a
+windowed one only from its window on) and recurrent-state views (``states``, copied once per request
+between the request's state slots). Parsing refuses anything that can never copy exactly once
+(``exactly_once``): malformed fragments, and destination bytes written by two fragments (of one
+view, of two views, or of two sender ranks). Bounds against concrete pools are checked later, per job.
 
 A view pair planned by period (different block sizes, or a plan fetched in the period form) carries
 its ``PeriodMap``: spans with their tokens, from which any token range is cut. A plan built in this
@@ -16,12 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from kvroute.geometry import PeriodMap, Plan
+from kvroute.geometry import PeriodMap, Plan, Window
 from kvroute.transfer.errors import TransferValidationError
 
 SRC, DST, LENGTH = 0, 1, 2  # columns of a fragment array
@@ -55,7 +57,12 @@ def period_groups(period: PeriodMap) -> tuple[PeriodGroup, ...]:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ViewCopy:
-    """One matched view pair of one sender rank: fragments relative to a slot start."""
+    """One matched view pair of one sender rank: fragments relative to a slot start.
+
+    A block view's slots are the job's block ids (a windowed one's, ``sliding_window``, from the
+    window's first token on); a state view's (``state``) are the request's state slots, copied once
+    per job.
+    """
 
     src_view: int
     dst_view: int
@@ -65,6 +72,8 @@ class ViewCopy:
     fragments: np.ndarray = field(repr=False)  # (n, 3) int64: src_offset, dst_offset, length
     period: PeriodMap | None = field(default=None, repr=False)
     groups: tuple[PeriodGroup, ...] = field(default=(), repr=False)  # of ``period``
+    sliding_window: Window | None = None
+    state: bool = False
 
     @property
     def periodic(self) -> bool:
@@ -73,7 +82,7 @@ class ViewCopy:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes per receiver block."""
+        """Bytes per receiver block (per request for a state view)."""
         if self.periodic and self.period is not None:
             return self.period.bytes_per_dst_block
         return int(self.fragments[:, LENGTH].sum())
@@ -85,14 +94,28 @@ class ViewCopy:
         return len(self.fragments)
 
     @property
+    def tokens_per_block(self) -> tuple[int, int] | None:
+        """Each side's tokens per block, where the plan says (its period or its window)."""
+        if self.period is not None:
+            return self.period.src_tokens_per_block, self.period.dst_tokens_per_block
+        if self.sliding_window is not None:
+            window = self.sliding_window
+            return window.src_tokens_per_block, window.dst_tokens_per_block
+        return None
+
+    def slot_spans(self, column: int) -> np.ndarray:
+        """(offset, length) of every fragment in a slot on one side (``SRC`` or ``DST``)."""
+        if not self.periodic:
+            return self.fragments[:, (column, LENGTH)]
+        assert self.period is not None
+        spans = np.array(self.period.spans, dtype=np.int64).reshape(-1, 7)
+        return spans[:, (1 if column == SRC else 3, 4)]
+
+    @property
     def extent(self) -> tuple[int, int]:
         """One past the last byte touched in a slot, on the sender and on the receiver side."""
-        if not self.periodic:
-            ends = self.fragments[:, (SRC, DST)] + self.fragments[:, (LENGTH,)]
-            return int(ends[:, 0].max()), int(ends[:, 1].max())
-        assert self.period is not None
-        spans = self.period.spans
-        return max(s[1] + s[4] for s in spans), max(s[3] + s[4] for s in spans)
+        ends = [spans[:, 0] + spans[:, 1] for spans in (self.slot_spans(SRC), self.slot_spans(DST))]
+        return int(ends[0].max()), int(ends[1].max())
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +123,11 @@ class PeerCopy:
     rank: int
     sends: bool
     views: tuple[ViewCopy, ...]
+    states: tuple[ViewCopy, ...] = ()
+
+    @property
+    def copies(self) -> tuple[ViewCopy, ...]:
+        return self.views + self.states
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +136,14 @@ class CopyPlan:
 
     fingerprint: str
     peers: tuple[PeerCopy, ...]
+    # Receiver pools (and sender ranks' pools) whose block and state regions overlap in a slot:
+    # there, one slot id must never be both a block and the state slot of one job.
+    shared_slot_pools: frozenset[int] = frozenset()
+    shared_src_pools: frozenset[tuple[int, int]] = frozenset()
 
     @property
     def senders(self) -> tuple[PeerCopy, ...]:
-        return tuple(peer for peer in self.peers if peer.sends and peer.views)
+        return tuple(peer for peer in self.peers if peer.sends and peer.copies)
 
     @property
     def fragments_per_block(self) -> int:
@@ -121,9 +153,28 @@ class CopyPlan:
     def bytes_per_block(self) -> int:
         return sum(view.bytes_per_block for peer in self.senders for view in peer.views)
 
+    @property
+    def state_bytes(self) -> int:
+        """Recurrent-state bytes per request (copied once, from state slot to state slot)."""
+        return sum(state.bytes_per_block for peer in self.senders for state in peer.states)
+
+    @property
+    def state_fragments(self) -> int:
+        return sum(len(state.fragments) for peer in self.senders for state in peer.states)
+
+    @property
+    def has_state(self) -> bool:
+        return any(peer.states for peer in self.senders)
+
+    @property
+    def windowed(self) -> bool:
+        return any(view.sliding_window for peer in self.senders for view in peer.views)
+
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> CopyPlan:
         """Parse an API.md plan document; raises ``TransferValidationError`` naming the field."""
+        from kvroute.transfer.exactly_once import check_exactly_once, shared_slot_pools
+
         peers_doc = doc.get("peers")
         if not isinstance(peers_doc, list):
             raise TransferValidationError("plan.peers", "must be a list of sender ranks")
@@ -133,8 +184,9 @@ class CopyPlan:
             canonical = json.dumps(peers_doc, sort_keys=True, separators=(",", ":"))
             fingerprint = "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
         plan = cls(fingerprint=fingerprint, peers=peers)
-        _check_exactly_once(plan)
-        return plan
+        check_exactly_once(plan)
+        dst_shared, src_shared = shared_slot_pools(plan)
+        return replace(plan, shared_slot_pools=dst_shared, shared_src_pools=src_shared)
 
     @classmethod
     def from_plan(cls, plan: Plan) -> CopyPlan:
@@ -161,29 +213,41 @@ def _field_int(doc: Mapping[str, Any], name: str, path: str, minimum: int = 0) -
     return value
 
 
+def _parse_list(doc: Mapping[str, Any], name: str, path: str) -> list[Any]:
+    value = doc.get(name, [])
+    if not isinstance(value, list):
+        raise TransferValidationError(f"{path}.{name}", "must be a list")
+    return value
+
+
 def _parse_peer(doc: Any, path: str) -> PeerCopy:
     if not isinstance(doc, Mapping):
         raise TransferValidationError(path, "must be an object")
     sends = doc.get("sends", True)
-    views_doc = doc.get("views", [])
     if not isinstance(sends, bool):
         raise TransferValidationError(f"{path}.sends", "must be a boolean")
-    if not isinstance(views_doc, list):
-        raise TransferValidationError(f"{path}.views", "must be a list")
-    views = tuple(_parse_view(view, f"{path}.views[{i}]") for i, view in enumerate(views_doc))
+    views = [
+        _parse_view(view, f"{path}.views[{i}]")
+        for i, view in enumerate(_parse_list(doc, "views", path))
+    ]
+    states = [
+        _parse_view(state, f"{path}.states[{i}]", state=True)
+        for i, state in enumerate(_parse_list(doc, "states", path))
+    ]
     return PeerCopy(
         rank=_field_int(doc, "rank", path),
         sends=sends,
         views=tuple(view for view in views if view.bytes_per_block),
+        states=tuple(state for state in states if len(state.fragments)),
     )
 
 
-def _parse_view(doc: Any, path: str) -> ViewCopy:
+def _parse_view(doc: Any, path: str, *, state: bool = False) -> ViewCopy:
     if not isinstance(doc, Mapping):
         raise TransferValidationError(path, "must be an object")
     mapper = doc.get("mapper", "")
     period = None
-    if "period_fragments" in doc:
+    if "period_fragments" in doc and not state:
         try:
             period = PeriodMap.from_json(doc)
         except ValueError as error:
@@ -191,6 +255,7 @@ def _parse_view(doc: Any, path: str) -> ViewCopy:
     fragments = doc.get("fragments")
     if period is not None and fragments is None:
         fragments = []
+    window = None if state else _parse_window(doc.get("window"), f"{path}.window", period)
     return ViewCopy(
         src_view=_field_int(doc, "src_view", path),
         dst_view=_field_int(doc, "dst_view", path),
@@ -200,7 +265,33 @@ def _parse_view(doc: Any, path: str) -> ViewCopy:
         fragments=_parse_fragments(fragments, f"{path}.fragments"),
         period=period,
         groups=period_groups(period) if period is not None else (),
+        sliding_window=window,
+        state=state,
     )
+
+
+def _parse_window(doc: Any, path: str, period: PeriodMap | None) -> Window | None:
+    if doc is None:
+        return None
+    if not isinstance(doc, Mapping):
+        raise TransferValidationError(path, "must be an object")
+    window = Window(
+        _field_int(doc, "tokens", path, 1),
+        None,
+        None,
+        _field_int(doc, "src_tokens_per_block", path, 1),
+        _field_int(doc, "dst_tokens_per_block", path, 1),
+    )
+    if period is not None and (period.src_tokens_per_block, period.dst_tokens_per_block) != (
+        window.src_tokens_per_block,
+        window.dst_tokens_per_block,
+    ):
+        raise TransferValidationError(
+            path,
+            f"cuts {window.src_tokens_per_block} -> {window.dst_tokens_per_block} tokens per "
+            f"block, the period {period.src_tokens_per_block} -> {period.dst_tokens_per_block}",
+        )
+    return window
 
 
 def _parse_fragments(doc: Any, path: str) -> np.ndarray:
@@ -221,49 +312,3 @@ def _parse_fragments(doc: Any, path: str) -> np.ndarray:
     fragments = fragments[np.argsort(fragments[:, DST], kind="stable")]
     fragments.setflags(write=False)
     return fragments
-
-
-def _check_exactly_once(plan: CopyPlan) -> None:
-    """Refuse a plan in which two fragments write the same destination byte."""
-    by_pool: dict[int, list[tuple[np.ndarray, int, int]]] = {}
-    for peer in plan.senders:
-        for index, view in enumerate(peer.views):
-            intervals = _destination_intervals(view, f"rank {peer.rank} view #{index}")
-            by_pool.setdefault(view.dst_pool, []).append((intervals, peer.rank, index))
-    for pool_id, parts in by_pool.items():
-        starts = np.concatenate([p[0][:, 0] for p in parts])
-        ends = starts + np.concatenate([p[0][:, 1] for p in parts])
-        owners = np.concatenate([np.full(len(p[0]), n) for n, p in enumerate(parts)])
-        order = np.argsort(starts, kind="stable")
-        clash = np.flatnonzero(starts[order][1:] < ends[order][:-1])
-        if len(clash):
-            first, second = order[clash[0]], order[clash[0] + 1]
-            a, b = parts[owners[first]], parts[owners[second]]
-            raise TransferValidationError(
-                "plan.peers",
-                f"destination bytes of pool {pool_id} at offset {int(starts[second])} are written "
-                f"twice: by rank {a[1]} view #{a[2]} and by rank {b[1]} view #{b[2]}",
-            )
-
-
-def _destination_intervals(view: ViewCopy, name: str) -> np.ndarray:
-    """(offset, length) rows a view writes in a receiver slot.
-
-    A period writes the same offsets into each of its receiver blocks (every row, that block's
-    tokens), so after checking each block on its own, the offsets of all blocks taken together
-    stand for the view beside the others.
-    """
-    if not view.periodic:
-        return view.fragments[:, (DST, LENGTH)]
-    assert view.period is not None
-    spans = np.array(view.period.spans, dtype=np.int64).reshape(-1, 7)
-    order = np.lexsort((spans[:, 3], spans[:, 2]))
-    block, start, length = spans[order, 2], spans[order, 3], spans[order, 4]
-    overlap = (block[1:] == block[:-1]) & (start[1:] < start[:-1] + length[:-1])
-    if overlap.any():
-        at = int(np.flatnonzero(overlap)[0]) + 1
-        raise TransferValidationError(
-            "plan.peers",
-            f"{name} writes offset {int(start[at])} of its receiver block {int(block[at])} twice",
-        )
-    return np.unique(np.stack([start, length], axis=1), axis=0)

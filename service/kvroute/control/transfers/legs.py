@@ -24,6 +24,7 @@ from kvroute.transfer.plan import CopyPlan
 
 _BlockTarget = tuple[str, tuple[int, ...], str, int, Pool]  # list name, ids, instance, rank, pool
 COPY_PLAN_CACHE_SIZE = 1024  # compiled plans are immutable, keyed by fingerprint
+BLOCK_LISTS = ("src_blocks", "dst_blocks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,9 @@ class TransferRequest:
     tokens: tuple[int, int] | None = None  # [start, end) to move; None: the lists pair up
     src_first_token: int | None = None
     dst_first_token: int | None = None
+    src_state_slot: int | None = None  # the request's recurrent-state slot on every sender rank
+    dst_state_slot: int | None = None
+    prompt_tokens: int | None = None  # sliding windows' prompt length; default: the range's end
 
     @property
     def names_tokens(self) -> bool:
@@ -139,31 +143,58 @@ class LegResolver:
             raise error.of_rank(instance, rank) from error
 
 
-def sending_pools(plan: CopyPlan) -> list[tuple[int, int]]:
-    return sorted({(peer.rank, view.src_pool) for peer in plan.senders for view in peer.views})
+def sending_pools(plan: CopyPlan, *, state: bool | None = None) -> list[tuple[int, int]]:
+    """(sender rank, pool) of every copy; ``state`` True/False keeps state/block views only."""
+    return sorted(
+        {
+            (peer.rank, view.src_pool)
+            for peer in plan.senders
+            for view in peer.copies
+            if state is None or view.state is state
+        }
+    )
 
 
-def receiving_pools(plan: CopyPlan) -> list[int]:
-    return sorted({view.dst_pool for peer in plan.senders for view in peer.views})
+def receiving_pools(plan: CopyPlan, *, state: bool | None = None) -> list[int]:
+    return sorted(
+        {
+            view.dst_pool
+            for peer in plan.senders
+            for view in peer.copies
+            if state is None or view.state is state
+        }
+    )
 
 
 def _block_targets(request: TransferRequest, leg: Leg) -> Iterator[_BlockTarget]:
-    for rank, pool_id in sending_pools(leg.copy_plan):
-        pool = leg.sender_pools[rank, pool_id]
-        yield "src_blocks", request.src_blocks, request.sender, rank, pool
-    for pool_id in receiving_pools(leg.copy_plan):
-        pool = leg.receiver_pools[pool_id]
-        yield "dst_blocks", request.dst_blocks, request.receiver, leg.receiver_rank, pool
+    """Block lists against block-view pools, the state slots against state-view pools. Block ids
+    outside a view's window are checked too: a list names slots of the request either way."""
+    plan = leg.copy_plan
+    src_state = () if request.src_state_slot is None else (request.src_state_slot,)
+    dst_state = () if request.dst_state_slot is None else (request.dst_state_slot,)
+    for state, src_ids, dst_ids in (
+        (False, request.src_blocks, request.dst_blocks),
+        (True, src_state, dst_state),
+    ):
+        src_name, dst_name = ("src_state_slot", "dst_state_slot") if state else BLOCK_LISTS
+        for rank, pool_id in sending_pools(plan, state=state):
+            pool = leg.sender_pools[rank, pool_id]
+            yield src_name, src_ids, request.sender, rank, pool
+        for pool_id in receiving_pools(plan, state=state):
+            pool = leg.receiver_pools[pool_id]
+            yield dst_name, dst_ids, request.receiver, leg.receiver_rank, pool
 
 
 def _check_blocks(request: TransferRequest, leg: Leg) -> None:
-    """Every block id within every pool it addresses; names the id, the pool and its rank."""
+    """Every block id and state slot within every pool it addresses; names the id, the pool and
+    its rank. A plan that moves state needs the state slots (the engine says so by name)."""
     for name, blocks, instance, rank, pool in _block_targets(request, leg):
-        if min(blocks) >= 0 and max(blocks) < pool.num_slots:
+        if not blocks or (min(blocks) >= 0 and max(blocks) < pool.num_slots):
             continue
         index = next(i for i, block in enumerate(blocks) if not 0 <= block < pool.num_slots)
+        field, what = (f"{name}[{index}]", "block id") if name in BLOCK_LISTS else (name, "slot")
         raise TransferValidationError(
-            f"{name}[{index}]",
-            f"block id {blocks[index]} is outside pool {pool.pool_id} of {instance} rank {rank} "
+            field,
+            f"{what} {blocks[index]} is outside pool {pool.pool_id} of {instance} rank {rank} "
             f"(num_slots {pool.num_slots})",
         )

@@ -103,11 +103,17 @@ class TransferService:
         window = _window(request)
         await self._journal.recover(now)
         legs = await self._legs.legs(request, now=now)
-        if window is None:
+        if not request.names_tokens:
             _check_pairs(request, legs)
         opened = await asyncio.to_thread(self._legs.open, request, legs)
         job = TransferJob(
-            opened, request.src_blocks, request.dst_blocks, str(uuid.uuid4()), window=window
+            opened,
+            request.src_blocks,
+            request.dst_blocks,
+            str(uuid.uuid4()),
+            window=window,
+            src_state_slot=request.src_state_slot,
+            dst_state_slot=request.dst_state_slot,
         )
         # Splits the job into its copies (refusing a gap) and counts what they move.
         totals = self.pool.engine.totals(job)
@@ -167,11 +173,14 @@ def _check_pairs(request: TransferRequest, legs: list[Leg]) -> None:
 
 
 def _window(request: TransferRequest) -> TokenWindow | None:
-    """The request's token window; None for lists that pair up one to one."""
-    if not request.names_tokens:
+    """The request's token window; None for lists that pair up one to one without a prompt
+    length (a prompt length alone keeps them paired where block sizes are equal)."""
+    if not request.names_tokens and request.prompt_tokens is None:
         return None
     try:
         tokens = TokenRange(*request.tokens) if request.tokens is not None else None
     except TokenRangeError as error:
         raise TransferValidationError(error.field, error.detail) from error
-    return TokenWindow(tokens, request.src_first_token, request.dst_first_token)
+    return TokenWindow(
+        tokens, request.src_first_token, request.dst_first_token, request.prompt_tokens
+    )

@@ -1,0 +1,116 @@
+"""Instance-consistency checks (DESIGN.md "Rejected at the boundary", 3).
+
+Every rank of an instance agrees with the layout its first rank fixed (TP, PP, layer split, tokens
+per block, draft layers, attention defaults) and registers one geometry for the views of a role
+class that share layers, whatever their kind: KV heads and bytes, SSM heads, conv sections and
+sliding windows alike. The first disagreement is raised, in the order of ``_INSTANCE_FIELDS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvroute.geometry.errors import GeometryError
+from kvroute.geometry.model import RankRegistration, View
+
+# Fields every rank of an instance must agree on, in the order they are compared.
+_INSTANCE_FIELDS: tuple[str, ...] = (
+    "role",
+    "tp_size",
+    "pp_size",
+    "cp_size",
+    "attention_dp",
+    "dp_size",
+    "layers_per_stage",
+    "tokens_per_block",
+    "num_draft_layers",
+)
+_ATTENTION_FIELDS: tuple[str, ...] = ("num_kv_heads", "head_dim", "dtype", "is_mla")
+
+
+def check_instance(reg: RankRegistration, others: Iterable[RankRegistration]) -> None:
+    """The rank agrees with its instance's layout (fixed by its first rank) and its rank number."""
+    expected_rank = reg.pp_rank * reg.tp_size + reg.tp_rank
+    if reg.rank != expected_rank:
+        raise GeometryError(
+            "rank_mismatch",
+            f"rank {reg.rank} must be pp_rank * tp_size + tp_rank = {expected_rank}",
+            field="rank",
+            local=reg.rank,
+            peer=expected_rank,
+            stage="instance",
+        )
+    for other in sorted(others, key=lambda o: o.rank):
+        if other.rank != reg.rank:
+            _compare_instance_ranks(reg, other)
+
+
+def _compare_instance_ranks(reg: RankRegistration, other: RankRegistration) -> None:
+    pairs = [(f, getattr(reg, f), getattr(other, f)) for f in _INSTANCE_FIELDS]
+    pairs += [
+        (f"attention.{f}", getattr(reg.attention, f), getattr(other.attention, f))
+        for f in _ATTENTION_FIELDS
+    ]
+    for field, mine, theirs in pairs:
+        if mine != theirs:
+            mine, theirs = _jsonable(mine), _jsonable(theirs)
+            raise GeometryError(
+                "instance_layout_mismatch",
+                f"{field}={mine} disagrees with {other.label()} of the same instance ({field}={theirs})",
+                field=field,
+                local=mine,
+                peer=theirs,
+                stage="instance",
+                peer_instance=other.instance,
+                peer_rank=other.rank,
+            )
+    _compare_instance_views(reg, other)
+
+
+def _compare_instance_views(reg: RankRegistration, other: RankRegistration) -> None:
+    """Views of one role class that share layers must have one geometry on every rank of the instance."""
+    for index, view in enumerate(reg.views):
+        for theirs in other.views:
+            if (
+                theirs.owner is not view.owner
+                or theirs.roles != view.roles
+                or theirs.axis is not view.axis
+                or not view.layer_ids & theirs.layer_ids
+            ):
+                continue
+            for field, a, b in _view_signature(reg, view, other, theirs):
+                if a != b:
+                    raise GeometryError(
+                        "instance_view_mismatch",
+                        f"{view.label()} has {field}={a}, but {other.label()} registers {field}={b} "
+                        f"for the same layers",
+                        field=f"views[{index}].{field}",
+                        local=_jsonable(a),
+                        peer=_jsonable(b),
+                        stage="instance",
+                        peer_instance=other.instance,
+                        peer_rank=other.rank,
+                    )
+
+
+def _view_signature(
+    reg: RankRegistration, view: View, other: RankRegistration, theirs: View
+) -> Sequence[tuple[str, object, object]]:
+    return (
+        ("kind", view.kind.value, theirs.kind.value),
+        ("num_kv_heads", reg.heads(view), other.heads(theirs)),
+        ("buffers_per_layer", view.buffers_per_layer, theirs.buffers_per_layer),
+        ("bytes_per_layer", view.bytes_per_layer, theirs.bytes_per_layer),
+        (
+            "total_kv_heads",
+            view.total_kv_heads or theirs.total_kv_heads,
+            theirs.total_kv_heads or view.total_kv_heads,
+        ),
+        ("ssm_bytes_per_head", view.ssm_bytes_per_head, theirs.ssm_bytes_per_head),
+        ("conv_sections", view.conv_sections, theirs.conv_sections),
+        ("sliding_window", view.sliding_window, theirs.sliding_window),
+    )
+
+
+def _jsonable(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value

@@ -1,0 +1,110 @@
+"""Sliding-window attention: which tokens of a request a windowed view pair moves.
+
+The next token of a request with a prompt of ``L`` tokens attends to the last ``W`` positions,
+``[L + 1 - W, L]``, so prompt tokens before ``L + 1 - W`` are stale (reference section 5). A window
+is a restriction of the token range a job moves (``ranges``): the pair moves the job's tokens from
+the window's first token on, cut from its period like any other range.
+
+Decisions where the reference is silent or loose, in the terms users see:
+
+- The window's first token is the latest block start, on either side, at or before ``L + 1 - W``.
+  With equal block sizes that is the reference's whole blocks from ``floor((L + 1 - W) / tpb)``;
+  with different sizes the block holding that token on each side is one the side keeps (a windowed
+  sender keeps every block from its own window's first on, and its window is at least the pair's),
+  and the stale tokens moved before ``L + 1 - W`` are fewer than a block of either side.
+- A window of one token (the next token attends to itself only) needs no prompt token at all,
+  where the reference would still send a partial last block.
+- A pair moves the smaller window. A receiver with a larger window than its sender gets its extra
+  leading tokens trimmed (left as they are: the sender no longer holds them), as the reference does;
+  a receiver with a smaller window simply skips more.
+- A receiver without a window over layers its sender keeps windowed can never be served (it would
+  attend over blocks that never arrive), so the pair is refused at registration:
+  ``sliding_window_mismatch`` naming both windows. A windowed receiver of a full-attention sender
+  is fine: the sender holds every block and sends only the window. Block sizes never make a window
+  impossible: it is counted in tokens, and the period form cuts any range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvroute.geometry.errors import GeometryError
+from kvroute.geometry.model import RankRegistration, Role, View
+from kvroute.geometry.ranges import TokenRange
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """The window a pair moves (``tokens``), what each side declared (None: full attention) and
+    the tokens per block of the sender (``src``) and the receiver (``dst``)."""
+
+    tokens: int
+    sender: int | None
+    receiver: int | None
+    src_tokens_per_block: int
+    dst_tokens_per_block: int
+
+    def to_json(self) -> dict[str, int | None]:
+        return {
+            "tokens": self.tokens,
+            "sender": self.sender,
+            "receiver": self.receiver,
+            "src_tokens_per_block": self.src_tokens_per_block,
+            "dst_tokens_per_block": self.dst_tokens_per_block,
+        }
+
+    def first_token(self, prompt_tokens: int) -> int | None:
+        """The first token the pair moves for a prompt of ``prompt_tokens``; None: no token."""
+        return window_start(
+            self.tokens, prompt_tokens, self.src_tokens_per_block, self.dst_tokens_per_block
+        )
+
+
+def pair_window(
+    local: RankRegistration, view: View, peer: RankRegistration, theirs: View
+) -> Window | None:
+    """The window of a matched block-view pair, or None when neither side is windowed."""
+    if view.sliding_window is None and theirs.sliding_window is None:
+        return None
+    mine, other = (
+        (view.sliding_window, local.tokens(view)),
+        (theirs.sliding_window, peer.tokens(theirs)),
+    )
+    (sender, src_tokens), (receiver, dst_tokens) = (
+        (mine, other) if local.role is Role.CONTEXT else (other, mine)
+    )
+    if receiver is None:
+        index = next(i for i, candidate in enumerate(local.views) if candidate is view)
+        raise GeometryError(
+            "sliding_window_mismatch",
+            f"{view.label()} of {local.label()} vs {peer.label()}: the context side keeps only the "
+            f"last {sender} tokens of these layers (sliding_window={sender}) but the generation "
+            "side attends over all of them (no sliding_window); the stale blocks never arrive",
+            field=f"views[{index}].sliding_window",
+            local=view.sliding_window,
+            peer=theirs.sliding_window,
+            stage="peer",
+            peer_instance=peer.instance,
+            peer_rank=peer.rank,
+        )
+    tokens = receiver if sender is None else min(sender, receiver)
+    return Window(tokens, sender, receiver, src_tokens, dst_tokens)
+
+
+def window_start(
+    window: int, prompt_tokens: int, src_tokens_per_block: int, dst_tokens_per_block: int
+) -> int | None:
+    """The first token a window of ``window`` tokens moves (see the module docstring); None when
+    the next token attends to no prompt token."""
+    first = prompt_tokens + 1 - window
+    if first >= prompt_tokens:
+        return None
+    first = max(0, first)
+    return max(first // size * size for size in (src_tokens_per_block, dst_tokens_per_block))
+
+
+def windowed_range(tokens: TokenRange, start: int | None) -> TokenRange | None:
+    """The tokens of ``tokens`` from a window's first token on (None: none of them)."""
+    if start is None or start >= tokens.end:
+        return None
+    return TokenRange(max(tokens.start, start), tokens.end)

@@ -1,0 +1,143 @@
+"""Runs a plan document on numpy arrays, the way a data plane would, counting every byte it writes.
+
+Block view pairs copy block pairs by their block fragments, or a token range cut from their period
+form (``geometry.ranges``; lists named by their first token or by upstream's suffix rule). A windowed
+pair copies its part of the range from its window's first token on (``geometry.window``), by its
+period or, with equal block sizes, by whole blocks of its block fragments. Recurrent-state pairs
+copy each (sender slot, receiver slot) pair once. What the bytes should be is ``tests/truth.py``'s
+business, never this module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvroute.geometry import (
+    PeriodMap,
+    TokenRange,
+    check_covered,
+    prompt_length,
+    range_copies,
+    resolve_lists,
+    window_start,
+    windowed_range,
+)
+from tests.world import Layout
+
+Copy = tuple[int, int, int, int, int]  # src slot, src offset, dst slot, dst offset, length
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a transfer names: block lists, a token range and first tokens, state slot pairs and
+    the prompt's length."""
+
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    tokens: TokenRange | None = None
+    firsts: tuple[int | None, int | None] = (None, None)
+    state_pairs: Sequence[tuple[int, int]] = ()
+    prompt_tokens: int | None = None
+
+    def copies(self, view: dict[str, Any]) -> list[Copy]:
+        """Every copy of one block view pair (raises ``TokenGap`` where a list falls short)."""
+        window = view.get("window")
+        pairs = self.tokens is None and self.firsts == (None, None) and window is None
+        if pairs and "fragments" in view:
+            return self._pairs(view, self.src_blocks, self.dst_blocks)
+        period = PeriodMap.from_json(view) if "period_fragments" in view else None
+        if period is not None:
+            sizes = (period.src_tokens_per_block, period.dst_tokens_per_block)
+        else:
+            sizes = (window["src_tokens_per_block"], window["dst_tokens_per_block"])
+        span, src, dst = resolve_lists(
+            self.src_blocks,
+            self.dst_blocks,
+            *sizes,
+            tokens=self.tokens,
+            src_first_token=self.firsts[0],
+            dst_first_token=self.firsts[1],
+            prompt_tokens=self.prompt_tokens,
+        )
+        if window is not None:
+            prompt = prompt_length(self.tokens, self.prompt_tokens)
+            assert prompt is not None, "a windowed plan needs the prompt length"
+            part = windowed_range(span, window_start(window["tokens"], prompt, *sizes))
+            if part is None:
+                return []
+            span = part
+        if period is not None:
+            return range_copies(period, span, src, dst)
+        check_covered(span, src, dst)
+        size = sizes[0]
+        assert sizes[0] == sizes[1], "the block form pairs blocks of one size"
+        assert span.start % size == 0, "the block form moves whole blocks only"
+        blocks = range(span.start // size, -(-span.end // size))
+        return self._pairs(
+            view, [src.block_id(b) for b in blocks], [dst.block_id(b) for b in blocks]
+        )
+
+    @staticmethod
+    def _pairs(view: dict[str, Any], src: Sequence[int], dst: Sequence[int]) -> list[Copy]:
+        return [
+            (sb, s, db, d, n)
+            for sb, db in zip(src, dst, strict=True)
+            for s, d, n in view["fragments"]
+        ]
+
+
+def _apply(out: np.ndarray, writes: np.ndarray, src: np.ndarray, copies: np.ndarray) -> None:
+    """Runs (src_start, dst_start, length) rows; counts every destination byte written."""
+    if not len(copies):
+        return
+    lengths = copies[:, 2]
+    step = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    inner = np.arange(lengths.sum()) - step
+    src_at, dst_at = (
+        np.repeat(copies[:, 0], lengths) + inner,
+        np.repeat(copies[:, 1], lengths) + inner,
+    )
+    out[dst_at] = src[src_at]
+    np.add.at(writes, dst_at, 1)
+
+
+def execute(
+    plan_json: dict[str, Any],
+    sender_pools: dict[int, dict[int, np.ndarray]],
+    sender_layouts: dict[int, Layout],
+    receiver_layout: Layout,
+    request: Request,
+    *,
+    into: dict[int, np.ndarray] | None = None,
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """Runs a plan on numpy arrays; returns the receiver's pools and a per-byte write count."""
+    out = {
+        pool: np.zeros(stride * slots, dtype=np.int64) if into is None else into[pool].copy()
+        for pool, (_, stride, slots) in receiver_layout.pools.items()
+    }
+    writes = {pool: np.zeros_like(arr) for pool, arr in out.items()}
+    for peer in plan_json["peers"]:
+        src_layout = sender_layouts[peer["rank"]]
+        parts = [(view, request.copies(view)) for view in peer["views"]]
+        parts += [
+            (
+                state,
+                [(s, a, d, b, n) for s, d in request.state_pairs for a, b, n in state["fragments"]],
+            )
+            for state in peer.get("states", [])
+        ]
+        for transfer, copies in parts:
+            src_stride = src_layout.pools[transfer["src_pool"]][1]
+            dst_stride = receiver_layout.pools[transfer["dst_pool"]][1]
+            rows = [(sb * src_stride + s, db * dst_stride + d, n) for sb, s, db, d, n in copies]
+            _apply(
+                out[transfer["dst_pool"]],
+                writes[transfer["dst_pool"]],
+                sender_pools[peer["rank"]][transfer["src_pool"]],
+                np.array(rows, dtype=np.int64).reshape(-1, 3),
+            )
+    return out, writes

@@ -1,0 +1,188 @@
+"""The independent ground truth of planner and data-plane tests: what every byte of a pool holds.
+
+Every logical byte has a unique id, named by its view class, prompt position (token), layer, buffer,
+global head and byte within the token-head, so the two sides may cut the prompt into blocks of any
+size and a byte still has one id wherever it lands. Recurrent state is named by the request instead
+of a position (and by section or SSM head). The bytes a receiver expects after a transfer come from
+the same first principles: rule 1 (``world.true_heads``), the token range, and for sliding windows
+the rule of issue 12 written out here again (``window_starts``), never by the planner's code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from tests.world import Layout, Side, ViewClass, side_window, true_heads
+
+
+def window_starts(
+    ctx: Side, gen: Side, classes: list[ViewClass], prompt_tokens: int
+) -> dict[int, int]:
+    """class -> the first prompt position a windowed class's pair moves, for a prompt of
+    ``prompt_tokens``: the pair moves the smaller window ``W``, from the latest block start of
+    either side at or before ``prompt_tokens + 1 - W``; a one-token window moves none."""
+    starts = {}
+    for c, cls in enumerate(classes):
+        declared = [side_window(side, c, cls) for side in (ctx, gen)]
+        windows = [w for w in declared if w is not None]
+        if cls.is_state or not windows:
+            continue
+        first = prompt_tokens + 1 - min(windows)
+        if first >= prompt_tokens:
+            starts[c] = Truth.MAX_POSITIONS  # nothing of the prompt
+            continue
+        first = max(0, first)
+        sizes = (ctx.tokens_per_block, gen.tokens_per_block)
+        starts[c] = max(first - first % size for size in sizes)
+    return starts
+
+
+class Truth:
+    """Byte contents from the logical tensor (see the module docstring)."""
+
+    MAX_POSITIONS = 512
+
+    def __init__(self, classes: list[ViewClass]) -> None:
+        self.classes = classes
+        # The byte index's radix fits the widest unit or conv section, so ids stay unique.
+        self.unit_radix = max(max((c.unit, *c.sections)) for c in classes)
+
+    def logical_id(
+        self,
+        c: int,
+        position: np.ndarray | int,
+        layer: int,
+        buf: int,
+        head: np.ndarray | int,
+        k: np.ndarray,
+    ) -> np.ndarray:
+        """``position`` is a prompt position, or a request for recurrent state."""
+        slot = (((c * self.MAX_POSITIONS + position) * 64 + layer) * 4 + buf) * 64 + head
+        return slot * self.unit_radix + k + 1
+
+    def fill(
+        self,
+        side: Side,
+        layout: Layout,
+        rank: int,
+        blocks: list[int],
+        content: list[int],
+        *,
+        states: Mapping[int, int] | None = None,
+    ) -> dict[int, np.ndarray]:
+        """Pool arrays (one int64 'byte' per element) of a rank holding logical blocks ``content``
+        at ``blocks`` and, for each state slot of ``states``, that request's state."""
+        tokens = side.tokens_per_block
+        placement = {
+            block: logical * tokens for block, logical in zip(blocks, content, strict=True)
+        }
+        return self.place(side, layout, rank, placement, states=states)
+
+    def place(
+        self,
+        side: Side,
+        layout: Layout,
+        rank: int,
+        placement: dict[int, int],
+        positions: range | None = None,
+        into: dict[int, np.ndarray] | None = None,
+        *,
+        starts: Mapping[int, int] | None = None,
+        states: Mapping[int, int] | None = None,
+    ) -> dict[int, np.ndarray]:
+        """Pool arrays of a rank whose slot ``s`` holds the block starting at prompt position
+        ``placement[s]``; only ``positions`` are written (every position when None), and of a
+        class in ``starts`` only positions from its start on, into copies of ``into`` (zeros when
+        None). State slot ``s`` of ``states`` holds request ``states[s]``'s state."""
+        arrays = {
+            pool: np.zeros(stride * slots, dtype=np.int64) if into is None else into[pool].copy()
+            for pool, (_, stride, slots) in layout.pools.items()
+        }
+        q = (rank % side.tp_size) % side.tp_per_dp
+        slots = np.array(sorted(placement), dtype=np.int64)
+        first = np.array([placement[s] for s in sorted(placement)], dtype=np.int64)
+        for (c, layer), (pool, offset) in layout.regions.items():
+            cls, stride = self.classes[c], layout.pools[pool][1]
+            if cls.is_state:
+                for slot, request in (states or {}).items():
+                    at, ids = self._state(c, cls, side, q, layer, request)
+                    arrays[pool][slot * stride + offset + at] = ids
+                continue
+            low = (starts or {}).get(c, 0)
+            keep = range(max(low, 0 if positions is None else positions.start), self.MAX_POSITIONS)
+            if positions is not None:
+                keep = range(keep.start, positions.stop)
+            self._blocks(arrays[pool], side, c, layer, q, (slots, first), (stride, offset), keep)
+        return arrays
+
+    def _blocks(
+        self,
+        array: np.ndarray,
+        side: Side,
+        c: int,
+        layer: int,
+        q: int,
+        placed: tuple[np.ndarray, np.ndarray],
+        where: tuple[int, int],
+        keep: range,
+    ) -> None:
+        """Writes one layer region of a block class into every placed slot, positions in ``keep``."""
+        cls, (slots, starts), (stride, offset) = self.classes[c], placed, where
+        heads = np.array(
+            [0] if cls.kind == "replicated" else true_heads(cls.total_heads, side.tp_per_dp, q)
+        )
+        h, t, u = len(heads), side.tokens_per_block, cls.unit
+        n, j, tok, k = np.ogrid[: len(slots), :h, :t, :u]
+        # nhd is token-major; hnd and replicated (one pseudo-head) are head-major.
+        position = tok * (h * u) + j * u + k if cls.kind == "nhd" else j * (t * u) + tok * u + k
+        prompt = starts[n] + tok
+        shape = (len(slots), h, t, u)
+        mask = np.broadcast_to((prompt >= keep.start) & (prompt < keep.stop), shape)
+        assert (prompt < self.MAX_POSITIONS).all()
+        for b in range(cls.buffers):
+            at = np.broadcast_to(slots[n] * stride + offset + b * h * t * u + position, shape)
+            ids = np.broadcast_to(self.logical_id(c, prompt, layer, b, heads[j], k), shape)
+            array[at[mask]] = ids[mask]
+
+    def _state(
+        self, c: int, cls: ViewClass, side: Side, q: int, layer: int, request: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(positions in the layer region, ids) of one request's state held by TP rank ``q``."""
+        if cls.kind == "ssm":
+            per_rank = cls.total_heads // side.tp_per_dp
+            j, k = np.meshgrid(np.arange(per_rank), np.arange(cls.unit), indexing="ij")
+            ids = self.logical_id(c, request, layer, 0, q * per_rank + j, k)
+            return (j * cls.unit + k).reshape(-1), ids.reshape(-1)
+        if cls.kind == "conv":
+            positions: list[np.ndarray] = []
+            ids: list[np.ndarray] = []
+            start = 0
+            for section, size in enumerate(cls.sections):
+                per_rank = size // side.tp_per_dp
+                positions.append(start + np.arange(per_rank))
+                # A section's bytes are channel-major and split contiguously over the TP.
+                ids.append(
+                    self.logical_id(
+                        c, request, layer, section, 0, q * per_rank + np.arange(per_rank)
+                    )
+                )
+                start += per_rank
+            return np.concatenate(positions), np.concatenate(ids)
+        k = np.arange(cls.unit)
+        return k, self.logical_id(c, request, layer, 0, 0, k)
+
+
+def background(layout: Layout) -> dict[int, np.ndarray]:
+    """Receiver pools before a transfer: a distinct negative value per byte, never a logical id."""
+    return {
+        pool: -np.arange(1, stride * slots + 1, dtype=np.int64)
+        for pool, (_, stride, slots) in layout.pools.items()
+    }
+
+
+def state_only(truth: Truth, side: Side, layout: Layout, rank: int, slots: Sequence[int]) -> int:
+    """How many bytes of a rank's pools the state of the requests in ``slots`` occupies."""
+    placed = truth.place(side, layout, rank, {}, states=dict.fromkeys(slots, 5))
+    return sum(int((ids != 0).sum()) for ids in placed.values())
