@@ -23,6 +23,7 @@ from kvroute.api.keys import copy_engine_key, sessionmaker_key, transfer_service
 from kvroute.store import jobs
 from kvroute.store.engine import create_engine, make_sessionmaker
 from kvroute.store.jobs import INTERRUPTED
+from kvroute.store.models import TransferJob as JobRow
 from kvroute.transfer import CopyEngine, TransferJob
 from kvroute.transfer.jobs import CopyResult
 from tests.api.conftest import ADMIN, WORKER, rank_path
@@ -157,8 +158,10 @@ async def test_job_runs_and_is_reported_from_the_database(start, segment) -> Non
     assert job["fragments"] > 0
     assert job["started_at"] <= job["finished_at"]
     assert job["duration_seconds"] >= 0
-    stored = await jobs.get_job(client.app[sessionmaker_key], accepted["id"])
-    assert (stored.state, stored.src_blocks, stored.dst_blocks) == ("succeeded", (3, 1), (0, 2))
+    async with client.app[sessionmaker_key]() as session:
+        stored = await session.get(JobRow, accepted["id"])
+    assert stored is not None
+    assert (stored.state, stored.src_blocks, stored.dst_blocks) == ("succeeded", [3, 1], [0, 2])
     metrics = await (await client.get("/metrics")).text()
     assert 'kvroute_transfer_jobs_total{state="succeeded"} 1.0' in metrics
     assert f"kvroute_transfer_bytes_total {float(job['bytes'])}" in metrics

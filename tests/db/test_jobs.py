@@ -10,7 +10,7 @@ from kvroute.store import jobs
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import InvalidTransition, NotFound
 from kvroute.store.models import JobState
-from kvroute.store.records import TransferJobRecord
+from kvroute.wire import TransferJob
 from tests.db.documents import T0
 
 LATER = T0 + timedelta(seconds=2)
@@ -18,7 +18,7 @@ LATER = T0 + timedelta(seconds=2)
 
 async def new_job(
     sessionmaker: SessionMaker, deployment: str = "llama", replica: str = ""
-) -> TransferJobRecord:
+) -> TransferJob:
     return await jobs.create_job(
         sessionmaker,
         deployment=deployment,
@@ -41,7 +41,7 @@ async def test_created_job_is_queued_and_readable(sessionmaker: SessionMaker) ->
     stored = await jobs.get_job(sessionmaker, job.id)
 
     assert stored == job
-    assert (stored.state, stored.bytes, stored.src_blocks) == ("queued", 2**40, (3, 4))
+    assert (stored.state, stored.bytes, stored.blocks) == ("queued", 2**40, 2)
     assert stored.started_at is stored.finished_at is None
     with pytest.raises(NotFound):
         await jobs.get_job(sessionmaker, "00000000-0000-0000-0000-000000000000")

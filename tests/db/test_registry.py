@@ -54,7 +54,7 @@ async def test_generation_is_kept_for_identical_and_bumped_for_changed_documents
     stored = await registry.get_rank(sessionmaker, "llama", "ctx0", 0, now=T0 + seconds(20))
     assert stored.generation == 2
     assert stored.document == moved.to_json()
-    assert stored.lease == "live"
+    assert stored.state == "live"
 
 
 async def test_generations_are_never_reused_after_delete(sessionmaker: SessionMaker) -> None:
@@ -137,7 +137,7 @@ async def test_expired_ranks_are_not_peers(sessionmaker: SessionMaker) -> None:
 
     assert admitted.created
     context = await registry.get_instance(sessionmaker, "llama", "ctx0", now=T0 + seconds(10))
-    assert [rank.lease for rank in context.ranks] == ["expired", "expired"]
+    assert [rank.state for rank in context.ranks] == ["expired", "expired"]
 
 
 async def test_expired_instance_ranks_do_not_pin_the_layout(sessionmaker: SessionMaker) -> None:
@@ -149,8 +149,8 @@ async def test_expired_instance_ranks_do_not_pin_the_layout(sessionmaker: Sessio
     )
 
     instance = await registry.get_instance(sessionmaker, "llama", "ctx0", now=later)
-    assert instance.summary.tp_size == 4
-    assert (instance.summary.live_ranks, instance.summary.expired_ranks) == (1, 1)
+    assert instance.tp_size == 4
+    assert (instance.live_ranks, instance.expired_ranks) == (1, 1)
 
 
 async def test_heartbeat_renews_a_live_lease(sessionmaker: SessionMaker) -> None:
@@ -160,7 +160,7 @@ async def test_heartbeat_renews_a_live_lease(sessionmaker: SessionMaker) -> None
 
     assert expires == T0 + seconds(19)
     ranks = await registry.get_instance(sessionmaker, "llama", "ctx0", now=T0 + seconds(15))
-    assert [rank.lease for rank in ranks.ranks] == ["expired", "live"]
+    assert [rank.state for rank in ranks.ranks] == ["expired", "live"]
 
 
 async def test_heartbeat_refuses_unknown_and_expired_ranks(sessionmaker: SessionMaker) -> None:
@@ -245,7 +245,7 @@ async def test_listings_report_roles_layouts_and_lease_states(sessionmaker: Sess
     assert await registry.list_instances(sessionmaker, "llama", now=now) == list(detail.instances)
 
     generation = await registry.get_instance(sessionmaker, "llama", "gen0", now=now)
-    assert [(r.rank, r.generation, r.lease) for r in generation.ranks] == [(0, 1, "live")]
+    assert [(r.rank, r.generation, r.state) for r in generation.ranks] == [(0, 1, "live")]
     assert await registry.count_live_ranks(sessionmaker, now=now) == 1
     assert await registry.count_live_ranks(sessionmaker, now=T0) == 3
 

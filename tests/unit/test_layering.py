@@ -1,7 +1,8 @@
 """The package's shape, read from its source: layers point one way, no cycles, small modules.
 
 ``cli -> api -> control -> {transfer, store, geometry}``, ``transfer -> geometry``,
-``store -> geometry``; ``client -> geometry``. The api layer runs no SQL (it imports no
+``store -> geometry``; ``client -> geometry``; ``wire`` (the answers' shapes) is a leaf like
+``geometry``, read by the store, the api and the client. The api layer runs no SQL (it imports no
 SQLAlchemy), the data plane knows no store, the control layer no HTTP, the geometry core no I/O.
 Imports are read with ``ast`` (function-level ones included, ``TYPE_CHECKING`` blocks excluded),
 so a lazy import cannot hide a dependency.
@@ -23,14 +24,15 @@ MAX_TOP_LEVEL_MODULES = 5  # plain modules beside the packages, __init__ exclude
 # Layer -> kvroute layers (and outside libraries) it must not import.
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "geometry": ("kvroute", "aiohttp", "sqlalchemy", "torch", "numpy", "asyncio"),
+    "wire": ("kvroute", "aiohttp", "sqlalchemy", "torch", "numpy", "asyncio"),
     "store": ("kvroute.api", "kvroute.control", "kvroute.transfer", "kvroute.cli", "aiohttp"),
     "transfer": ("kvroute.store", "kvroute.control", "kvroute.api", "kvroute.cli", "sqlalchemy"),
     "control": ("kvroute.api", "kvroute.cli", "aiohttp"),
     "api": ("kvroute.cli", "sqlalchemy"),
     "client": ("kvroute.store", "kvroute.control", "kvroute.api", "kvroute.cli", "sqlalchemy"),
 }
-# geometry may import itself; the entry above forbids every other kvroute package.
-ALLOWED_SELF = {"geometry": "kvroute.geometry"}
+# geometry and wire may import themselves; the entries above forbid every other kvroute package.
+ALLOWED_SELF = {"geometry": "kvroute.geometry", "wire": "kvroute.wire"}
 
 
 def _modules() -> dict[str, Path]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from kvroute import wire
 from kvroute.api.clock import app_now
 from kvroute.api.keys import registry_key, validated_key
 from kvroute.control.compatibility import deployment_matrix
@@ -21,6 +22,7 @@ async def get_compatibility(request: web.Request) -> web.Response:
         deployment,
         now=app_now(request.app),
     )
+    document = wire.to_json(matrix)
     if request[validated_key].query.get("format", "json") == "svg":
-        return web.Response(text=compatibility_svg(matrix), content_type="image/svg+xml")
-    return web.json_response(matrix)
+        return web.Response(text=compatibility_svg(document), content_type="image/svg+xml")
+    return web.json_response(document)

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime
-from typing import Any
 
 from aiohttp import web
 
+from kvroute import wire
 from kvroute.api.clock import app_now
 from kvroute.api.keys import metrics_key, registry_key, sessionmaker_key, validated_key
 from kvroute.geometry import GeometryError, RankRegistration
 from kvroute.store import registry
-from kvroute.store.records import RankRecord
 
 
 def rank_address(request: web.Request) -> tuple[str, str, int]:
@@ -38,13 +37,8 @@ async def put_rank(request: web.Request) -> web.Response:
         metrics.rejections.labels(code=error.code, deployment=deployment).inc()
         raise
     metrics.registrations.labels(result="created" if outcome.created else "accepted").inc()
-    return web.json_response(
-        {
-            "generation": outcome.generation,
-            "lease_expires_at": outcome.lease_expires_at.isoformat(),
-        },
-        status=201 if outcome.created else 200,
-    )
+    answer = wire.Registered(outcome.generation, outcome.lease_expires_at)
+    return web.json_response(wire.to_json(answer), status=201 if outcome.created else 200)
 
 
 async def _parse(
@@ -72,7 +66,7 @@ async def get_rank(request: web.Request) -> web.Response:
     record = await registry.get_rank(
         request.app[sessionmaker_key], deployment, instance, rank, now=app_now(request.app)
     )
-    return web.json_response(rank_json(record))
+    return web.json_response(wire.to_json(record))
 
 
 async def heartbeat(request: web.Request) -> web.Response:
@@ -80,25 +74,10 @@ async def heartbeat(request: web.Request) -> web.Response:
     expires = await request.app[registry_key].heartbeat(
         deployment, instance, rank, now=app_now(request.app)
     )
-    return web.json_response({"lease_expires_at": expires.isoformat()})
+    return web.json_response(wire.to_json(wire.LeaseRenewed(expires)))
 
 
 async def delete_rank(request: web.Request) -> web.Response:
     deployment, instance, rank = rank_address(request)
     await registry.delete_rank(request.app[sessionmaker_key], deployment, instance, rank)
     return web.Response(status=204)
-
-
-def rank_json(record: RankRecord) -> dict[str, Any]:
-    return {
-        "deployment": record.deployment,
-        "instance": record.instance,
-        "rank": record.rank,
-        "role": record.role,
-        "generation": record.generation,
-        "state": record.lease,
-        "lease_seconds": record.lease_seconds,
-        "lease_expires_at": record.lease_expires_at.isoformat(),
-        "registered_at": record.registered_at.isoformat(),
-        "document": record.document,
-    }

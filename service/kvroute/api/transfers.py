@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from kvroute import wire
 from kvroute.api.clock import app_now
 from kvroute.api.keys import (
     copy_engine_key,
@@ -27,7 +28,6 @@ from kvroute.api.keys import (
 )
 from kvroute.api.problems import Problem, ProblemError
 from kvroute.store import jobs
-from kvroute.store.records import TransferJobRecord
 
 if TYPE_CHECKING:
     from kvroute.control.transfers import TransferService
@@ -101,14 +101,14 @@ async def post_transfer(request: web.Request) -> web.Response:
     )
     record = await service.submit(transfer, now=app_now(request.app))  # refusals: the error table
     return web.json_response(
-        job_json(record), status=202, headers={"Location": f"/v1/transfers/{record.id}"}
+        wire.to_json(record), status=202, headers={"Location": f"/v1/transfers/{record.id}"}
     )
 
 
 async def get_transfer(request: web.Request) -> web.Response:
     job_id = request[validated_key].path["job_id"]
     record = await jobs.get_job(request.app[sessionmaker_key], job_id)
-    return web.json_response(job_json(record))
+    return web.json_response(wire.to_json(record))
 
 
 async def list_transfers(request: web.Request) -> web.Response:
@@ -118,7 +118,7 @@ async def list_transfers(request: web.Request) -> web.Response:
         request.app[sessionmaker_key], deployment, limit=validated.query.get("limit", 100)
     )
     return web.json_response(
-        {"deployment": deployment, "transfers": [job_json(record) for record in records]}
+        {"deployment": deployment, "transfers": [wire.to_json(record) for record in records]}
     )
 
 
@@ -126,34 +126,7 @@ async def delete_transfer(request: web.Request) -> web.Response:
     service = _service(request.app)
     job_id = request[validated_key].path["job_id"]
     record = await service.cancel(job_id, now=app_now(request.app))
-    return web.json_response(job_json(record))
-
-
-def job_json(record: TransferJobRecord) -> dict[str, Any]:
-    duration = None
-    if record.started_at is not None and record.finished_at is not None:
-        duration = (record.finished_at - record.started_at).total_seconds()
-    return {
-        "id": record.id,
-        "deployment": record.deployment,
-        "sender": record.sender,
-        "receiver": record.receiver,
-        "receiver_ranks": list(record.receiver_ranks),
-        "blocks": len(record.src_blocks),
-        "state": record.state,
-        "bytes": record.bytes,
-        "fragments": record.fragments,
-        "duration_seconds": duration,
-        "error": record.error,
-        "plan_fingerprints": record.plan_fingerprint.split(","),
-        "created_at": record.created_at.isoformat(),
-        "started_at": _iso(record.started_at),
-        "finished_at": _iso(record.finished_at),
-    }
-
-
-def _iso(stamp: Any) -> str | None:
-    return stamp.isoformat() if stamp is not None else None
+    return web.json_response(wire.to_json(record))
 
 
 def _service(app: web.Application) -> TransferService:

@@ -17,11 +17,13 @@ from urllib.parse import quote
 
 import aiohttp
 
+from kvroute import wire
 from kvroute.client.errors import KvrouteError
 from kvroute.client.lease import LeaseKeeper
 from kvroute.client.models import (
     Compatibility,
     DeploymentSummary,
+    Instance,
     InstanceSummary,
     Lease,
     PlanDocument,
@@ -145,11 +147,11 @@ class AsyncKvrouteClient:
         path = rank_path(deployment, instance, rank) + "/heartbeat"
         # Renewing twice is harmless, so a heartbeat lost in flight is resent.
         _, body = await self._call("POST", path, retry_sent=True)
-        return Lease.from_json(body)
+        return wire.from_json(Lease, body)
 
     async def get_rank(self, deployment: str, instance: str, rank: int) -> RankInfo:
         _, body = await self._call("GET", rank_path(deployment, instance, rank))
-        return RankInfo.from_json(body)
+        return wire.from_json(RankInfo, body)
 
     async def deregister(self, deployment: str, instance: str, rank: int) -> None:
         await self._call("DELETE", rank_path(deployment, instance, rank))
@@ -256,17 +258,19 @@ class AsyncKvrouteClient:
                 document[name] = value
         path = f"/v1/deployments/{_seg(deployment)}/transfers"
         _, body = await self._call("POST", path, body=document)
-        return TransferStatus.from_json(body)
+        return wire.from_json(TransferStatus, body)
 
     async def get_transfer(self, job_id: str) -> TransferStatus:
         _, body = await self._call("GET", f"/v1/transfers/{_seg(job_id)}")
-        return TransferStatus.from_json(body)
+        return wire.from_json(TransferStatus, body)
 
     async def cancel_transfer(self, job_id: str) -> TransferStatus | None:
         """Cancels a queued job; the job's last state when the service reports one."""
         _, body = await self._call("DELETE", f"/v1/transfers/{_seg(job_id)}")
         return (
-            TransferStatus.from_json(body) if isinstance(body, Mapping) and "id" in body else None
+            wire.from_json(TransferStatus, body)
+            if isinstance(body, Mapping) and "id" in body
+            else None
         )
 
     async def wait_transfer(
@@ -291,29 +295,29 @@ class AsyncKvrouteClient:
 
     async def deployments(self) -> list[DeploymentSummary]:
         _, body = await self._call("GET", "/v1/deployments")
-        return [DeploymentSummary.from_json(item) for item in body["deployments"]]
+        return [wire.from_json(DeploymentSummary, item) for item in body["deployments"]]
 
     async def instances(self, deployment: str) -> list[InstanceSummary]:
         _, body = await self._call("GET", f"/v1/deployments/{_seg(deployment)}/instances")
-        return [InstanceSummary.from_json(item) for item in body["instances"]]
+        return [wire.from_json(InstanceSummary, item) for item in body["instances"]]
 
-    async def instance(self, deployment: str, instance: str) -> InstanceSummary:
+    async def instance(self, deployment: str, instance: str) -> Instance:
         _, body = await self._call(
             "GET", f"/v1/deployments/{_seg(deployment)}/instances/{_seg(instance)}"
         )
-        return InstanceSummary.from_json(body)
+        return wire.from_json(Instance, body)
 
     async def delete_instance(self, deployment: str, instance: str) -> None:
         await self._call("DELETE", f"/v1/deployments/{_seg(deployment)}/instances/{_seg(instance)}")
 
     async def rejections(self, limit: int = 100) -> list[Rejection]:
         _, body = await self._call("GET", "/v1/rejections", params={"limit": limit})
-        return [Rejection.from_json(item) for item in body["rejections"]]
+        return [wire.from_json(Rejection, item) for item in body["rejections"]]
 
     async def compatibility(self, deployment: str) -> Compatibility:
         """The context x generation matrix with the first refusal of each incompatible pair."""
         _, body = await self._call("GET", f"/v1/deployments/{_seg(deployment)}/compatibility")
-        return Compatibility.from_json(body)
+        return wire.from_json(Compatibility, body)
 
 
 async def _payload(resp: aiohttp.ClientResponse) -> Any:

@@ -17,6 +17,7 @@ from kvroute.client.lease import LeaseKeeper
 from kvroute.client.models import (
     Compatibility,
     DeploymentSummary,
+    Instance,
     InstanceSummary,
     Lease,
     PlanDocument,
@@ -189,7 +190,7 @@ class KvrouteClient:
     def instances(self, deployment: str) -> list[InstanceSummary]:
         return self._run(self.aio.instances(deployment))
 
-    def instance(self, deployment: str, instance: str) -> InstanceSummary:
+    def instance(self, deployment: str, instance: str) -> Instance:
         return self._run(self.aio.instance(deployment, instance))
 
     def delete_instance(self, deployment: str, instance: str) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from kvroute import wire
 from kvroute.geometry import GeometryError, RankRegistration, check_peers
 from kvroute.geometry.classes import VerdictMemo, check_peers_by_class, representatives
 from kvroute.store.engine import SessionMaker
@@ -38,14 +39,14 @@ class InstanceRanks:
     def missing(self) -> list[int]:
         return sorted(set(range(self.expected_ranks)) - {reg.rank for reg in self.live})
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "instance": self.name,
-            "expected_ranks": self.expected_ranks,
-            "live_ranks": [reg.rank for reg in self.live],
-            "missing_ranks": self.missing,
-            "complete": not self.missing,
-        }
+    def summary(self) -> wire.CompatibilityInstance:
+        return wire.CompatibilityInstance(
+            instance=self.name,
+            expected_ranks=self.expected_ranks,
+            live_ranks=tuple(reg.rank for reg in self.live),
+            missing_ranks=tuple(self.missing),
+            complete=not self.missing,
+        )
 
 
 def _refusal(
@@ -77,16 +78,18 @@ def pair_verdict(
     generation: InstanceRanks,
     senders: Sequence[RankRegistration],
     memo: VerdictMemo,
-) -> dict[str, Any]:
+) -> wire.CompatibilityPair:
     """One cell of the matrix; ``local`` is the generation rank's value, ``peer`` the context's.
 
     ``senders`` are the context instance's class representatives; a receiver whose class already
     passed needs no second look.
     """
-    cell: dict[str, Any] = {"context": context.name, "generation": generation.name}
+    names = {"context": context.name, "generation": generation.name}
     incomplete = {side.name: side.missing for side in (context, generation) if side.missing}
     if incomplete:
-        return cell | {"status": "incomplete", "compatible": None, "missing_ranks": incomplete}
+        return wire.CompatibilityPair(
+            **names, status="incomplete", compatible=None, missing_ranks=incomplete
+        )
     passed: set[str] = set()
     for receiver in generation.live:
         if receiver.class_digest in passed:
@@ -95,26 +98,28 @@ def pair_verdict(
             check_peers_by_class(receiver, senders, memo)
         except GeometryError as error:
             refusal = _refusal(error, receiver, context.live)
-            return cell | {"status": "incompatible", "compatible": False, "refusal": refusal}
+            return wire.CompatibilityPair(
+                **names, status="incompatible", compatible=False, refusal=refusal
+            )
         passed.add(receiver.class_digest)
-    return cell | {"status": "compatible", "compatible": True}
+    return wire.CompatibilityPair(**names, status="compatible", compatible=True)
 
 
 def compatibility_matrix(
     deployment: str, instances: Sequence[InstanceRanks], memo: VerdictMemo
-) -> dict[str, Any]:
+) -> wire.Compatibility:
     contexts = [item for item in instances if item.role == "context"]
     generations = [item for item in instances if item.role == "generation"]
     pairs = []
     for context in contexts:
         senders = representatives(context.live)
         pairs += [pair_verdict(context, g, senders, memo) for g in generations]
-    return {
-        "deployment": deployment,
-        "context": [item.to_json() for item in contexts],
-        "generation": [item.to_json() for item in generations],
-        "pairs": pairs,
-    }
+    return wire.Compatibility(
+        deployment=deployment,
+        context=tuple(item.summary() for item in contexts),
+        generation=tuple(item.summary() for item in generations),
+        pairs=tuple(pairs),
+    )
 
 
 async def deployment_matrix(
@@ -124,7 +129,7 @@ async def deployment_matrix(
     deployment: str,
     *,
     now: datetime,
-) -> dict[str, Any]:
+) -> wire.Compatibility:
     """The matrix of the deployment's live registrations; ``NotFound`` for an unknown one."""
     for attempt in range(1, MATRIX_READS + 1):
         states = await deployment_states(sessionmaker, deployment, now=now)

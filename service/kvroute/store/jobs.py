@@ -14,10 +14,10 @@ from datetime import datetime
 
 from sqlalchemy import delete, select, update
 
+from kvroute import wire
 from kvroute.store.engine import SessionMaker, affected_rows, reading
 from kvroute.store.errors import InvalidTransition, NotFound
 from kvroute.store.models import JobState, TransferJob
-from kvroute.store.records import TransferJobRecord
 
 INTERRUPTED = "interrupted by kvroute restart"
 
@@ -46,7 +46,7 @@ async def create_job(
     now: datetime,
     replica: str = "",
     job_id: str | None = None,
-) -> TransferJobRecord:
+) -> wire.TransferJob:
     """Stores a new queued job under ``job_id`` (a fresh UUID by default) and returns it."""
     job = TransferJob(
         id=job_id or str(uuid.uuid4()),
@@ -78,7 +78,7 @@ async def discard_job(sessionmaker: SessionMaker, job_id: str) -> None:
         )
 
 
-async def get_job(sessionmaker: SessionMaker, job_id: str) -> TransferJobRecord:
+async def get_job(sessionmaker: SessionMaker, job_id: str) -> wire.TransferJob:
     async with reading(sessionmaker) as session:
         job = await session.get(TransferJob, job_id)
     if job is None:
@@ -93,7 +93,7 @@ async def set_state(
     *,
     now: datetime,
     error: str | None = None,
-) -> TransferJobRecord:
+) -> wire.TransferJob:
     """Moves a job to ``state``, stamping started_at (running) or finished_at (terminal states).
 
     Raises ``NotFound`` for an unknown job and ``InvalidTransition`` when the job's current state
@@ -140,7 +140,7 @@ async def mark_interrupted(sessionmaker: SessionMaker, *, now: datetime, replica
 
 async def list_jobs(
     sessionmaker: SessionMaker, deployment: str, *, limit: int = 100
-) -> list[TransferJobRecord]:
+) -> list[wire.TransferJob]:
     """A deployment's newest jobs, newest first."""
     async with reading(sessionmaker) as session:
         jobs = await session.scalars(
@@ -152,21 +152,24 @@ async def list_jobs(
         return [_record(job) for job in jobs]
 
 
-def _record(job: TransferJob) -> TransferJobRecord:
-    return TransferJobRecord(
+def _record(job: TransferJob) -> wire.TransferJob:
+    duration = None
+    if job.started_at is not None and job.finished_at is not None:
+        duration = (job.finished_at - job.started_at).total_seconds()
+    return wire.TransferJob(
         id=job.id,
         deployment=job.deployment,
         sender=job.sender,
         receiver=job.receiver,
         receiver_ranks=tuple(job.receiver_ranks),
-        src_blocks=tuple(job.src_blocks),
-        dst_blocks=tuple(job.dst_blocks),
+        blocks=len(job.src_blocks),
         state=job.state,
         bytes=job.bytes,
         fragments=job.fragments,
-        plan_fingerprint=job.plan_fingerprint,
+        duration_seconds=duration,
+        error=job.error,
+        plan_fingerprints=tuple(job.plan_fingerprint.split(",")),
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
-        error=job.error,
     )

@@ -14,12 +14,14 @@ several kvroute processes over one database:
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timedelta
 
 from sqlalchemy import ColumnElement, case, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute
 
+from kvroute import wire
 from kvroute.geometry import GeometryError, RankRegistration
 from kvroute.geometry.classes import VerdictMemo
 from kvroute.store import leases
@@ -34,18 +36,7 @@ from kvroute.store.engine import (
 )
 from kvroute.store.errors import LeaseExpired, NotFound
 from kvroute.store.models import Deployment, Instance, Rank
-from kvroute.store.records import (
-    DeploymentRecord,
-    DeploymentSummary,
-    InstanceRecord,
-    InstanceSummary,
-    RankName,
-    RankRecord,
-    RankSummary,
-    RegisterOutcome,
-    RejectionRecord,
-    lease_state,
-)
+from kvroute.store.records import RankName, RegisterOutcome, lease_state
 from kvroute.store.registrations import RegistrationCache
 from kvroute.store.rejections import (
     DEFAULT_LOG_SIZE,
@@ -53,6 +44,8 @@ from kvroute.store.rejections import (
     select_rejections,
     trim_rejections,
 )
+
+INSTANCE_SUMMARY_FIELDS = tuple(field.name for field in dataclasses.fields(wire.InstanceSummary))
 
 
 async def register_rank(
@@ -113,7 +106,7 @@ async def record_rejection(
 
 async def list_rejections(
     sessionmaker: SessionMaker, limit: int = DEFAULT_LOG_SIZE
-) -> list[RejectionRecord]:
+) -> list[wire.Rejection]:
     """The newest ``limit`` refusals, newest first."""
     async with reading(sessionmaker) as session:
         return await select_rejections(session, limit)
@@ -150,21 +143,21 @@ async def heartbeat(
 
 async def get_rank(
     sessionmaker: SessionMaker, deployment: str, instance: str, rank: int, *, now: datetime
-) -> RankRecord:
+) -> wire.Rank:
     async with reading(sessionmaker) as session:
         row = await session.get(Rank, (deployment, instance, rank))
     if row is None:
         raise NotFound(f"rank {rank} of instance {instance!r} in {deployment!r} is not registered")
-    return RankRecord(
+    return wire.Rank(
         deployment=row.deployment,
         instance=row.instance,
         rank=row.rank,
         role=row.role,
         generation=row.generation,
+        state=lease_state(row.lease_expires_at, now),
         lease_seconds=row.lease_seconds,
-        registered_at=row.registered_at,
         lease_expires_at=row.lease_expires_at,
-        lease=lease_state(row.lease_expires_at, now),
+        registered_at=row.registered_at,
         document=row.document,
     )
 
@@ -235,7 +228,9 @@ async def reap_expired(
     return reaped
 
 
-async def list_deployments(sessionmaker: SessionMaker, *, now: datetime) -> list[DeploymentSummary]:
+async def list_deployments(
+    sessionmaker: SessionMaker, *, now: datetime
+) -> list[wire.DeploymentSummary]:
     """Every deployment with its instance count and live/expired rank counts, by name."""
     async with reading(sessionmaker) as session:
         deployments = list(await session.scalars(select(Deployment).order_by(Deployment.name)))
@@ -245,7 +240,7 @@ async def list_deployments(sessionmaker: SessionMaker, *, now: datetime) -> list
         per_deployment: dict[str, int] = {name: count for name, count in instances}
         counts = await _rank_counts(session, now, Rank.deployment)
     return [
-        DeploymentSummary(
+        wire.DeploymentSummary(
             name=row.name,
             created_at=row.created_at,
             instances=per_deployment.get(row.name, 0),
@@ -258,19 +253,25 @@ async def list_deployments(sessionmaker: SessionMaker, *, now: datetime) -> list
 
 async def get_deployment(
     sessionmaker: SessionMaker, name: str, *, now: datetime
-) -> DeploymentRecord:
+) -> wire.Deployment:
     """A deployment with a summary (role, layout, rank counts) of each of its instances."""
     async with reading(sessionmaker) as session:
         row = await session.get(Deployment, name)
         if row is None:
             raise NotFound(f"deployment {name!r} does not exist")
         instances = await _instance_summaries(session, name, now)
-    return DeploymentRecord(name=row.name, created_at=row.created_at, instances=tuple(instances))
+    return wire.Deployment(
+        name=row.name,
+        created_at=row.created_at,
+        live_ranks=sum(item.live_ranks for item in instances),
+        expired_ranks=sum(item.expired_ranks for item in instances),
+        instances=tuple(instances),
+    )
 
 
 async def list_instances(
     sessionmaker: SessionMaker, deployment: str, *, now: datetime
-) -> list[InstanceSummary]:
+) -> list[wire.InstanceSummary]:
     async with reading(sessionmaker) as session:
         if await session.get(Deployment, deployment) is None:
             raise NotFound(f"deployment {deployment!r} does not exist")
@@ -279,7 +280,7 @@ async def list_instances(
 
 async def get_instance(
     sessionmaker: SessionMaker, deployment: str, instance: str, *, now: datetime
-) -> InstanceRecord:
+) -> wire.Instance:
     """An instance's layout and each of its ranks with generation and lease state."""
     async with reading(sessionmaker) as session:
         row = await session.get(Instance, (deployment, instance))
@@ -293,25 +294,28 @@ async def get_instance(
             )
         )
     summaries = tuple(
-        RankSummary(
+        wire.RankSummary(
             rank=rank.rank,
             role=rank.role,
             generation=rank.generation,
+            state=lease_state(rank.lease_expires_at, now),
             registered_at=rank.registered_at,
             lease_expires_at=rank.lease_expires_at,
-            lease=lease_state(rank.lease_expires_at, now),
         )
         for rank in ranks
     )
-    live = sum(summary.lease == "live" for summary in summaries)
-    return InstanceRecord(
-        summary=_instance_summary(row, live, len(summaries) - live), ranks=summaries
+    live = sum(summary.state == "live" for summary in summaries)
+    summary = _instance_summary(row, live, len(summaries) - live)
+    return wire.Instance(
+        **{name: getattr(summary, name) for name in INSTANCE_SUMMARY_FIELDS},
+        deployment=deployment,
+        ranks=summaries,
     )
 
 
 async def _instance_summaries(
     session: AsyncSession, deployment: str, now: datetime
-) -> list[InstanceSummary]:
+) -> list[wire.InstanceSummary]:
     rows = await session.scalars(
         select(Instance).where(Instance.deployment == deployment).order_by(Instance.name)
     )
@@ -319,9 +323,8 @@ async def _instance_summaries(
     return [_instance_summary(row, *counts.get(row.name, (0, 0))) for row in rows]
 
 
-def _instance_summary(row: Instance, live: int, expired: int) -> InstanceSummary:
-    return InstanceSummary(
-        deployment=row.deployment,
+def _instance_summary(row: Instance, live: int, expired: int) -> wire.InstanceSummary:
+    return wire.InstanceSummary(
         name=row.name,
         role=row.role,
         tp_size=row.tp_size,

@@ -11,9 +11,9 @@ from datetime import datetime
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from kvroute import wire
 from kvroute.geometry import GeometryError
 from kvroute.store.models import Rejection
-from kvroute.store.records import RejectionRecord
 
 DEFAULT_LOG_SIZE = 1000
 
@@ -51,11 +51,11 @@ async def trim_rejections(session: AsyncSession, keep: int) -> None:
     await session.execute(delete(Rejection).where(Rejection.id < oldest_kept))
 
 
-async def select_rejections(session: AsyncSession, limit: int) -> list[RejectionRecord]:
+async def select_rejections(session: AsyncSession, limit: int) -> list[wire.Rejection]:
     """The newest ``limit`` entries, newest first."""
     rows = await session.scalars(select(Rejection).order_by(Rejection.id.desc()).limit(limit))
     return [
-        RejectionRecord(
+        wire.Rejection(
             id=row.id,
             at=row.at,
             deployment=row.deployment,

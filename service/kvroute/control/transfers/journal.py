@@ -14,11 +14,11 @@ import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
+from kvroute import wire
 from kvroute.job_state import JobState
 from kvroute.store import jobs
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import InvalidTransition
-from kvroute.store.records import TransferJobRecord
 from kvroute.transfer.jobs import JobStatus
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class JobJournal:
         bytes_total: int,
         fragments: int,
         now: datetime,
-    ) -> TransferJobRecord:
+    ) -> wire.TransferJob:
         return await jobs.create_job(
             self._sessionmaker,
             job_id=job_id,

@@ -16,6 +16,7 @@ from datetime import datetime
 
 from prometheus_client import CollectorRegistry
 
+from kvroute import wire
 from kvroute.control.plans import PlanService
 from kvroute.control.transfers.journal import JobJournal
 from kvroute.control.transfers.legs import Leg, LegResolver, TransferRequest
@@ -24,7 +25,6 @@ from kvroute.job_state import JobState
 from kvroute.store import jobs
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import Conflict, InvalidTransition
-from kvroute.store.records import TransferJobRecord
 from kvroute.transfer.engine import CopyEngine
 from kvroute.transfer.errors import TransferValidationError, UnknownJob
 from kvroute.transfer.jobs import TokenWindow, TransferJob
@@ -98,7 +98,7 @@ class TransferService:
             return f"{alive} of {self.workers} transfer workers alive"
         return "ok"
 
-    async def submit(self, request: TransferRequest, *, now: datetime) -> TransferJobRecord:
+    async def submit(self, request: TransferRequest, *, now: datetime) -> wire.TransferJob:
         """Check, store and queue one job; raises before storing anything when it cannot run."""
         window = _window(request)
         await self._journal.recover(now)
@@ -137,7 +137,7 @@ class TransferService:
             raise
         return record
 
-    async def cancel(self, job_id: str, *, now: datetime) -> TransferJobRecord:
+    async def cancel(self, job_id: str, *, now: datetime) -> wire.TransferJob:
         """Cancel a job queued in this process; ``Conflict`` once it runs, ended or lives elsewhere."""
         record = await jobs.get_job(self._sessionmaker, job_id)
         if JobState(record.state).terminal:

@@ -1,0 +1,190 @@
+"""The REST answers' shapes, once: the server renders these and the client parses them.
+
+Each class is named after its schema in ``api_spec/openapi.yaml`` and its fields are that schema's
+members; ``tests/contract/test_wire.py`` renders every one, validates it against the spec and parses
+it back. Plans are not here: they are the geometry core's own documents (``Plan.to_json``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from kvroute.wire.codec import OMIT_NONE
+
+# API.md's job states that never change again.
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """``PUT .../ranks/{rank}``: 201 for a new generation, 200 for the same or a renewed one."""
+
+    generation: int
+    lease_expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRenewed:
+    lease_expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Rank:
+    deployment: str
+    instance: str
+    rank: int
+    role: str
+    generation: int
+    state: str  # live | expired
+    lease_seconds: int
+    lease_expires_at: datetime
+    registered_at: datetime
+    document: dict[str, Any]  # the registration document as stored
+
+
+@dataclass(frozen=True, slots=True)
+class RankSummary:
+    rank: int
+    role: str
+    generation: int
+    state: str
+    registered_at: datetime
+    lease_expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSummary:
+    name: str
+    role: str
+    tp_size: int
+    pp_size: int
+    attention_dp: bool
+    dp_size: int
+    created_at: datetime
+    live_ranks: int
+    expired_ranks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """An instance with each of its ranks (``GET .../instances/{instance}``)."""
+
+    name: str
+    role: str
+    tp_size: int
+    pp_size: int
+    attention_dp: bool
+    dp_size: int
+    created_at: datetime
+    live_ranks: int
+    expired_ranks: int
+    deployment: str
+    ranks: tuple[RankSummary, ...]  # ordered by rank number
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentSummary:
+    name: str
+    created_at: datetime
+    instances: int
+    live_ranks: int
+    expired_ranks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    name: str
+    created_at: datetime
+    live_ranks: int
+    expired_ranks: int
+    instances: tuple[InstanceSummary, ...]  # ordered by instance name
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """One entry of the bounded refusal log (``GET /v1/rejections``)."""
+
+    id: int
+    at: datetime
+    deployment: str
+    instance: str
+    rank: int
+    stage: str
+    code: str
+    field: str
+    detail: str
+    problem: dict[str, Any]  # the refusal's problem body, without the HTTP status
+
+
+@dataclass(frozen=True, slots=True)
+class TransferJob:
+    """A transfer job as ``POST .../transfers`` and ``GET /v1/transfers/{id}`` report it."""
+
+    id: str
+    deployment: str
+    sender: str
+    receiver: str
+    receiver_ranks: tuple[int, ...]
+    blocks: int
+    state: str  # queued | running | succeeded | failed | cancelled
+    bytes: int
+    fragments: int
+    duration_seconds: float | None
+    error: str | None
+    plan_fingerprints: tuple[str, ...]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @property
+    def gigabytes_per_second(self) -> float | None:
+        if not self.duration_seconds:
+            return None
+        return self.bytes / self.duration_seconds / 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class CompatibilityInstance:
+    instance: str
+    expected_ranks: int
+    live_ranks: tuple[int, ...]
+    missing_ranks: tuple[int, ...]
+    complete: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CompatibilityPair:
+    """One (context, generation) instance pair: ``status`` compatible | incompatible | incomplete.
+
+    ``refusal`` (code, field, detail, local, peer, generation_rank, context_rank) comes with an
+    incompatible pair, ``missing_ranks`` (instance -> ranks) with an incomplete one.
+    """
+
+    context: str
+    generation: str
+    status: str
+    compatible: bool | None
+    refusal: dict[str, Any] | None = field(default=None, metadata=OMIT_NONE)
+    missing_ranks: dict[str, list[int]] | None = field(default=None, metadata=OMIT_NONE)
+
+
+@dataclass(frozen=True, slots=True)
+class Compatibility:
+    """The context x generation matrix of a deployment (``GET .../compatibility``)."""
+
+    deployment: str
+    context: tuple[CompatibilityInstance, ...]
+    generation: tuple[CompatibilityInstance, ...]
+    pairs: tuple[CompatibilityPair, ...]
+
+    def pair(self, context: str, generation: str) -> CompatibilityPair:
+        for pair in self.pairs:
+            if (pair.context, pair.generation) == (context, generation):
+                return pair
+        raise KeyError(f"no pair ({context}, {generation}) in {self.deployment}")
