@@ -18,6 +18,8 @@ per configuration, and the two-replica throughput as a ratio of the one-replica 
     python bench/scale_bench.py [--configs postgres,sqlite,postgres-2] [--profile DIR]
 
 ``--profile DIR`` records each server with py-spy (collapsed stacks, one file per server).
+``--baseline OLD/service`` first runs the same phases against another checkout's kvroute on
+PostgreSQL (e.g. ``git worktree add /tmp/old <commit>``) and adds a column with the ratio.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import random
 import shutil
 import statistics
@@ -57,6 +60,11 @@ WORKER_TOKEN = "bench-worker-token-0123456789"
 ADMIN_TOKEN = "bench-admin-token-0123456789ab"
 POSTGRES_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/kvroute_scale_bench"
 REQUEST_TIMEOUT_SECONDS = 60.0
+# (configuration, configuration it is compared with, column title)
+RATIOS = [
+    ("postgres", "baseline", "postgres / baseline"),
+    ("postgres-2", "postgres", "2 replicas / 1"),
+]
 
 Request = Callable[[aiohttp.ClientSession, str], Awaitable[None]]
 
@@ -191,13 +199,25 @@ async def fresh_postgres(url: str) -> None:
 
 
 @contextlib.contextmanager
-def servers(config: str, workdir: Path) -> Iterator[list[LiveServer]]:
+def servers(config: str, workdir: Path, baseline: Path | None = None) -> Iterator[list[LiveServer]]:
+    """``config``'s servers on a fresh database; ``baseline`` runs another checkout's kvroute
+    (its ``service`` directory) as the ``baseline`` configuration, on PostgreSQL."""
     count = 2 if config.endswith("-2") else 1
     url = None
-    if config.startswith("postgres"):
+    source = {"PYTHONPATH": str(baseline)} if config == "baseline" and baseline else {}
+    if config.startswith(("postgres", "baseline")):
         url = POSTGRES_URL
         asyncio.run(fresh_postgres(url))
-        migrate.upgrade(url)
+        if source:  # that checkout's own migrations
+            upgrade = [sys.executable, "-m", "kvroute", "db", "upgrade"]
+            subprocess.run(
+                upgrade,
+                env={**_plain_env(), **source, "KVROUTE_DATABASE_URL": url},
+                check=True,
+                capture_output=True,
+            )
+        else:
+            migrate.upgrade(url)
     started: list[LiveServer] = []
     try:
         for index in range(count):
@@ -207,13 +227,17 @@ def servers(config: str, workdir: Path) -> Iterator[list[LiveServer]]:
                 directory,
                 database_url=url,
                 tokens=(WORKER_TOKEN, ADMIN_TOKEN),
-                env={"KVROUTE_REPLICA_ID": f"bench-{index}"},
+                env={"KVROUTE_REPLICA_ID": f"bench-{index}", **source},
             )
             started.append(server.start())
         yield started
     finally:
         for server in started:
             server.stop()
+
+
+def _plain_env() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if not key.startswith("KVROUTE_")}
 
 
 @contextlib.contextmanager
@@ -254,7 +278,7 @@ def profiled(server_list: list[LiveServer], directory: Path | None, config: str)
 def run_config(config: str, args: argparse.Namespace) -> list[Phase]:
     with (
         tempfile.TemporaryDirectory() as workdir,
-        servers(config, Path(workdir)) as running,
+        servers(config, Path(workdir), args.baseline) as running,
         profiled(running, args.profile, config),
     ):
         bases = [server.url for server in running]
@@ -268,17 +292,27 @@ def report(results: dict[str, list[Phase]]) -> None:
     table.add_column("measure")
     for config in configs:
         table.add_column(config, justify="right")
-    if "postgres" in results and "postgres-2" in results:
-        table.add_column("2 replicas / 1", justify="right")
+    ratios = [(two, one, label) for two, one, label in RATIOS if two in results and one in results]
+    for _, _, label in ratios:
+        table.add_column(label, justify="right")
     for index, phase in enumerate(next(iter(results.values()))):
         for measure, value in _measures(phase):
             row = [phase.name, measure]
             row += [value(results[c][index]) for c in configs]
-            if "postgres" in results and "postgres-2" in results:
-                one, two = results["postgres"][index], results["postgres-2"][index]
-                row.append(f"{two.throughput / one.throughput:.2f}x" if measure == "req/s" else "")
+            for top, bottom, _ in ratios:
+                row.append(_ratio(results[top][index], results[bottom][index], measure))
             table.add_row(*row)
     Console(width=160).print(table)
+
+
+def _ratio(top: Phase, bottom: Phase, measure: str) -> str:
+    if measure == "req/s":
+        return f"{top.throughput / bottom.throughput:.2f}x"
+    if measure.startswith("ms"):  # time: how many times faster the top configuration is
+        return (
+            f"{statistics.median(bottom.latencies) / statistics.median(top.latencies):.1f}x faster"
+        )
+    return ""
 
 
 def _measures(phase: Phase) -> list[tuple[str, Callable[[Phase], str]]]:
@@ -306,10 +340,18 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, help="write py-spy flame graphs here")
     parser.add_argument("--seed", type=int, default=9)
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout's service/ directory, run first as the 'baseline' configuration",
+    )
+    parser.add_argument(
         "--instances", type=int, default=INSTANCES, help="instances of each role (32: 1,024 ranks)"
     )
     args = parser.parse_args()
-    results = {config: run_config(config, args) for config in args.configs.split(",")}
+    configs = args.configs.split(",")
+    if args.baseline:
+        configs.insert(0, "baseline")
+    results = {config: run_config(config, args) for config in configs}
     report(results)
 
 
