@@ -48,7 +48,6 @@ def compatibility_svg(matrix: dict[str, Any]) -> str:
     """The matrix picture (see the module docstring) as a standalone SVG document."""
     canvas = Canvas()
     contexts, generations = matrix["context"], matrix["generation"]
-    pairs = {(p["generation"], p["context"]): p for p in matrix["pairs"]}
     refused = [p for p in matrix["pairs"] if p["status"] != "compatible"]
     numbers = {(p["generation"], p["context"]): n for n, p in enumerate(refused, start=1)}
     canvas.text(
@@ -68,30 +67,9 @@ def compatibility_svg(matrix: dict[str, Any]) -> str:
         canvas.text(x, y, context["instance"], anchor="middle", weight="bold")
         canvas.text(x, y + LINE - 4, _ranks(context), size=11, anchor="middle")
     y += LINE + 6
+    pairs = {(p["generation"], p["context"]): p for p in matrix["pairs"]}
     for generation in generations:
-        name = generation["instance"]
-        canvas.text(10, y + CELL_HEIGHT / 2, name, weight="bold")
-        canvas.text(10, y + CELL_HEIGHT / 2 + 14, _ranks(generation), size=11)
-        for column, context in enumerate(contexts):
-            pair = pairs[(name, context["instance"])]
-            number = numbers.get((name, context["instance"]))
-            x = left + column * cell_width
-            canvas.box(
-                x,
-                y,
-                cell_width - 2,
-                CELL_HEIGHT - 2,
-                fill=FILLS[pair["status"]],
-                title=_explanation(pair)
-                if number
-                else f"{name} <- {context['instance']}: compatible",
-            )
-            canvas.text(
-                x + cell_width / 2,
-                y + CELL_HEIGHT / 2 + 4,
-                _cell_label(pair, number),
-                anchor="middle",
-            )
+        _row(canvas, generation, contexts, pairs, numbers, (left, y, cell_width))
         y += CELL_HEIGHT
     if not contexts or not generations:
         canvas.text(
@@ -103,3 +81,27 @@ def compatibility_svg(matrix: dict[str, Any]) -> str:
         canvas.text(10, y, f"[{number}] {_explanation(pair)}", size=12)
         y += LINE
     return canvas.render()
+
+
+def _row(
+    canvas: Canvas,
+    generation: dict[str, Any],
+    contexts: list[dict[str, Any]],
+    pairs: dict[tuple[str, str], dict[str, Any]],
+    numbers: dict[tuple[str, str], int],
+    place: tuple[float, float, float],
+) -> None:
+    """One generation instance's row: its name and one cell per context instance."""
+    left, y, cell_width = place
+    name = generation["instance"]
+    canvas.text(10, y + CELL_HEIGHT / 2, name, weight="bold")
+    canvas.text(10, y + CELL_HEIGHT / 2 + 14, _ranks(generation), size=11)
+    for column, context in enumerate(contexts):
+        pair = pairs[(name, context["instance"])]
+        number = numbers.get((name, context["instance"]))
+        x = left + column * cell_width
+        title = _explanation(pair) if number else f"{name} <- {context['instance']}: compatible"
+        canvas.box(x, y, cell_width - 2, CELL_HEIGHT - 2, fill=FILLS[pair["status"]], title=title)
+        canvas.text(
+            x + cell_width / 2, y + CELL_HEIGHT / 2 + 4, _cell_label(pair, number), anchor="middle"
+        )

@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import partial, reduce
 from itertools import groupby
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
+from cachetools import LRUCache
 
 from kvroute.transfer.errors import TransferValidationError
 from kvroute.transfer.jobs import CopyResult, TransferJob
@@ -57,24 +57,28 @@ class Strategy(StrEnum):
     INDEXED = "indexed"
 
 
-class _LruCache(OrderedDict[K, V]):
-    """A small thread-safe LRU map; values are computed outside the lock and may race benignly."""
+class _LruCache(Generic[K, V]):
+    """An LRU map the worker threads share; values are computed outside the lock (a race computes
+    one twice, harmlessly: compiled programs of one key are equal)."""
 
     def __init__(self, size: int) -> None:
-        super().__init__()
-        self._size = size
+        self._entries: LRUCache[K, V] = LRUCache(size)
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            return self._entries.get(key)
 
     def get_or_compute(self, key: K, compute: Callable[[], V]) -> V:
         with self._lock:
-            if key in self:
-                self.move_to_end(key)
-                return self[key]
+            if key in self._entries:
+                return self._entries[key]
         value = compute()
         with self._lock:
-            self[key] = value
-            while len(self) > self._size:
-                self.popitem(last=False)
+            self._entries[key] = value
         return value
 
 
