@@ -6,8 +6,9 @@ import asyncio
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import func, select, text
 from sqlalchemy.exc import InvalidRequestError, StatementError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import selectinload
 
@@ -16,9 +17,13 @@ from kvroute.store.engine import (
     READ_ONLY,
     DatabaseTimeouts,
     SessionMaker,
+    autocommit_connection,
     create_engine,
+    dispose,
+    make_sessionmaker,
     reading,
 )
+from kvroute.store.faults import database_fault
 from kvroute.store.models import Deployment, Rank
 from tests.db.documents import T0, registration
 
@@ -69,6 +74,46 @@ async def test_sqlite_writers_serialize_and_readers_do_not_wait(sqlite_url: str)
     finally:
         await first.dispose()
         await second.dispose()
+
+
+async def test_sqlite_autocommit_reads_take_no_write_lock(sqlite_url: str) -> None:
+    """Plan reads and snapshots go through the autocommit companion: a BEGIN IMMEDIATE there made
+    every one of them queue behind (and block) the writers."""
+    engine = create_engine(sqlite_url, DatabaseTimeouts(sqlite_busy_seconds=0.2))
+    other = create_engine(sqlite_url, DatabaseTimeouts(sqlite_busy_seconds=0.2))
+    try:
+        async with autocommit_connection(engine) as reader:
+            assert await reader.scalar(text("SELECT count(*) FROM deployments")) == 0
+            # The reader's connection is still checked out: a writer elsewhere must get the lock.
+            assert await _begin_and_count(other) == 0
+        async with other.begin() as writer:
+            await writer.execute(text("SELECT 1"))
+            async with autocommit_connection(engine) as reader:
+                assert await reader.scalar(text("SELECT count(*) FROM deployments")) == 0
+    finally:
+        await dispose(engine)
+        await other.dispose()
+
+
+async def test_sqlite_writers_of_one_process_queue_for_one_connection(sqlite_url: str) -> None:
+    """Writers wait in the pool's queue (first come, first served) rather than polling the file
+    lock, for at most the busy timeout, which is then a busy database (503 database_busy); reads
+    run beside a writer on their own pool."""
+    engine = create_engine(sqlite_url, DatabaseTimeouts(sqlite_busy_seconds=0.3))
+    sessionmaker = make_sessionmaker(engine)
+    try:
+        async with engine.begin() as writer:
+            await writer.execute(text("SELECT 1"))
+            async with reading(sessionmaker) as session:
+                assert await session.scalar(select(func.count()).select_from(Deployment)) == 0
+            with pytest.raises(PoolTimeoutError) as waited:
+                await _begin_and_count(engine)
+        fault = database_fault(waited.value)
+        assert fault is not None
+        assert fault.busy
+        assert await _begin_and_count(engine) == 0
+    finally:
+        await dispose(engine)
 
 
 async def _begin_and_count(engine: AsyncEngine) -> int:
