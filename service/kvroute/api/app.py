@@ -23,7 +23,6 @@ from kvroute.api.keys import (
     lifecycle_key,
     metrics_key,
     settings_key,
-    spec_key,
     spec_text_key,
     spec_validator_key,
 )
@@ -55,10 +54,8 @@ def create_app(settings: Settings, *, clock: Clock = system_clock) -> web.Applic
     backend = "sqlite" if settings.is_sqlite else "postgresql"
     app[metrics_key] = Metrics.create(database_backend=backend)
     text = spec_bytes()
-    document, spec = load_spec(text)
     app[spec_text_key] = text
-    app[spec_key] = spec
-    app[spec_validator_key] = SpecValidator(spec, document)
+    app[spec_validator_key] = SpecValidator(load_spec(text))
     add_endpoints(app)
     app.cleanup_ctx.append(database_context)
     app.cleanup_ctx.append(plan_context)

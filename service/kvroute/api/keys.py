@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiohttp import web
-from openapi_core import OpenAPI
 
 from kvroute.api.metrics import Metrics
 from kvroute.api.problems import Problem
@@ -42,7 +41,6 @@ class Lifecycle:
 
 
 settings_key = web.AppKey("settings", Settings)
-spec_key = web.AppKey("spec", OpenAPI)
 spec_validator_key = web.AppKey("spec_validator", SpecValidator)
 spec_text_key = web.AppKey("spec_text", bytes)
 metrics_key = web.AppKey("metrics", Metrics)

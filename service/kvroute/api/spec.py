@@ -30,10 +30,12 @@ def spec_bytes() -> bytes:
     return resources.files(package).joinpath(name).read_bytes()
 
 
-def load_spec(text: bytes) -> tuple[dict[str, Any], OpenAPI]:
-    """Parse and check the document (a broken spec fails at startup, not per request)."""
-    document = yaml.safe_load(text)
-    return document, OpenAPI.from_dict(document)
+def load_spec(text: bytes) -> dict[str, Any]:
+    """Parse the document and check it is valid OpenAPI 3.1 (openapi-core's spec validator), so a
+    broken spec fails at startup rather than per request."""
+    document: dict[str, Any] = yaml.safe_load(text)
+    OpenAPI.from_dict(document)
+    return document
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class SpecValidator:
     and is off on a loopback-only server.
     """
 
-    def __init__(self, spec: OpenAPI, document: Mapping[str, Any]) -> None:
+    def __init__(self, document: Mapping[str, Any]) -> None:
         self._query_names = declared_query_parameters(document)
         self._strict = strict_parameters(document)
         self._parameters = operation_parameters(document, spec_operations(document))

@@ -1,12 +1,12 @@
 """Every request is validated against ``api_spec/openapi.yaml`` before a handler runs.
 
-openapi-core ships only request adapters for aiohttp; this middleware is the glue. Parameters are
-first checked for how they are spelled (an identifier with a newline, a rank written in
-Arabic-Indic digits or with a leading zero would otherwise alias another one), then unmarshalled by
-openapi-core; bodies go through ``bodies`` (bounded parse, first errors only), off the event loop
-when they are large. Security is the auth middleware's job, which can be off. Each failure is raised to the
-error boundary, which renders it as problem+json naming the offending field, and what was unmarshalled is stored under
-``validated_key``. The split: 400 when the request cannot be parsed (malformed JSON, a parameter of
+Parameters are first checked for how they are spelled (an identifier with a newline, a rank
+written in Arabic-Indic digits or with a leading zero would otherwise alias another one), then
+converted and checked against their schemas (``parameters``, compiled once per operation); bodies
+go through ``bodies`` (bounded parse, first errors only), off the event loop when they are large.
+Security is the auth middleware's job, which can be off. Each failure is raised to the error
+boundary, which renders it as problem+json naming the offending field, and what was validated is
+stored under ``validated_key``. The split: 400 when the request cannot be parsed (malformed JSON, a parameter of
 the wrong type or spelling, nesting too deep), 413 for a body too large or too complex, 415 for a
 body that is not JSON, 422 when it parses but breaks the schema.
 """

@@ -1,7 +1,11 @@
 """kvroute.control: the application services between the REST layer and the domain packages.
 
-Reading path: plans (plans and plan sets served from the registry, cached by generation) ->
-compatibility (the context x generation matrix) -> transfers (transfer jobs: a journal of job rows,
+Reading path: registry (admission with the process's caches: parsed registrations by generation,
+verdicts memoized per pair of geometry classes) -> admissions (registrations arriving together
+admitted in one transaction) -> state_reads (one database read per wave of concurrent plan reads)
+-> plans (plans and plan sets served from the registry, cached by generation) -> plan_answers
+(each plan encoded once per format, served as bytes with its ETag) -> compatibility (the context x
+generation matrix, from the memoized verdicts) -> transfers (transfer jobs: a journal of job rows,
 leg resolution from plans to opened pool memory, and the facade the REST layer calls).
 
 Dependencies point one way: ``api -> control -> {transfer, store, geometry}``. Nothing here imports

@@ -1,11 +1,11 @@
 """Registration as an application service: admission with the process's caches.
 
 One ``Registry`` per process holds what makes admission cheap at fleet scale: the group
-admission queues (``control.admissions``: registrations arriving together share one transaction),
-the parsed
-registrations by generation (shared with plans, transfers and the matrix) and the verdicts memoized
-per pair of geometry classes (shared with the matrix). Both hold immutable facts (a document at a
-generation, a verdict of two geometries), so replicas never need to agree on them.
+admission queues (``control.admissions``: registrations arriving together share one
+transaction), the parsed registrations by generation (shared with plans, transfers and the matrix)
+and the verdicts memoized per pair of geometry classes (shared with the matrix). The caches hold
+immutable facts (a document at a generation, a verdict of two geometries), so replicas never need
+to agree on them.
 """
 
 from __future__ import annotations
