@@ -19,8 +19,7 @@ LATER = T0 + timedelta(seconds=2)
 async def new_job(
     sessionmaker: SessionMaker, deployment: str = "llama", replica: str = ""
 ) -> TransferJob:
-    return await jobs.create_job(
-        sessionmaker,
+    new = jobs.NewJob(
         deployment=deployment,
         sender="ctx0",
         receiver="gen0",
@@ -30,9 +29,8 @@ async def new_job(
         plan_fingerprint="sha256:abc",
         bytes_total=2**40,  # beyond 32 bits: the columns are BIGINT
         fragments=12,
-        now=T0,
-        replica=replica,
     )
+    return await jobs.create_job(sessionmaker, new, now=T0, replica=replica)
 
 
 async def test_created_job_is_queued_and_readable(sessionmaker: SessionMaker) -> None:

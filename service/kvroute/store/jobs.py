@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import delete, select, update
@@ -31,35 +32,42 @@ _PREDECESSORS: dict[JobState, tuple[JobState, ...]] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """What a transfer job's row is created from: who sends what to whom, and what the plan moves."""
+
+    deployment: str
+    sender: str
+    receiver: str
+    receiver_ranks: Sequence[int]
+    src_blocks: Sequence[int]
+    dst_blocks: Sequence[int]
+    plan_fingerprint: str
+    bytes_total: int
+    fragments: int
+
+
 async def create_job(
     sessionmaker: SessionMaker,
+    new: NewJob,
     *,
-    deployment: str,
-    sender: str,
-    receiver: str,
-    receiver_ranks: Sequence[int],
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    plan_fingerprint: str,
-    bytes_total: int,
-    fragments: int,
     now: datetime,
     replica: str = "",
     job_id: str | None = None,
 ) -> wire.TransferJob:
-    """Stores a new queued job under ``job_id`` (a fresh UUID by default) and returns it."""
+    """Stores ``new`` as a queued job under ``job_id`` (a fresh UUID by default) and returns it."""
     job = TransferJob(
         id=job_id or str(uuid.uuid4()),
-        deployment=deployment,
-        sender=sender,
-        receiver=receiver,
-        receiver_ranks=list(receiver_ranks),
-        src_blocks=list(src_blocks),
-        dst_blocks=list(dst_blocks),
+        deployment=new.deployment,
+        sender=new.sender,
+        receiver=new.receiver,
+        receiver_ranks=list(new.receiver_ranks),
+        src_blocks=list(new.src_blocks),
+        dst_blocks=list(new.dst_blocks),
         state=JobState.QUEUED.value,
-        bytes=bytes_total,
-        fragments=fragments,
-        plan_fingerprint=plan_fingerprint,
+        bytes=new.bytes_total,
+        fragments=new.fragments,
+        plan_fingerprint=new.plan_fingerprint,
         replica=replica,
         created_at=now,
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from kvroute import wire
@@ -51,35 +50,9 @@ class JobJournal:
         if interrupted:
             log.warning("marked %d transfer jobs of a previous process failed", interrupted)
 
-    async def create(
-        self,
-        job_id: str,
-        *,
-        deployment: str,
-        sender: str,
-        receiver: str,
-        receiver_ranks: Sequence[int],
-        src_blocks: Sequence[int],
-        dst_blocks: Sequence[int],
-        plan_fingerprint: str,
-        bytes_total: int,
-        fragments: int,
-        now: datetime,
-    ) -> wire.TransferJob:
+    async def create(self, job_id: str, new: jobs.NewJob, *, now: datetime) -> wire.TransferJob:
         return await jobs.create_job(
-            self._sessionmaker,
-            job_id=job_id,
-            deployment=deployment,
-            sender=sender,
-            receiver=receiver,
-            receiver_ranks=receiver_ranks,
-            src_blocks=src_blocks,
-            dst_blocks=dst_blocks,
-            plan_fingerprint=plan_fingerprint,
-            bytes_total=bytes_total,
-            fragments=fragments,
-            now=now,
-            replica=self._replica,
+            self._sessionmaker, new, now=now, replica=self._replica, job_id=job_id
         )
 
     async def discard(self, job_id: str) -> None:

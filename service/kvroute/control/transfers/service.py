@@ -117,8 +117,7 @@ class TransferService:
         )
         # Splits the job into its copies (refusing a gap) and counts what they move.
         totals = self.pool.engine.totals(job)
-        record = await self._journal.create(
-            job.job_id,
+        new = jobs.NewJob(
             deployment=request.deployment,
             sender=request.sender,
             receiver=request.receiver,
@@ -128,8 +127,8 @@ class TransferService:
             plan_fingerprint=",".join(leg.copy_plan.fingerprint for leg in legs),
             bytes_total=totals.bytes,
             fragments=totals.fragments,
-            now=now,
         )
+        record = await self._journal.create(job.job_id, new, now=now)
         try:
             await self.pool.submit(job)
         except BaseException:
