@@ -162,22 +162,35 @@ def _grid(
     y += 8
     if "period_tokens" in sample:
         y = period_strip(canvas, sample, y)
-    for column, head in enumerate(heads):
-        name = "all" if replicated else f"h{head}"
-        canvas.text(GRID_LEFT + column * CELL + CELL / 2, y + 12, name, size=11, anchor="middle")
+    names = ["all" if replicated else f"h{head}" for head in heads]
+    return _cells(canvas, heads, names, "head", bands, y)
+
+
+def _cells(
+    canvas: Canvas,
+    columns: list[int],
+    names: list[str],
+    noun: str,
+    bands: list[tuple[list[int], dict[int, int]]],
+    y: float,
+) -> float:
+    """The grid under a view's title: one named column per head (or state position), one row per
+    run of layers, each cell coloured and labelled by the sender rank that writes it."""
+    for index, name in enumerate(names):
+        canvas.text(GRID_LEFT + index * CELL + CELL / 2, y + 12, name, size=11, anchor="middle")
     y += 18
     for layers, mapping in bands:
         canvas.text(10, y + CELL / 2 + 4, f"layers {span(layers)}", size=12)
-        for column, head in enumerate(heads):
-            rank = mapping.get(head)
-            x = GRID_LEFT + column * CELL
+        for index, column in enumerate(columns):
+            rank = mapping.get(column)
+            x = GRID_LEFT + index * CELL
             canvas.box(
                 x,
                 y,
                 CELL - 2,
                 CELL - 2,
                 fill=colour(rank) if rank is not None else "#ffffff",
-                title=f"head {head}, layers {span(layers)}: sender rank {rank}",
+                title=f"{noun} {column}, layers {span(layers)}: sender rank {rank}",
             )
             label = f"r{rank}" if rank is not None else "-"
             canvas.text(x + CELL / 2 - 1, y + CELL / 2 + 4, label, size=12, anchor="middle")
@@ -232,24 +245,5 @@ def _state_grid(
     )
     y += 8
     prefix = {"head": "h", "part": "p"}.get(unit)
-    for column, position in enumerate(units):
-        name = f"{prefix}{position}" if prefix else "all"
-        canvas.text(GRID_LEFT + column * CELL + CELL / 2, y + 12, name, size=11, anchor="middle")
-    y += 18
-    for layers, mapping in bands:
-        canvas.text(10, y + CELL / 2 + 4, f"layers {span(layers)}", size=12)
-        for column, position in enumerate(units):
-            rank = mapping.get(position)
-            x = GRID_LEFT + column * CELL
-            canvas.box(
-                x,
-                y,
-                CELL - 2,
-                CELL - 2,
-                fill=colour(rank) if rank is not None else "#ffffff",
-                title=f"state {unit} {position}, layers {span(layers)}: sender rank {rank}",
-            )
-            label = f"r{rank}" if rank is not None else "-"
-            canvas.text(x + CELL / 2 - 1, y + CELL / 2 + 4, label, size=12, anchor="middle")
-        y += CELL
-    return y + 24
+    names = [f"{prefix}{position}" if prefix else "all" for position in units]
+    return _cells(canvas, units, names, f"state {unit}", bands, y)
