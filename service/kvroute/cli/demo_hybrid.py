@@ -12,21 +12,20 @@ TP2 ranks rebuild the pool they must hold from the same pattern and compare ever
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.queues import Queue
 from typing import Any
 
 import torch
 
-from kvroute.client import KvrouteClient
+from kvroute.cli.demo_workers import WorkerSpec, answer_commands
 from kvroute.client.hybrid import HybridPool, MambaLayout, mamba2
 from kvroute.client.memory import ShmPool
 from kvroute.client.pools import KvLayout, Parallel, rank_document
 from kvroute.geometry import Kind
 
 DEPLOYMENT = "demo-hybrid"
-COMMAND_WAIT_S = 300.0
 BLOCKS_PER_REQUEST = 3  # context blocks of a request's prompt (its last one not full)
 CACHED_TOKENS = 3  # the generation side already holds each prompt's first tokens
 
@@ -165,19 +164,7 @@ def write_request(pool: HybridPool, tp_rank: int, request: dict[str, Any], side:
     conv[slot] = conv_truth(pool.mamba, tp_rank, request_id)
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    url: str
-    token: str
-    role: str
-    instance: str
-    tp_size: int
-    tp_rank: int
-    model: HybridModel
-    shm_name: str
-
-
-def _pool(spec: WorkerSpec) -> tuple[ShmPool, HybridPool]:
+def _pool(spec: WorkerSpec[HybridModel]) -> tuple[ShmPool, HybridPool]:
     kv, mamba = spec.model.layouts(spec.role)
     slots = spec.model.num_slots(spec.role)
     stride = HybridPool.carve(kv, mamba, 1).slot_stride
@@ -201,7 +188,9 @@ def incompatible_document(model: HybridModel) -> dict[str, Any]:
     return document(model, "generation", model.generation_tp, 0, pool)
 
 
-def verify(spec: WorkerSpec, pool: HybridPool, requests: list[dict[str, Any]]) -> dict[str, int]:
+def verify(
+    spec: WorkerSpec[HybridModel], pool: HybridPool, requests: list[dict[str, Any]]
+) -> dict[str, int]:
     """Every byte of the pool against the pool it must be: received requests, zeros elsewhere."""
     expected = HybridPool.carve(pool.kv_layout, pool.mamba, pool.num_slots)
     for request in requests:
@@ -210,7 +199,7 @@ def verify(spec: WorkerSpec, pool: HybridPool, requests: list[dict[str, Any]]) -
     return {"checked": pool.buffer.numel(), "wrong": wrong}
 
 
-def serve(spec: WorkerSpec, commands: Queue, replies: Queue) -> None:
+def serve(spec: WorkerSpec[HybridModel], commands: Queue, replies: Queue) -> None:
     """A worker process: own and fill the pool, register and keep the lease, answer commands."""
     memory, pool = _pool(spec)
     try:
@@ -218,19 +207,7 @@ def serve(spec: WorkerSpec, commands: Queue, replies: Queue) -> None:
             for request in spec.model.requests():
                 write_request(pool, spec.tp_rank, request, "src")
         doc = document(spec.model, spec.role, spec.tp_size, spec.tp_rank, pool, memory.descriptor())
-        with (
-            KvrouteClient(spec.url, token=spec.token) as client,
-            client.keep_lease(DEPLOYMENT, spec.instance, spec.tp_rank, doc) as lease,
-        ):
-            replies.put(("registered", spec.instance, spec.tp_rank, lease.generation, os.getpid()))
-            while True:
-                command: tuple[Any, ...] = commands.get(timeout=COMMAND_WAIT_S)
-                if command[0] == "verify":
-                    replies.put(("verified", spec.tp_rank, verify(spec, pool, command[1])))
-                else:
-                    lease.stop(deregister=True)
-                    replies.put(("stopped", spec.tp_rank))
-                    return
+        answer_commands(spec, DEPLOYMENT, doc, (commands, replies), partial(verify, spec, pool))
     finally:
         del pool
         memory.close()

@@ -11,10 +11,12 @@ heads it holds, whatever block it landed in, without trusting the plan that move
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from itertools import pairwise
 from multiprocessing.queues import Queue
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -25,6 +27,7 @@ from kvroute.geometry import Kind, Owner
 
 DEPLOYMENT = "demo"
 COMMAND_WAIT_S = 300.0
+M = TypeVar("M")  # the model a worker holds
 CACHED_TOKENS = 3  # the generation side already holds the prompt's first tokens
 
 
@@ -137,18 +140,20 @@ def receiver_slot(model: Model, block: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerSpec:
+class WorkerSpec(Generic[M]):
+    """One demo worker process: where kvroute is, which rank it is, and the model it holds."""
+
     url: str
     token: str
     role: str
     instance: str
     tp_size: int
     tp_rank: int
-    model: Model
+    model: M
     shm_name: str
 
 
-def _pool(spec: WorkerSpec) -> tuple[ShmPool, SharedKvPool, list[KvLayout]]:
+def _pool(spec: WorkerSpec[Model]) -> tuple[ShmPool, SharedKvPool, list[KvLayout]]:
     layouts = list(spec.model.layouts(spec.role))
     slots = spec.model.slots(spec.role)
     stride = SharedKvPool.carve(layouts, 1).slot_stride
@@ -157,7 +162,7 @@ def _pool(spec: WorkerSpec) -> tuple[ShmPool, SharedKvPool, list[KvLayout]]:
     return memory, SharedKvPool.carve(layouts, slots, buffer=memory.tensor), layouts
 
 
-def _first_heads(spec: WorkerSpec) -> list[int]:
+def _first_heads(spec: WorkerSpec[Model]) -> list[int]:
     model = spec.model
     return [
         heads_of(total, spec.tp_size, spec.tp_rank)[0]
@@ -165,7 +170,7 @@ def _first_heads(spec: WorkerSpec) -> list[int]:
     ]
 
 
-def fill(spec: WorkerSpec, pool: SharedKvPool, layouts: list[KvLayout]) -> None:
+def fill(spec: WorkerSpec[Model], pool: SharedKvPool, layouts: list[KvLayout]) -> None:
     tokens = spec.model.tokens_per_block
     for tensor, layout, first in zip(pool.tensors, layouts, _first_heads(spec), strict=True):
         words = tensor.view(torch.int16)
@@ -210,7 +215,7 @@ def incompatible_document(model: Model) -> dict[str, Any]:
 
 
 def verify(
-    spec: WorkerSpec, pool: SharedKvPool, layouts: list[KvLayout], jobs: list[dict[str, Any]]
+    spec: WorkerSpec[Model], pool: SharedKvPool, layouts: list[KvLayout], jobs: list[dict[str, Any]]
 ) -> dict[str, int]:
     """Bytes checked and wrong over every slot: the tokens the jobs moved must hold their truth
     (whichever context block they came from), every other token must still be zero."""
@@ -230,7 +235,31 @@ def verify(
     return {"checked": checked, "wrong": wrong}
 
 
-def serve(spec: WorkerSpec, commands: Queue, replies: Queue) -> None:
+def answer_commands(
+    spec: WorkerSpec[Any],
+    deployment: str,
+    document: dict[str, Any],
+    queues: tuple[Queue, Queue],
+    verify: Callable[[Any], dict[str, int]],
+) -> None:
+    """Registers, keeps the lease and answers the demo's commands (verify, then stop) on
+    ``queues`` (commands, replies)."""
+    commands, replies = queues
+    with (
+        KvrouteClient(spec.url, token=spec.token) as client,
+        client.keep_lease(deployment, spec.instance, spec.tp_rank, document) as lease,
+    ):
+        replies.put(("registered", spec.instance, spec.tp_rank, lease.generation, os.getpid()))
+        while True:
+            command: tuple[Any, ...] = commands.get(timeout=COMMAND_WAIT_S)
+            if command[0] != "verify":
+                lease.stop(deregister=True)
+                replies.put(("stopped", spec.tp_rank))
+                return
+            replies.put(("verified", spec.tp_rank, verify(command[1])))
+
+
+def serve(spec: WorkerSpec[Model], commands: Queue, replies: Queue) -> None:
     """A worker process: own and fill the pool, register and keep the lease, answer commands."""
     memory, pool, layouts = _pool(spec)
     try:
@@ -244,19 +273,9 @@ def serve(spec: WorkerSpec, commands: Queue, replies: Queue) -> None:
             parallel=Parallel(tp_size=spec.tp_size, tp_rank=spec.tp_rank),
             lease_seconds=30,
         )
-        with (
-            KvrouteClient(spec.url, token=spec.token) as client,
-            client.keep_lease(DEPLOYMENT, spec.instance, spec.tp_rank, document) as lease,
-        ):
-            replies.put(("registered", spec.instance, spec.tp_rank, lease.generation, os.getpid()))
-            while True:
-                command: tuple[Any, ...] = commands.get(timeout=COMMAND_WAIT_S)
-                if command[0] == "verify":
-                    replies.put(("verified", spec.tp_rank, verify(spec, pool, layouts, command[1])))
-                else:
-                    lease.stop(deregister=True)
-                    replies.put(("stopped", spec.tp_rank))
-                    return
+        answer_commands(
+            spec, DEPLOYMENT, document, (commands, replies), partial(verify, spec, pool, layouts)
+        )
     finally:
         del pool
         memory.close()
