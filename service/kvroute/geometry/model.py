@@ -125,8 +125,9 @@ class View:
     conv_sections: tuple[int, ...] | None = None  # kind conv: per-rank bytes of each section
     sliding_window: int | None = None  # attention window in tokens; None is full attention
 
-    @property
+    @cached_property
     def axis(self) -> Axis:
+        # Cached: view matching asks it of every peer view for every receiver view.
         return Axis.STATE if self.per_request or self.kind.recurrent else Axis.BLOCK
 
     @property

@@ -117,7 +117,7 @@ def _bounce_safe(peers: Sequence[PeerPlan]) -> bool:
             for peer in peers
             for v in (*peer.views, *peer.states)
         ],
-        writer_bytes=[peer.bytes_per_block for peer in peers if peer.sends],
+        writer_bytes=[nbytes for peer in peers if (nbytes := peer.bytes_per_block) or peer.sends],
         state=any(peer.states for peer in peers),
     )
 
