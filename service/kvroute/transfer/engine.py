@@ -317,46 +317,60 @@ def _copy_indexed(
         return
     width = _width(passes, src, dst)
     src_parts, dst_parts = [], []
-    for part in passes:
-        src_rel, dst_rel = _relative_elements(part, width, src, dst, cache)
-        src_base = torch.tensor(part.src_blocks, device=src.device) * (
+    for same_blocks in _by_block_lists(passes):
+        # Passes over the same block lists (every view of a block-pair job) share one expansion:
+        # the index arrays are as large as the data, so each extra pass over them costs a copy.
+        src_rel, dst_rel = _relative_elements(same_blocks, width, src, dst, cache)
+        first = same_blocks[0]
+        src_base = torch.tensor(first.src_blocks, device=src.device) * (
             src.pool.slot_stride // width
         )
-        dst_base = torch.tensor(part.dst_blocks, device=dst.device) * (
+        dst_base = torch.tensor(first.dst_blocks, device=dst.device) * (
             dst.pool.slot_stride // width
         )
         src_parts.append((src_base[:, None] + src_rel).reshape(-1))
         dst_parts.append((dst_base[:, None] + dst_rel).reshape(-1))
+    src_index = src_parts[0] if len(src_parts) == 1 else torch.cat(src_parts)
+    dst_index = dst_parts[0] if len(dst_parts) == 1 else torch.cat(dst_parts)
     src_flat = src.tensor.view(_DTYPE_BY_WIDTH[width])
     dst_flat = dst.tensor.view(_DTYPE_BY_WIDTH[width])
-    gathered = src_flat.index_select(0, torch.cat(src_parts))
-    dst_flat.index_copy_(0, torch.cat(dst_parts), gathered.to(dst.device))
+    dst_flat.index_copy_(0, dst_index, src_flat.index_select(0, src_index).to(dst.device))
+
+
+def _by_block_lists(passes: list[_Pass]) -> list[list[_Pass]]:
+    """The passes grouped by the block lists they apply to, in first-seen order."""
+    groups: dict[tuple[bytes, bytes], list[_Pass]] = {}
+    for part in passes:
+        key = (part.src_blocks.tobytes(), part.dst_blocks.tobytes())
+        groups.setdefault(key, []).append(part)
+    return list(groups.values())
 
 
 def _relative_elements(
-    part: _Pass,
+    parts: list[_Pass],
     width: int,
     src: PoolMemory,
     dst: PoolMemory,
     cache: _LruCache[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slot-relative element indices of a pass's program, expanded once per plan and width."""
+    """Slot-relative element indices of the passes' programs, back to back, expanded once per
+    plan and width."""
 
     def expand() -> tuple[torch.Tensor, torch.Tensor]:
-        src_rel, dst_rel = part.program.element_offsets(width)
-        src_rel = torch.from_numpy(src_rel).to(src.device)
-        dst_rel = torch.from_numpy(dst_rel).to(dst.device)
+        offsets = [part.program.element_offsets(width) for part in parts]
+        src_rel = torch.from_numpy(np.concatenate([pair[0] for pair in offsets])).to(src.device)
+        dst_rel = torch.from_numpy(np.concatenate([pair[1] for pair in offsets])).to(dst.device)
         for tensor in (src_rel, dst_rel):
             if tensor.is_cuda:
                 # other workers read the cached indices on their own streams: finish the upload first
                 torch.cuda.current_stream(tensor.device).synchronize()
         return src_rel, dst_rel
 
-    if part.cache_key is None:
+    keys = [part.cache_key for part in parts]
+    if any(key is None for key in keys):
         src_rel, dst_rel = expand()
     else:
-        key = (*part.cache_key, width, src.device, dst.device)
-        src_rel, dst_rel = cache.get_or_compute(key, expand)
+        src_rel, dst_rel = cache.get_or_compute((*keys, width, src.device, dst.device), expand)
     for tensor in (src_rel, dst_rel):
         if tensor.is_cuda:
             # the cache may evict and free these while this stream still reads them
