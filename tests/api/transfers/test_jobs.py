@@ -11,137 +11,26 @@ import asyncio
 import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
 
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestClient
 
-from kvroute.api import create_app
-from kvroute.api.keys import copy_engine_key, sessionmaker_key, transfer_service_key
+from kvroute.api.keys import sessionmaker_key, transfer_service_key
 from kvroute.store import jobs
 from kvroute.store.engine import create_engine, make_sessionmaker
 from kvroute.store.jobs import INTERRUPTED
 from kvroute.store.models import TransferJob as JobRow
-from kvroute.transfer import CopyEngine, TransferJob
-from kvroute.transfer.jobs import CopyResult
-from tests.api.conftest import ADMIN, WORKER, rank_path
-from tests.transfer.conftest import Owners
-from tests.world import Side, ViewClass, layout_rank
-
-Client = TestClient[web.Request, web.Application]
-GATE_S = 10.0
-POLLS = 500  # x 10 ms
-KV = [ViewClass(("key", "value"), "target", "hnd", 4, 2, 4)]
-CONTEXT, GENERATION = Side("context", 2, (2,), seed=1), Side("generation", 1, (2,), seed=2)
-TRANSFERS = "/v1/deployments/llama/transfers"
-
-
-class GatedEngine(CopyEngine):
-    """The real engine, held at a gate so a job stays running until the test opens it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-
-    def copy(self, job: TransferJob, **kwargs: Any) -> CopyResult:
-        self.entered.set()
-        if not self.gate.wait(GATE_S):
-            raise TimeoutError("test gate never opened")
-        return super().copy(job)
-
-
-@pytest.fixture(scope="module")
-def owners() -> Iterator[Owners]:
-    started = Owners(("workers",))
-    yield started
-    started.stop()
-
-
-@pytest.fixture
-def segment(owners: Owners) -> Iterator[Callable[[int], str]]:
-    created: list[str] = []
-
-    def create(size: int) -> str:
-        created.append(owners.create("workers", size, len(created)))
-        return created[-1]
-
-    yield create
-    for name in created:
-        owners.unlink("workers", name)
-
-
-@pytest.fixture
-def start(
-    aiohttp_client: Any, make_settings: Callable[..., Any]
-) -> Callable[..., Awaitable[Client]]:
-    async def build(engine: CopyEngine | None = None, **overrides: Any) -> Client:
-        app = create_app(make_settings(**overrides))
-        if engine is not None:
-            app[copy_engine_key] = engine
-        client: Client = await aiohttp_client(app)
-        return client
-
-    return build
-
-
-async def register_world(
-    client: Client,
-    segment: Callable[[int], str],
-    *,
-    receiver_memory: dict[str, Any] | None = None,
-    context_ranks: tuple[int, ...] = (0, 1),
-    generation: Side = GENERATION,
-) -> None:
-    """Context TP2 -> generation TP1 (HND, 4 heads), every pool in its own segment."""
-    for side, name, ranks in ((CONTEXT, "ctx0", context_ranks), (generation, "gen0", (0,))):
-        for rank in ranks:
-            document = layout_rank(side, KV, rank, num_slots=4).doc
-            for pool in document["pools"]:
-                size = pool["slot_stride"] * pool["num_slots"]
-                memory = {"backend": "shm", "name": segment(size)}
-                pool["memory"] = (
-                    receiver_memory if side is generation and receiver_memory else memory
-                )
-            response = await client.put(rank_path(name, rank), json=document, headers=WORKER)
-            assert response.status == 201, await response.text()
-
-
-def body(src: list[int], dst: list[int]) -> dict[str, Any]:
-    return {
-        "sender": "ctx0",
-        "receiver": "gen0",
-        "receiver_ranks": [0],
-        "src_blocks": src,
-        "dst_blocks": dst,
-    }
-
-
-async def submit(client: Client, src: list[int], dst: list[int]) -> dict[str, Any]:
-    response = await client.post(TRANSFERS, json=body(src, dst), headers=WORKER)
-    assert response.status == 202, await response.text()
-    return dict(await response.json())
-
-
-async def state_of(client: Client, job_id: str) -> dict[str, Any]:
-    response = await client.get(f"/v1/transfers/{job_id}", headers=WORKER)
-    assert response.status == 200
-    return dict(await response.json())
-
-
-async def until(client: Client, job_id: str, states: set[str]) -> dict[str, Any]:
-    for _ in range(POLLS):
-        job = await state_of(client, job_id)
-        if job["state"] in states:
-            return job
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"job {job_id} never reached {states}")
-
-
-async def wait_entered(engine: GatedEngine) -> None:
-    assert await asyncio.to_thread(engine.entered.wait, GATE_S), "no job reached the engine"
+from tests.api.conftest import ADMIN, WORKER
+from tests.api.transfers.world import (
+    GATE_S,
+    TRANSFERS,
+    GatedEngine,
+    body,
+    register_world,
+    state_of,
+    submit,
+    until,
+    wait_entered,
+)
 
 
 async def test_job_runs_and_is_reported_from_the_database(start, segment) -> None:
@@ -401,99 +290,3 @@ def test_without_torch_the_control_plane_serves_and_transfers_answer_503(sqlite_
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[0] == "200 ['database', 'draining'] 503 no_data_plane 404"
-
-
-# Generation blocks of 8 tokens beside context blocks of 4: 64 bytes a token (2 layers x K/V x 4
-# heads x 4 bytes), the receiver's slot 0 holding tokens [0, 8) when a list starts there.
-WIDE = Side("generation", 1, (2,), seed=2, tokens_per_block=8)
-BYTES_PER_TOKEN = 2 * 2 * 4 * 4
-
-
-async def test_a_token_range_moves_between_block_sizes(start, segment) -> None:
-    client = await start()
-    await register_world(client, segment, generation=WIDE)
-    # tokens [5, 14): the sender's suffix list starts at token 4 (blocks 1..3 of 4 tokens),
-    # the receiver's at token 0 (blocks of 8); both are derived by upstream's rule
-    request = body([3, 1, 2], [2, 0]) | {"tokens": {"start": 5, "end": 14}}
-
-    response = await client.post(TRANSFERS, json=request, headers=WORKER)
-
-    assert response.status == 202, await response.text()
-    job = await until(client, (await response.json())["id"], {"succeeded", "failed"})
-    assert job["state"] == "succeeded", job["error"]
-    assert job["bytes"] == 9 * BYTES_PER_TOKEN
-
-
-async def test_lists_without_tokens_must_hold_the_same_tokens(start, segment) -> None:
-    client = await start()
-    await register_world(client, segment, generation=WIDE)
-    same = await client.post(TRANSFERS, json=body([0, 1], [3]), headers=WORKER)
-    assert same.status == 202, await same.text()
-    assert (await same.json())["bytes"] == 8 * BYTES_PER_TOKEN
-
-    response = await client.post(TRANSFERS, json=body([0, 1, 2], [3]), headers=WORKER)
-
-    problem = await response.json()
-    assert response.status == 422, problem
-    assert (problem["code"], problem["field"], problem["token"]) == (
-        "token_range_not_covered",
-        "dst_blocks",
-        8,
-    )
-    assert (problem["covered"], problem["tokens"]) == ([0, 8], [0, 12])
-
-
-@pytest.mark.parametrize(
-    ("members", "src", "dst", "expected"),
-    [
-        (  # the receiver's suffix list of one block starts at token 8: token 5 has no block
-            {"tokens": {"start": 5, "end": 14}},
-            [1, 2, 3],
-            [0],
-            {"code": "token_range_not_covered", "field": "dst_blocks", "token": 5,
-             "covered": [8, 16], "tokens": [5, 14]},
-        ),
-        (  # named first tokens: the sender's list ends at token 12
-            {"tokens": {"start": 5, "end": 14}, "src_first_token": 4, "dst_first_token": 0},
-            [1, 2],
-            [0, 1],
-            {"code": "token_range_not_covered", "field": "src_blocks", "token": 12,
-             "covered": [4, 12], "tokens": [5, 14]},
-        ),
-        (
-            {"tokens": {"start": 9, "end": 9}},
-            [1],
-            [0],
-            {"code": "invalid_transfer", "field": "tokens"},
-        ),
-        (  # three blocks of 4 cannot end at token 4
-            {"tokens": {"start": 0, "end": 4}},
-            [0, 1, 2],
-            [0],
-            {"code": "invalid_transfer", "field": "src_blocks"},
-        ),
-    ],
-)  # fmt: skip
-async def test_token_ranges_the_lists_do_not_cover_are_422_naming_the_first_gap(
-    start, segment, members, src, dst, expected
-) -> None:
-    client = await start()
-    await register_world(client, segment, generation=WIDE)
-
-    response = await client.post(TRANSFERS, json=body(src, dst) | members, headers=WORKER)
-
-    problem = await response.json()
-    assert response.status == 422, problem
-    assert {key: problem[key] for key in expected} == expected
-    assert await jobs.list_jobs(client.app[sessionmaker_key], "llama") == []
-
-
-async def test_a_token_range_member_outside_the_schema_is_refused(start, segment) -> None:
-    client = await start()
-    await register_world(client, segment, generation=WIDE)
-    request = body([1], [0]) | {"tokens": {"start": 0, "end": 4, "step": 1}}
-
-    response = await client.post(TRANSFERS, json=request, headers=WORKER)
-
-    assert response.status in (400, 422)
-    assert await jobs.list_jobs(client.app[sessionmaker_key], "llama") == []
