@@ -1,7 +1,7 @@
 """Transfer jobs and their memory: a job's row exists before it runs, a shrunk segment fails a job.
 
-Uses the fixtures and helpers of ``test_transfers`` (segments of a separate owner process, the
-real app factory, a gated copy engine).
+Uses this package's fixtures and world (segments of a separate owner process, the real app
+factory, a gated copy engine).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from kvroute.store import jobs
 from kvroute.store.errors import NotFound
 from kvroute.transfer import CopyEngine, TransferJob
 from kvroute.transfer.jobs import CopyResult
-from tests.api import test_transfers
 from tests.api.conftest import WORKER, rank_path
-from tests.api.test_transfers import (
+from tests.api.transfers.world import (
     GATE_S,
     GENERATION,
     KV,
@@ -29,11 +28,6 @@ from tests.api.test_transfers import (
     wait_entered,
 )
 from tests.world import layout_rank
-
-# pytest finds fixtures by name in a test module: these are test_transfers' own.
-owners = test_transfers.owners
-segment = test_transfers.segment
-start = test_transfers.start
 
 
 class RowWitness(CopyEngine):
