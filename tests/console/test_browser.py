@@ -207,7 +207,13 @@ def test_clicking_through_deployment_refusals_jobs_and_a_plan(
 
     # Transfer jobs.
     (job,) = _rows(browser, "transfers")
-    assert (job[0], job[1], job[3], job[4]) == (made["job"][:8], "ctx0 -> gen0", "3", "succeeded")
+    assert (job[0], job[1], job[3], job[4], job[5]) == (
+        made["job"][:8],
+        "ctx0 -> gen0",
+        "3",
+        "block pairs",
+        "succeeded",
+    )
 
     # A plan as picture and table; an incompatible pair's plan is refused with its reason.
     Select(browser.find_element(By.ID, "plan-receiver")).select_by_value("gen0")

@@ -36,6 +36,7 @@ MODELS = [
     wire.DeploymentSummary,
     wire.Deployment,
     wire.Rejection,
+    wire.TokenRange,
     wire.TransferJob,
     wire.CompatibilityInstance,
     wire.CompatibilityPair,
@@ -81,6 +82,9 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "missing_ranks": st.lists(ranks, max_size=4).map(tuple),
     "plan_fingerprints": st.lists(st.just("sha256:ab"), min_size=1, max_size=2).map(tuple),
     "duration_seconds": st.none() | st.floats(0, 1e4),
+    "end": st.integers(1, 10_000),
+    "tokens": st.none() | st.builds(wire.TokenRange, counts, st.integers(1, 10_000)),
+    "prompt_tokens": st.none() | st.integers(1, 10_000),
 }
 STATES = {
     wire.Rank: st.sampled_from(["live", "expired"]),
@@ -147,8 +151,8 @@ def test_every_model_renders_to_its_schema_and_parses_back(model: type, data: st
 def test_every_response_schema_has_a_model_and_the_client_reads_those_models():
     answers = {
         "Registered", "LeaseRenewed", "Rank", "RankSummary", "InstanceSummary", "Instance",
-        "DeploymentSummary", "Deployment", "Rejection", "TransferJob", "CompatibilityInstance",
-        "CompatibilityPair", "Compatibility",
+        "DeploymentSummary", "Deployment", "Rejection", "TokenRange", "TransferJob",
+        "CompatibilityInstance", "CompatibilityPair", "Compatibility",
     }  # fmt: skip
     assert {model.__name__ for model in MODELS} == answers <= set(SPEC["components"]["schemas"])
     assert client.RankInfo is wire.Rank

@@ -128,6 +128,11 @@ async def test_a_request_moves_its_window_and_state_and_nothing_else(
     assert response.status == 202, await response.text()
     job = await finished(client, (await response.json())["id"])
     assert job["state"] == "succeeded", job["error"]
+    members = ("tokens", "src_state_slot", "dst_state_slot", "prompt_tokens")
+    given = _request(**changes)
+    assert {name: job[name] for name in members if name in job} == {
+        name: given[name] for name in members if name in given
+    }
     written = 0
     for rank in range(4):
         expected, count = _expected(gen, truth, rank, positions)

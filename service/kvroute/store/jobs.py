@@ -45,6 +45,13 @@ class NewJob:
     plan_fingerprint: str
     bytes_total: int
     fragments: int
+    # The request's token members, as given (None: not given).
+    tokens: tuple[int, int] | None = None
+    src_first_token: int | None = None
+    dst_first_token: int | None = None
+    src_state_slot: int | None = None
+    dst_state_slot: int | None = None
+    prompt_tokens: int | None = None
 
 
 async def create_job(
@@ -70,6 +77,13 @@ async def create_job(
         plan_fingerprint=new.plan_fingerprint,
         replica=replica,
         created_at=now,
+        tokens_start=new.tokens[0] if new.tokens else None,
+        tokens_end=new.tokens[1] if new.tokens else None,
+        src_first_token=new.src_first_token,
+        dst_first_token=new.dst_first_token,
+        src_state_slot=new.src_state_slot,
+        dst_state_slot=new.dst_state_slot,
+        prompt_tokens=new.prompt_tokens,
     )
     async with sessionmaker.begin() as session:
         session.add(job)
@@ -180,4 +194,16 @@ def _record(job: TransferJob) -> wire.TransferJob:
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
+        tokens=_tokens(job),
+        src_first_token=job.src_first_token,
+        dst_first_token=job.dst_first_token,
+        src_state_slot=job.src_state_slot,
+        dst_state_slot=job.dst_state_slot,
+        prompt_tokens=job.prompt_tokens,
     )
+
+
+def _tokens(job: TransferJob) -> wire.TokenRange | None:
+    if job.tokens_start is None or job.tokens_end is None:
+        return None
+    return wire.TokenRange(start=job.tokens_start, end=job.tokens_end)

@@ -251,3 +251,11 @@ class TransferJob(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     error: Mapped[str | None] = mapped_column(Text)
+    # The request's token members as it gave them (None: not given); see TransferRequest.
+    tokens_start: Mapped[int | None] = mapped_column(BigInteger)
+    tokens_end: Mapped[int | None] = mapped_column(BigInteger)
+    src_first_token: Mapped[int | None] = mapped_column(BigInteger)
+    dst_first_token: Mapped[int | None] = mapped_column(BigInteger)
+    src_state_slot: Mapped[int | None] = mapped_column(BigInteger)
+    dst_state_slot: Mapped[int | None] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int | None] = mapped_column(BigInteger)

@@ -151,7 +151,7 @@ async function compatibilitySection(name, matrix) {
 }
 
 function transfersSection(jobs) {
-  const columns = ["job", "sender -> receiver", "receiver ranks", "blocks", "state", "bytes", "seconds", "created", "error"];
+  const columns = ["job", "sender -> receiver", "receiver ranks", "blocks", "moves", "state", "bytes", "seconds", "created", "error"];
   const rows = jobs.map((job) => ({
     class: job.state,
     cells: [
@@ -159,6 +159,7 @@ function transfersSection(jobs) {
       `${job.sender} -> ${job.receiver}`,
       job.receiver_ranks.join(","),
       job.blocks,
+      moves(job),
       job.state,
       job.bytes,
       job.duration_seconds === null ? "-" : job.duration_seconds.toFixed(4),
@@ -168,6 +169,13 @@ function transfersSection(jobs) {
   }));
   const empty = jobs.length ? [] : [el("p", {}, "No transfer job yet.")];
   return [el("h2", {}, "Transfer jobs"), table("transfers", columns, rows), ...empty];
+}
+
+// What a job moves: its token range (else its blocks as pairs), and the request's state slots.
+function moves(job) {
+  const tokens = job.tokens ? `tokens [${job.tokens.start}, ${job.tokens.end})` : "block pairs";
+  const state = job.src_state_slot === undefined ? "" : `, state slot ${job.src_state_slot} -> ${job.dst_state_slot}`;
+  return tokens + state;
 }
 
 // "0-3" for a contiguous run, "0,2,5" otherwise (as in the text table and the pictures).

@@ -20,6 +20,7 @@ from kvroute.wire.models import (
     RankSummary,
     Registered,
     Rejection,
+    TokenRange,
     TransferJob,
 )
 
@@ -37,6 +38,7 @@ __all__ = [
     "RankSummary",
     "Registered",
     "Rejection",
+    "TokenRange",
     "TransferJob",
     "WireError",
     "from_json",

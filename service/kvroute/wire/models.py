@@ -119,6 +119,14 @@ class Rejection:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenRange:
+    """Prompt positions ``[start, end)``."""
+
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
 class TransferJob:
     """A transfer job as ``POST .../transfers`` and ``GET /v1/transfers/{id}`` report it."""
 
@@ -137,6 +145,13 @@ class TransferJob:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    # The request's token members, present when it gave them.
+    tokens: TokenRange | None = field(default=None, metadata=OMIT_NONE)
+    src_first_token: int | None = field(default=None, metadata=OMIT_NONE)
+    dst_first_token: int | None = field(default=None, metadata=OMIT_NONE)
+    src_state_slot: int | None = field(default=None, metadata=OMIT_NONE)
+    dst_state_slot: int | None = field(default=None, metadata=OMIT_NONE)
+    prompt_tokens: int | None = field(default=None, metadata=OMIT_NONE)
 
     @property
     def finished(self) -> bool:

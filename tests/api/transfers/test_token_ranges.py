@@ -31,6 +31,25 @@ async def test_a_token_range_moves_between_block_sizes(start, segment) -> None:
     job = await until(client, (await response.json())["id"], {"succeeded", "failed"})
     assert job["state"] == "succeeded", job["error"]
     assert job["bytes"] == 9 * BYTES_PER_TOKEN
+    assert job["tokens"] == {"start": 5, "end": 14}  # the answer says what the job moved
+    assert "src_first_token" not in job  # members the request did not give are absent
+
+
+async def test_a_job_answers_with_the_token_members_it_was_given(start, segment) -> None:
+    client = await start()
+    await register_world(client, segment, generation=WIDE)
+    members = {"tokens": {"start": 6, "end": 12}, "src_first_token": 4, "dst_first_token": 0}
+    response = await client.post(TRANSFERS, json=body([1, 2], [0, 1]) | members, headers=WORKER)
+    assert response.status == 202, await response.text()
+    submitted = await response.json()
+
+    job = await until(client, submitted["id"], {"succeeded", "failed"})
+
+    assert job["state"] == "succeeded", job["error"]
+    for answer in (submitted, job):
+        assert {name: answer.get(name) for name in members} == members
+        assert "src_state_slot" not in answer
+        assert "prompt_tokens" not in answer
 
 
 async def test_lists_without_tokens_must_hold_the_same_tokens(start, segment) -> None:
@@ -38,7 +57,9 @@ async def test_lists_without_tokens_must_hold_the_same_tokens(start, segment) ->
     await register_world(client, segment, generation=WIDE)
     same = await client.post(TRANSFERS, json=body([0, 1], [3]), headers=WORKER)
     assert same.status == 202, await same.text()
-    assert (await same.json())["bytes"] == 8 * BYTES_PER_TOKEN
+    answer = await same.json()
+    assert answer["bytes"] == 8 * BYTES_PER_TOKEN
+    assert "tokens" not in answer
 
     response = await client.post(TRANSFERS, json=body([0, 1, 2], [3]), headers=WORKER)
 

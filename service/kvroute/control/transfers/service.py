@@ -27,7 +27,7 @@ from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import Conflict, InvalidTransition
 from kvroute.transfer.engine import CopyEngine
 from kvroute.transfer.errors import TransferValidationError, UnknownJob
-from kvroute.transfer.jobs import TokenWindow, TransferJob
+from kvroute.transfer.jobs import CopyResult, TokenWindow, TransferJob
 from kvroute.transfer.memory import PoolMemoryCache
 from kvroute.transfer.workers import DrainReport, WorkerPool
 
@@ -117,18 +117,7 @@ class TransferService:
         )
         # Splits the job into its copies (refusing a gap) and counts what they move.
         totals = self.pool.engine.totals(job)
-        new = jobs.NewJob(
-            deployment=request.deployment,
-            sender=request.sender,
-            receiver=request.receiver,
-            receiver_ranks=request.receiver_ranks,
-            src_blocks=request.src_blocks,
-            dst_blocks=request.dst_blocks,
-            plan_fingerprint=",".join(leg.copy_plan.fingerprint for leg in legs),
-            bytes_total=totals.bytes,
-            fragments=totals.fragments,
-        )
-        record = await self._journal.create(job.job_id, new, now=now)
+        record = await self._journal.create(job.job_id, _row(request, legs, totals), now=now)
         try:
             await self.pool.submit(job)
         except BaseException:
@@ -157,6 +146,27 @@ class TransferService:
         except InvalidTransition:
             # The writer stored the pool's own report of this cancellation first.
             return await jobs.get_job(self._sessionmaker, job_id)
+
+
+def _row(request: TransferRequest, legs: list[Leg], totals: CopyResult) -> jobs.NewJob:
+    """The job's row: the request as given, the plans it ran on and what its copies move."""
+    return jobs.NewJob(
+        deployment=request.deployment,
+        sender=request.sender,
+        receiver=request.receiver,
+        receiver_ranks=request.receiver_ranks,
+        src_blocks=request.src_blocks,
+        dst_blocks=request.dst_blocks,
+        plan_fingerprint=",".join(leg.copy_plan.fingerprint for leg in legs),
+        bytes_total=totals.bytes,
+        fragments=totals.fragments,
+        tokens=request.tokens,
+        src_first_token=request.src_first_token,
+        dst_first_token=request.dst_first_token,
+        src_state_slot=request.src_state_slot,
+        dst_state_slot=request.dst_state_slot,
+        prompt_tokens=request.prompt_tokens,
+    )
 
 
 def _check_pairs(request: TransferRequest, legs: list[Leg]) -> None:
