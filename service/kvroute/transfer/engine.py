@@ -72,13 +72,16 @@ class _LruCache(Generic[K, V]):
         with self._lock:
             return self._entries.get(key)
 
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            self._entries[key] = value
+
     def get_or_compute(self, key: K, compute: Callable[[], V]) -> V:
         with self._lock:
             if key in self._entries:
                 return self._entries[key]
         value = compute()
-        with self._lock:
-            self._entries[key] = value
+        self.put(key, value)
         return value
 
 
@@ -186,7 +189,7 @@ class CopyEngine:
             for index, view in enumerate(peer.copies)
         ]
         tasks.sort(key=lambda task: task.group)
-        self._jobs.get_or_compute(job.job_id, lambda: (job, tasks))
+        self._jobs.put(job.job_id, (job, tasks))
         return tasks
 
     def _task(
