@@ -73,16 +73,7 @@ class ViewTransfer:
 
     def to_json(self, *, period: bool = False) -> dict[str, Any]:
         doc: dict[str, Any] = {
-            "src_view": self.src_view,
-            "dst_view": self.dst_view,
-            "src_pool": self.src_pool,
-            "dst_pool": self.dst_pool,
-            "mapper": self.mapper,
-            "duplicate_head_factor": self.duplicate_head_factor,
-            "peer_duplicate_head_factor": self.peer_duplicate_head_factor,
-            "owner": self.owner,
-            "roles": list(self.roles),
-            "layers": list(self.layers),
+            **_pair_members(self),
             "heads": {
                 "total": self.total_heads,
                 "src": list(self.src_heads),
@@ -131,16 +122,7 @@ class StateTransfer:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "src_view": self.src_view,
-            "dst_view": self.dst_view,
-            "src_pool": self.src_pool,
-            "dst_pool": self.dst_pool,
-            "mapper": self.mapper,
-            "duplicate_head_factor": self.duplicate_head_factor,
-            "peer_duplicate_head_factor": self.peer_duplicate_head_factor,
-            "owner": self.owner,
-            "roles": list(self.roles),
-            "layers": list(self.layers),
+            **_pair_members(self),
             "mamba_tp": {"src": list(self.mamba_tp[0]), "dst": list(self.mamba_tp[1])},
             "shard": {
                 "unit": self.shard_unit,
@@ -152,6 +134,22 @@ class StateTransfer:
             "descriptors": len(self.fragments),
             "fragments": [list(fragment) for fragment in self.fragments],
         }
+
+
+def _pair_members(pair: ViewTransfer | StateTransfer) -> dict[str, Any]:
+    """The members every matched view pair states, block or state."""
+    return {
+        "src_view": pair.src_view,
+        "dst_view": pair.dst_view,
+        "src_pool": pair.src_pool,
+        "dst_pool": pair.dst_pool,
+        "mapper": pair.mapper,
+        "duplicate_head_factor": pair.duplicate_head_factor,
+        "peer_duplicate_head_factor": pair.peer_duplicate_head_factor,
+        "owner": pair.owner,
+        "roles": list(pair.roles),
+        "layers": list(pair.layers),
+    }
 
 
 @dataclass(frozen=True, slots=True)
