@@ -1,7 +1,7 @@
 """The package's shape, read from its source: layers point one way, no cycles, small modules.
 
 ``cli -> api -> control -> {transfer, store, geometry}``, ``transfer -> geometry``,
-``store -> geometry``; ``client -> geometry``; ``wire`` (the answers' shapes) is a leaf like
+``store -> geometry``; ``client -> geometry``; ``engines -> client, geometry``; ``wire`` (the answers' shapes) is a leaf like
 ``geometry``, read by the store, the api and the client. The api layer runs no SQL (it imports no
 SQLAlchemy), the data plane knows no store, the control layer no HTTP, the geometry core no I/O.
 Imports are read with ``ast`` (function-level ones included, ``TYPE_CHECKING`` blocks excluded),
@@ -30,6 +30,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "control": ("kvroute.api", "kvroute.cli", "aiohttp"),
     "api": ("kvroute.cli", "sqlalchemy"),
     "client": ("kvroute.store", "kvroute.control", "kvroute.api", "kvroute.cli", "sqlalchemy"),
+    # Engine adapters run inside an engine's processes: a worker's dependencies, nothing of the server.
+    "engines": ("kvroute.store", "kvroute.control", "kvroute.api", "kvroute.cli", "sqlalchemy"),
 }
 # geometry and wire may import themselves; the entries above forbid every other kvroute package.
 ALLOWED_SELF = {"geometry": "kvroute.geometry", "wire": "kvroute.wire"}
