@@ -132,6 +132,21 @@ def run_range(
     src_blocks = b.sender_order[0 if named_src else span.start // ts : -(-span.end // ts)]
     dst_blocks = list(range(SLOTS))[::-1][: -(-span.end // td) - dst_first // td]
     window = TokenWindow(span, 0 if named_src else None, dst_first)
+    request = Request(src_blocks, dst_blocks, span, (window.src_first_token, dst_first))
+    run_job(b, window, request, dst_first, range(span.start, span.end), strategy)
+
+
+def run_job(
+    b: Bench,
+    window: TokenWindow,
+    request: Request,
+    dst_first: int,
+    positions: range,
+    strategy: Strategy,
+) -> None:
+    """Runs the request on every receiver rank: exactly ``positions`` arrive, nothing else moves."""
+    td = b.gen_side.tokens_per_block
+    src_blocks, dst_blocks = request.src_blocks, request.dst_blocks
     for receiver, layout in zip(b.gen, b.gen_layouts, strict=True):
         before = background(layout)
         dst_pools = _open(b, b.cache, f"gen{receiver.rank}-{next(NAMES)}", layout, before)
@@ -142,7 +157,6 @@ def run_range(
         if b.device != "cpu":
             torch.cuda.synchronize()
         placement = {block: (dst_first // td + i) * td for i, block in enumerate(dst_blocks)}
-        positions = range(span.start, span.end)
         want = b.truth.place(b.gen_side, layout, receiver.rank, placement, positions, before)
         moved = sum(int((want[p] != before[p]).sum()) for p in want)
         assert result.bytes == moved
@@ -155,8 +169,7 @@ def run_range(
         # the world's own executor of the period form agrees on the int64 ids, byte for byte
         out, writes = execute(
             plan.to_json(period=True), b.sender_arrays, dict(enumerate(b.ctx_layouts)), layout,
-            Request(src_blocks, dst_blocks, span, (window.src_first_token, dst_first)),
-            into=before,
+            request, into=before,
         )  # fmt: skip
         for pool_id in want:
             np.testing.assert_array_equal(out[pool_id], want[pool_id])
@@ -186,6 +199,31 @@ def test_random_ranges_move_exactly_their_tokens(
     b = bench(name)
     span = TokenRange(start, min(start + length, 24))
     run_range(b, span, dst_first=start, strategy=strategy, named_src=named_src)
+
+
+BETWEEN_SIZES = [name for name in WORLDS if "equal" not in name]
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+@pytest.mark.parametrize("name", BETWEEN_SIZES)
+@pytest.mark.parametrize(("src_cached", "dst_cached"), [(0, 0), (5, 0), (0, 5), (9, 13)])
+def test_prompt_only_lists_move_the_tokens_both_hold_up_to_the_prompts_end(
+    name: str, strategy: Strategy, src_cached: int, dst_cached: int
+) -> None:
+    """A job naming only the prompt's length: each list is the prompt's last blocks (upstream's
+    suffix rule), either side may leave a cached prefix out; the tokens both lists hold move, up
+    to the prompt's last token, and no byte past it (issue 20: these were refused, or wrote the
+    bytes of positions after the prompt)."""
+    b = bench(name)
+    prompt = 23
+    ts, td = b.ctx_side.tokens_per_block, b.gen_side.tokens_per_block
+    src_first, dst_first = src_cached // ts * ts, dst_cached // td * td
+    src_blocks = b.sender_order[src_first // ts : -(-prompt // ts)]
+    dst_blocks = list(range(SLOTS))[::-1][: -(-prompt // td) - dst_first // td]
+    request = Request(src_blocks, dst_blocks, prompt_tokens=prompt)
+    window = TokenWindow(prompt_tokens=prompt)
+    positions = range(max(src_first, dst_first), prompt)
+    run_job(b, window, request, dst_first, positions, strategy)
 
 
 def test_a_gap_is_refused_before_anything_is_copied() -> None:

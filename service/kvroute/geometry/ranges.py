@@ -10,7 +10,8 @@ token of it lies in both lists; the first token that does not is the gap reporte
 A request may also name the prompt's length (``prompt_tokens``), which sliding windows are measured
 from (``window``). It defaults to the range's end, and a range ending after it is refused: the two
 would contradict each other. Without a range, a prompt length places the lists as the prompt's last
-blocks (the suffix rule against it, issue 12's block lists).
+blocks (the suffix rule against it, issue 12's block lists) and the range is the tokens both hold, up
+to the prompt's last token (``resolve_lists``).
 
 Pure arithmetic over a ``PeriodMap``: data planes use ``range_copies`` where a range cuts blocks (or
 as the reference), and their own fused copies for whole periods (``full_periods``).
@@ -147,9 +148,10 @@ def resolve_lists(
     A side's first token defaults to upstream's suffix rule against ``tokens.end`` (else against
     ``prompt_tokens``), or to 0 when neither is named. The range defaults to every token either list
     holds, so lists that hold different tokens leave a gap (and lists of one block size pair up one
-    to one); with a prompt length, to the tokens from the first listed one through the prompt's
-    last and on to the end of the shorter list (the prompt's last blocks move whole, as block
-    pairs do, where both lists hold them).
+    to one). With a prompt length, it is the tokens both lists hold (a list's cached prefix is
+    implicit in its length, so the later first token starts it), up to the prompt's last token
+    between block sizes; with equal block sizes, through the end of the lists' last block, the
+    whole blocks block pairs move.
     """
     prompt_length(tokens, prompt_tokens)
     end = tokens.end if tokens is not None else prompt_tokens
@@ -164,10 +166,26 @@ def resolve_lists(
             sides.append(BlockList(blocks, first or 0, size))
     if tokens is not None:
         return tokens, sides[0], sides[1]
-    start = min(side.first_token for side in sides)
-    ends = [side.end_token for side in sides]
-    stop = max(ends) if prompt_tokens is None else max(prompt_tokens, min(ends))
-    return TokenRange(start, stop), sides[0], sides[1]
+    if prompt_tokens is None:
+        start, stop = min(side.first_token for side in sides), max(side.end_token for side in sides)
+        return TokenRange(start, stop), sides[0], sides[1]
+    return _prompt_range(prompt_tokens, *sides), sides[0], sides[1]
+
+
+def _prompt_range(prompt_tokens: int, src: BlockList, dst: BlockList) -> TokenRange:
+    """From the later list's first token up to the prompt's last token (between block sizes) or
+    the end of its block (equal sizes: the whole blocks pairs move); a list ending early is a gap."""
+    start = max(src.first_token, dst.first_token)
+    size = src.tokens_per_block
+    stop = -(-prompt_tokens // size) * size if size == dst.tokens_per_block else prompt_tokens
+    if start >= stop:
+        field = "src_blocks" if src.first_token >= dst.first_token else "dst_blocks"
+        raise TokenRangeError(
+            field,
+            f"starts at token {start}, at or after the prompt's end ({prompt_tokens} tokens): "
+            "the lists share no prompt token",
+        )
+    return TokenRange(start, stop)
 
 
 def first_gap(tokens: TokenRange, src: BlockList, dst: BlockList) -> TokenGap | None:

@@ -16,6 +16,7 @@ from tests.api.transfers.world import (
     register_world,
     until,
 )
+from tests.world import Side
 
 
 async def test_a_token_range_moves_between_block_sizes(start, segment) -> None:
@@ -50,6 +51,37 @@ async def test_a_job_answers_with_the_token_members_it_was_given(start, segment)
         assert {name: answer.get(name) for name in members} == members
         assert "src_state_slot" not in answer
         assert "prompt_tokens" not in answer
+
+
+# Receivers of 8 and of 2 tokens per block beside the sender's 4.
+NARROW = Side("generation", 1, (2,), seed=2, tokens_per_block=2)
+
+
+@pytest.mark.parametrize(
+    ("generation", "src", "dst", "prompt", "moved"),
+    [
+        # the sender's suffix list holds [4, 16), the receiver's [0, 16): tokens [4, 14) move
+        (WIDE, [1, 2, 3], [2, 0], 14, (4, 14)),
+        # mirrored: the sender's list holds [0, 8), the receiver's (blocks of 2) [2, 8)
+        (NARROW, [0, 1], [1, 2, 3], 7, (2, 7)),
+    ],
+)
+async def test_prompt_only_jobs_between_block_sizes_move_the_tokens_both_lists_hold(
+    start, segment, generation, src, dst, prompt, moved
+) -> None:
+    """Issue 20: the range started at the earlier list's first token, which the other list cannot
+    hold, and the job was refused with its own range; it also ran on past the prompt's end."""
+    client = await start()
+    await register_world(client, segment, generation=generation)
+    request = body(src, dst) | {"prompt_tokens": prompt}
+
+    response = await client.post(TRANSFERS, json=request, headers=WORKER)
+
+    assert response.status == 202, await response.text()
+    job = await until(client, (await response.json())["id"], {"succeeded", "failed"})
+    assert job["state"] == "succeeded", job["error"]
+    assert job["bytes"] == (moved[1] - moved[0]) * BYTES_PER_TOKEN
+    assert job["prompt_tokens"] == prompt
 
 
 async def test_lists_without_tokens_must_hold_the_same_tokens(start, segment) -> None:
@@ -95,6 +127,12 @@ async def test_lists_without_tokens_must_hold_the_same_tokens(start, segment) ->
             [1],
             [0],
             {"code": "invalid_transfer", "field": "tokens"},
+        ),
+        (  # a prompt-only job whose sender list starts after the prompt's end
+            {"prompt_tokens": 14, "src_first_token": 16},
+            [1],
+            [2, 0],
+            {"code": "invalid_transfer", "field": "src_blocks"},
         ),
         (  # three blocks of 4 cannot end at token 4
             {"tokens": {"start": 0, "end": 4}},
