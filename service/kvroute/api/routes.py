@@ -11,7 +11,16 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from kvroute.api import compatibility, console, inventory, ops, plans, registration, transfers
+from kvroute.api import (
+    compatibility,
+    console,
+    inventory,
+    ops,
+    plans,
+    preflight,
+    registration,
+    transfers,
+)
 from kvroute.api.keys import route_scopes_key
 from kvroute.api.scopes import Scope
 
@@ -44,6 +53,11 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/v1/rejections", inventory.list_rejections, Scope.ADMIN),
     Endpoint("GET", DEPLOYMENT + "/plans", plans.get_plan, Scope.WORKER),
     Endpoint("GET", DEPLOYMENT + "/plan-sets", plans.get_plan_set, Scope.WORKER),
+    # Questions that store nothing: a dry-run admission and a model pre-flight.
+    Endpoint(
+        "POST", DEPLOYMENT + "/admission-checks", preflight.post_admission_check, Scope.WORKER
+    ),
+    Endpoint("POST", "/v1/preflight", preflight.post_preflight, Scope.WORKER),
     Endpoint("GET", DEPLOYMENT + "/compatibility", compatibility.get_compatibility, Scope.ADMIN),
     Endpoint("POST", DEPLOYMENT + "/transfers", transfers.post_transfer, Scope.WORKER),
     Endpoint("GET", DEPLOYMENT + "/transfers", transfers.list_transfers, Scope.ADMIN),

@@ -59,6 +59,19 @@ class Registry:
             verdicts=self.verdicts,
         )
 
+    async def dry_run(
+        self, candidates: list[RankRegistration], *, now: datetime
+    ) -> tuple[int, GeometryError | None]:
+        """Admission's answer for ``candidates`` in order, up to the first refusal; stores nothing
+        (no rank, no deployment, no rejection log entry: it is a question, not a registration)."""
+        return await admission.dry_run(
+            self.sessionmaker,
+            candidates,
+            now=now,
+            registrations=self.registrations,
+            verdicts=self.verdicts,
+        )
+
     async def refuse(
         self, error: GeometryError, *, deployment: str, instance: str, rank: int, now: datetime
     ) -> None:

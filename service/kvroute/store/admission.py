@@ -38,7 +38,13 @@ from kvroute.geometry.classes import VerdictMemo, check_peers_by_class
 from kvroute.geometry.instance import check_instance
 from kvroute.geometry.validate import check_self
 from kvroute.store import ranks as repo
-from kvroute.store.engine import SessionMaker, engine_of, retry_disconnect
+from kvroute.store.engine import (
+    READ_ONLY,
+    SessionMaker,
+    engine_of,
+    reader_engine,
+    retry_disconnect,
+)
 from kvroute.store.models import Deployment, Rank
 from kvroute.store.rank_writes import Existing, greatest, upsert, write_admitted
 from kvroute.store.records import RegisterOutcome
@@ -207,6 +213,51 @@ class _State:
         if first is None or (reg.instance, reg.rank) < (first.instance, first.rank):
             self.firsts[reg.role][reg.class_digest] = reg
         return old is not None and old[3] > at and old[2] != reg.class_digest
+
+
+async def dry_run(
+    sessionmaker: SessionMaker,
+    candidates: Sequence[RankRegistration],
+    *,
+    now: datetime,
+    registrations: RegistrationCache,
+    verdicts: VerdictMemo,
+) -> tuple[int, GeometryError | None]:
+    """What admitting ``candidates`` (one deployment, distinct ranks) one by one would answer, up to
+    the first refusal: (its index, the refusal), or (len, None). The same checks as ``_admit``
+    against the same reads, in a read-only transaction that writes nothing: no deployment row, no
+    ``checked_at``, no fence, no rejection log entry."""
+    for index, reg in enumerate(candidates):
+        try:
+            await prepare(reg)
+        except GeometryError as error:
+            return index, error
+
+    async def attempt() -> tuple[int, GeometryError | None]:
+        async with reader_engine(engine_of(sessionmaker)).connect() as connection:
+            connection = await connection.execution_options(**{READ_ONLY: True})
+            async with connection.begin():
+                at = await _checked_at(connection, candidates[0].deployment, now)
+                peers = await _read_peers(connection, candidates, at)
+                state = await _State.load(
+                    connection, registrations, candidates[0].deployment, peers, at
+                )
+                for index, reg in enumerate(candidates):
+                    try:
+                        state.check(reg, verdicts)
+                    except GeometryError as error:
+                        return index, error
+                    state.admit(reg, peers.rows.get(reg.key), at)
+        return len(candidates), None
+
+    return await retry_disconnect(attempt)
+
+
+async def _checked_at(connection: AsyncConnection, deployment: str, now: datetime) -> datetime:
+    """``max(now, checked_at)`` as ``_judge_at`` would set it, without writing it."""
+    table = Deployment.__table__
+    stored = await connection.scalar(select(table.c.checked_at).where(table.c.name == deployment))
+    return now if stored is None or stored < now else stored
 
 
 async def _judge_at(connection: AsyncConnection, deployment: str, now: datetime) -> datetime:

@@ -1,0 +1,163 @@
+"""Pre-flight: would a context and a generation layout of a model be admitted, and what would move?
+
+The verdict is registration's own: every document is parsed and checked with
+``geometry.check_registration`` in the order a fresh deployment admits them (the context instance's
+ranks, then the generation instance's, each against the ranks admitted before it), so the first
+refusal is the one a real bring-up would meet: same code, field and both values. When both are
+admitted, every generation rank's plan is built, and the summary gives what a request moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvroute.engines.models.config import ModelSpec
+from kvroute.engines.models.documents import rank_documents
+from kvroute.engines.models.layout import Layout
+from kvroute.geometry import GeometryError, Plan, RankRegistration, build_plan, check_registration
+
+DEPLOYMENT = "preflight"
+CONTEXT, GENERATION = "ctx0", "gen0"
+DEFAULT_PROMPT_TOKENS = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """One side: its name and its ranks' documents in rank order."""
+
+    name: str
+    documents: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Registration's answer for both instances: None, or the first refusal and the rank it hit."""
+
+    refusal: GeometryError | None = None
+    instance: str | None = None
+    rank: int | None = None
+    plans: tuple[Plan, ...] = field(default=(), repr=False)  # one per generation rank
+
+    @property
+    def compatible(self) -> bool:
+        return self.refusal is None
+
+    def to_json(self) -> dict[str, Any]:
+        if self.refusal is None:
+            return {"compatible": True}
+        return {
+            "compatible": False,
+            "instance": self.instance,
+            "rank": self.rank,
+            "refusal": self.refusal.to_problem(),
+        }
+
+
+def describe(
+    model: ModelSpec, layout: Layout, *, draft: ModelSpec | None = None, name: str = CONTEXT
+) -> Instance:
+    return Instance(name, tuple(rank_documents(model, layout, draft_model=draft)))
+
+
+def registrations(instance: Instance, deployment: str = DEPLOYMENT) -> list[RankRegistration]:
+    """The documents parsed as the server parses them, ranks numbered as workers number them."""
+    parsed = []
+    for rank, document in enumerate(instance.documents):
+        parsed.append(
+            RankRegistration.from_json(
+                document, deployment=deployment, instance=instance.name, rank=rank
+            )
+        )
+    return parsed
+
+
+def admit(context: Instance, generation: Instance) -> Verdict:
+    """Both instances admitted one rank at a time, context first; plans when all are admitted."""
+    admitted: dict[str, list[RankRegistration]] = {context.name: [], generation.name: []}
+    for instance, peers in ((context, ()), (generation, admitted[context.name])):
+        for rank, document in enumerate(instance.documents):
+            try:
+                reg = RankRegistration.from_json(
+                    document, deployment=DEPLOYMENT, instance=instance.name, rank=rank
+                )
+                check_registration(reg, admitted[instance.name], list(peers))
+            except GeometryError as refusal:
+                return Verdict(refusal, instance.name, rank)
+            admitted[instance.name].append(reg)
+    senders = admitted[context.name]
+    plans = tuple(build_plan(senders, receiver) for receiver in admitted[generation.name])
+    return Verdict(plans=plans)
+
+
+def admit_alone(instance: Instance) -> Verdict:
+    """One instance's ranks admitted with no peers: their own and their instance's checks."""
+    return admit(instance, Instance(GENERATION if instance.name != GENERATION else CONTEXT, ()))
+
+
+def _blocks(prompt: int, tokens_per_block: int, window: int | None) -> int:
+    """Receiver blocks a view pair moves for a prompt: all of them, or those of the window."""
+    last = -(-prompt // tokens_per_block)
+    if window is None:
+        return last
+    first = max(0, prompt + 1 - window) // tokens_per_block
+    return max(0, last - first)
+
+
+@dataclass(frozen=True, slots=True)
+class SenderLoad:
+    rank: int
+    bytes_per_request: int
+    receivers: int  # generation ranks it writes to
+
+
+def sender_loads(
+    plans: Sequence[Plan], receiver_tpb: int, prompt: int = DEFAULT_PROMPT_TOKENS
+) -> list[SenderLoad]:
+    """Bytes each sender rank writes for one request of ``prompt`` tokens, over every receiver."""
+    totals: dict[int, list[int]] = {}
+    for plan in plans:
+        for peer in plan.peers:
+            moved = peer.state_bytes + sum(
+                view.bytes_per_block
+                * _blocks(prompt, receiver_tpb, view.window.tokens if view.window else None)
+                for view in peer.views
+            )
+            entry = totals.setdefault(peer.rank, [0, 0])
+            entry[0] += moved
+            entry[1] += 1 if moved else 0
+    return [SenderLoad(rank, load[0], load[1]) for rank, load in sorted(totals.items())]
+
+
+def summary(verdict: Verdict, receiver_tpb: int, prompt: int) -> dict[str, Any]:
+    """Per generation rank: writers, bytes and fragments per block, state per request; per sender rank:
+    bytes per request of ``prompt`` tokens."""
+    return {
+        "prompt_tokens": prompt,
+        "receivers": [
+            {
+                "rank": plan.receiver_rank,
+                "expected_writers": plan.expected_writers,
+                "bytes_per_block": plan.bytes_per_block,
+                # fragments are coalesced (rule 5): each is one NIXL descriptor
+                "fragments_per_block": plan.fragments_per_block,
+                "state_bytes": plan.state_bytes,
+                "state_fragments": plan.state_fragments,
+                "fanin_bounce_safe": plan.fanin_bounce_safe,
+            }
+            for plan in verdict.plans
+        ],
+        "senders": [
+            {
+                "rank": load.rank,
+                "bytes_per_request": load.bytes_per_request,
+                "receivers": load.receivers,
+            }
+            for load in sender_loads(verdict.plans, receiver_tpb, prompt)
+        ],
+    }
+
+
+def renamed(instance: Instance, name: str) -> Instance:
+    return replace(instance, name=name)

@@ -1,0 +1,103 @@
+"""Model configs to cache facts: each family's numbers as its published config gives them, the
+transformers path agreeing with the plain file where the file is complete, and refusals that name
+the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.engines.models import UnsupportedConfig, load_config, model_spec
+from tests.models.configs import CONFIGS, path, raw, spec
+
+NEMOTRON_ATTENTION = (7, 18, 29, 40)  # the '*' blocks of hybrid_override_pattern
+
+
+def test_dense_gqa_and_mha() -> None:
+    llama = spec("llama-3.1-70b")
+    assert (llama.num_layers, llama.num_kv_heads, llama.head_dim, llama.dtype) == (
+        80,
+        8,
+        128,
+        "bfloat16",
+    )
+    assert [(len(g.layer_ids), g.sliding_window) for g in llama.groups] == [(80, None)]
+    qwen = spec("qwen3-32b")  # use_sliding_window false: its sliding_window null means nothing
+    assert (qwen.num_layers, qwen.num_kv_heads, qwen.head_dim) == (64, 8, 128)
+    mha = spec("llama-2-7b")
+    assert (mha.num_kv_heads, mha.head_dim, mha.dtype) == (32, 128, "float16")
+    no_kv = raw("llama-2-7b")
+    no_kv.pop("num_key_value_heads")
+    assert model_spec(no_kv).num_kv_heads == 32  # MHA configs may omit it
+
+
+def test_mla_index_keys_and_mtp() -> None:
+    v3 = spec("deepseek-v3")
+    assert v3.mla is not None
+    assert (v3.mla.row, v3.num_kv_heads, v3.head_dim) == (576, 1, 576)
+    assert (v3.index_head_dim, v3.mtp_layers, v3.num_layers) == (None, 1, 61)
+    v32 = spec("deepseek-v3.2-exp")
+    assert v32.index_head_dim == 128
+    assert v32.index_row_bytes == 132  # fp8 keys + fp32 scale
+
+
+def test_windows_and_mixed_layer_types() -> None:
+    oss = spec("gpt-oss-120b")
+    full, sliding = oss.groups
+    assert full.layer_ids == tuple(range(1, 36, 2))
+    assert full.sliding_window is None
+    assert sliding.layer_ids == tuple(range(0, 36, 2))
+    assert sliding.sliding_window == 128
+    gemma = spec("gemma-3-27b")  # transformers fills in layer_types: every sixth layer is full
+    full, sliding = gemma.groups
+    assert full.layer_ids == tuple(range(5, 62, 6))
+    assert len(sliding.layer_ids) == 52
+    assert sliding.sliding_window == 1024
+    assert (gemma.num_kv_heads, gemma.head_dim, gemma.num_layers) == (16, 128, 62)
+
+
+def test_mamba_hybrids() -> None:
+    nemotron = spec("nemotron-h-8b")
+    assert nemotron.attention_layers == NEMOTRON_ATTENTION
+    assert nemotron.mamba is not None
+    assert len(nemotron.mamba.layer_ids) == 24
+    assert (nemotron.mamba.heads, nemotron.mamba.head_dim, nemotron.mamba.d_state) == (128, 64, 128)
+    assert (nemotron.mamba.groups, nemotron.mamba.d_conv) == (8, 4)
+    jamba = spec("jamba-mini-1.5")
+    assert jamba.attention_layers == (4, 12, 20, 28)
+    assert jamba.mamba is not None
+    assert len(jamba.mamba.layer_ids) == 28
+    assert (jamba.mamba.heads, jamba.mamba.head_dim, jamba.mamba.d_state) == (8192, 1, 16)
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.stem for p in CONFIGS.glob("*.json") if p.stem != "gemma-3-27b")
+)
+def test_autoconfig_and_the_plain_file_agree(name: str) -> None:
+    """Where the published file names every cache key, transformers' defaults change nothing."""
+    assert model_spec(load_config(path(name))) == model_spec(raw(name))
+
+
+def test_a_window_without_its_layers_is_refused_not_guessed() -> None:
+    with pytest.raises(UnsupportedConfig) as refused:
+        model_spec(raw("gemma-3-27b"))  # the plain file: no layer_types, the class default unknown
+    assert refused.value.key == "sliding_window"
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"layer_types": ["linear_attention"] * 80}, "layer_types[0]"),
+        ({"attention_chunk_size": 8192}, "attention_chunk_size"),
+        ({"is_encoder_decoder": True}, "is_encoder_decoder"),
+        ({"num_hidden_layers": None}, "num_hidden_layers"),
+        ({"torch_dtype": "int8"}, "torch_dtype"),
+        (
+            {"hybrid_override_pattern": "M" * 79 + "X", "mamba_num_heads": 8},
+            "hybrid_override_pattern[79]",
+        ),
+    ],
+)
+def test_what_kvroute_does_not_model_is_refused_by_key(change: dict[str, object], key: str) -> None:
+    with pytest.raises(UnsupportedConfig) as refused:
+        model_spec({**raw("llama-3.1-70b"), **change})
+    assert refused.value.key == key
