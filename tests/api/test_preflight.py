@@ -3,10 +3,15 @@ and ``POST /v1/preflight`` (``kvroute check`` for the console), on both database
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import jsonschema
+import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient
+from referencing import Registry
+from referencing.jsonschema import DRAFT202012
 
 from kvroute.engines.models import parse_layout
 from kvroute.engines.models.preflight import describe
@@ -14,6 +19,21 @@ from tests.api.conftest import ADMIN, WORKER, register, snapshot
 from tests.models.configs import raw, spec
 
 Client = TestClient[web.Request, web.Application]
+SPEC = yaml.safe_load(
+    (Path(__file__).resolve().parents[2] / "api_spec" / "openapi.yaml").read_text()
+)
+
+
+def _valid(schema: str, answer: Any) -> Any:
+    """``answer`` checked against the spec's component schema ``schema`` (JSON Schema 2020-12)."""
+    registry: Registry[Any] = Registry().with_resource(
+        "urn:kvroute", DRAFT202012.create_resource(SPEC)
+    )
+    validator = jsonschema.Draft202012Validator(
+        {"$ref": f"urn:kvroute#/components/schemas/{schema}"}, registry=registry
+    )
+    validator.validate(answer)
+    return answer
 
 
 def _ranks(name: str, layout: str, role: str, instance: str) -> list[dict[str, Any]]:
@@ -78,8 +98,11 @@ async def test_preflight_gives_the_verdict_summary_and_picture(client: Client) -
         "generation": "tp=2,tpb=32",
         "rank": 1,
     }
-    answer = await (await client.post("/v1/preflight", json=body, headers=WORKER)).json()
+    answer = _valid(
+        "Preflight", await (await client.post("/v1/preflight", json=body, headers=WORKER)).json()
+    )
     assert answer["compatible"] is True
+    assert answer["summary"]["receivers"][1]["nixl_descriptors_per_block"] >= 1
     assert answer["ranks"] == {"context": 8, "generation": 2}
     assert answer["summary"]["receivers"][1]["expected_writers"] == 4
     assert answer["svg"].startswith("<svg")

@@ -9,6 +9,7 @@ kind of thing the console shows. ``.ci/run`` installs chromium and chromium-driv
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from kvroute.store.engine import create_engine, dispose
 from kvroute.store.rank_writes import write_admitted
 from tests.client.live import ADMIN_TOKEN, WORKER_TOKEN
 from tests.documents import rank_document
+from tests.models.configs import raw
 from tests.transfer.conftest import Owners
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -240,3 +242,47 @@ def test_clicking_through_deployment_refusals_jobs_and_a_plan(
         "return [sessionStorage.getItem('kvroute.adminToken'), localStorage.length];"
     )
     assert stored == [ADMIN_TOKEN, 0]
+
+
+def test_preflight_form_answers_with_the_worker_token(
+    browser: WebDriver, console_server: Any
+) -> None:
+    """A pasted config and two layouts: the refusal as registration gives it, then a compatible
+    pair's summary, plan table and picture; the worker token is enough (nothing is written)."""
+    server, _ = console_server
+    browser.get(server.url + "/ui/#/preflight")
+    browser.find_element(By.ID, "token-forget").click()
+    _use_token(browser, WORKER_TOKEN)
+    _page(browser, "preflight")
+    config = json.dumps(raw("llama-3.1-70b"))
+    browser.execute_script(
+        "document.getElementById('preflight-model').value = arguments[0];", config
+    )
+    layout = browser.find_element(By.ID, "preflight-generation")
+    layout.clear()
+    layout.send_keys("tp=3,tpb=64")
+    browser.find_element(By.ID, "preflight-check").click()
+    result = browser.find_element(By.ID, "preflight-result")
+    _wait(browser, lambda _: result.get_attribute("data-verdict") == "refused")
+    ((code, status, field, local, peer, *_),) = _rows(browser, "preflight-refusal")
+    assert (code, status, field, local, peer) == (
+        "tp_heads_not_divisible",
+        "422",
+        "views[0].total_kv_heads",
+        "8",
+        "3",
+    )
+    layout.clear()
+    layout.send_keys("tp=4,tpb=64")
+    browser.find_element(By.ID, "preflight-check").click()
+    _wait(browser, lambda _: result.get_attribute("data-verdict") == "compatible")
+    _wait(browser, lambda d: _loaded(d, "preflight-picture"))
+    assert [row[:2] for row in _rows(browser, "preflight-receivers")] == [
+        [str(rank), "4"] for rank in range(4)
+    ]
+    assert len(_rows(browser, "preflight-senders")) == 16
+    assert "gen0 rank 0" in browser.find_element(By.ID, "preflight-plan").text
+    browser.execute_script("document.getElementById('preflight-model').value = '{';")
+    browser.find_element(By.ID, "preflight-check").click()
+    message = browser.find_element(By.ID, "message")
+    _wait(browser, lambda _: "model config is not JSON" in message.text)

@@ -84,6 +84,21 @@ def test_check_json_summary_counts_bytes_per_request(capsys: pytest.CaptureFixtu
     assert answer["receivers"][0]["fragments_per_block"] == 1
 
 
+def test_check_counts_fragments_and_the_descriptors_they_merge_into(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Target and Eagle views lie back to back on both sides (same layout): one fragment per view
+    pair, one NIXL descriptor for both."""
+    status, out, _ = run(
+        capsys, "check", "--model", str(path("llama-3.1-70b")), "--draft", str(path("eagle-llama3-70b")),
+        "--context", "tp=8,tpb=32", "--generation", "tp=8,tpb=32", "--json",
+    )  # fmt: skip
+    receiver = json.loads(out)["receivers"][0]
+    assert status == 0
+    assert (receiver["fragments_per_block"], receiver["nixl_descriptors_per_block"]) == (2, 1)
+    assert receiver["bytes_per_block"] == 80 * 16384 + 16384
+
+
 @pytest.mark.parametrize(
     ("args", "code", "field"),
     [

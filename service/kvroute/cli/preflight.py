@@ -210,9 +210,16 @@ def _print_summary(context: Any, generation: Any, facts: dict[str, Any]) -> None
         f"compatible: {CONTEXT} ({len(context.documents)} ranks) -> "
         f"{GENERATION} ({len(generation.documents)} ranks)"
     )
-    print(f"{'generation rank':>15} {'writers':>7} {'bytes/block':>12} {'fragments/block':>15} {'state bytes':>11} {'state frags':>11}")  # fmt: skip
+    columns = ("generation rank", "writers", "bytes/block", "fragments/block", "NIXL descs/block")
+    columns += ("state bytes", "state frags")
+    keys = ("rank", "expected_writers", "bytes_per_block", "fragments_per_block")
+    keys += ("nixl_descriptors_per_block", "state_bytes", "state_fragments")
+    print(" ".join(f"{name:>{max(len(name), 8)}}" for name in columns))
     for row in facts["receivers"]:
-        print(f"{row['rank']:>15} {row['expected_writers']:>7} {row['bytes_per_block']:>12} {row['fragments_per_block']:>15} {row['state_bytes']:>11} {row['state_fragments']:>11}")  # fmt: skip
+        cells = (
+            f"{row[key]:>{max(len(name), 8)}}" for key, name in zip(keys, columns, strict=True)
+        )
+        print(" ".join(cells))
     prompt = facts["prompt_tokens"]
     print(f"{'context rank':>15} {f'bytes/request ({prompt} tokens)':>30} {'receivers':>9}")
     for row in facts["senders"]:

@@ -309,6 +309,7 @@ async function route() {
   show("");
   try {
     if (hash === "#/refusals") await refusalsPage();
+    else if (hash === "#/preflight") preflightPage();
     else if (hash.startsWith("#/deployments/")) await deploymentPage(decodeURIComponent(hash.slice("#/deployments/".length)));
     else await deploymentsPage();
   } catch (error) {

@@ -9,10 +9,12 @@ admitted, every generation rank's plan is built, and the summary gives what a re
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvroute.client.nixl_descs import PoolAddress, plan_descriptors
 from kvroute.engines.models.config import ModelSpec
 from kvroute.engines.models.documents import rank_documents
 from kvroute.engines.models.layout import Layout
@@ -39,6 +41,8 @@ class Verdict:
     instance: str | None = None
     rank: int | None = None
     plans: tuple[Plan, ...] = field(default=(), repr=False)  # one per generation rank
+    senders: tuple[RankRegistration, ...] = field(default=(), repr=False)
+    receivers: tuple[RankRegistration, ...] = field(default=(), repr=False)
 
     @property
     def compatible(self) -> bool:
@@ -87,8 +91,9 @@ def admit(context: Instance, generation: Instance) -> Verdict:
                 return Verdict(refusal, instance.name, rank)
             admitted[instance.name].append(reg)
     senders = admitted[context.name]
-    plans = tuple(build_plan(senders, receiver) for receiver in admitted[generation.name])
-    return Verdict(plans=plans)
+    receivers = admitted[generation.name]
+    plans = tuple(build_plan(senders, receiver) for receiver in receivers)
+    return Verdict(plans=plans, senders=tuple(senders), receivers=tuple(receivers))
 
 
 def admit_alone(instance: Instance) -> Verdict:
@@ -130,6 +135,43 @@ def sender_loads(
     return [SenderLoad(rank, load[0], load[1]) for rank, load in sorted(totals.items())]
 
 
+def nixl_descriptors_per_block(
+    plan: Plan, senders: Sequence[RankRegistration], receiver: RankRegistration
+) -> int:
+    """NIXL descriptors a receiver block costs after ``client.nixl_descs`` merges runs contiguous
+    on both sides (across view pairs too): one period of blocks (one block pair where sizes are
+    equal) pulled into every other slot, so no block merges with its neighbour as scattered blocks
+    of a real request would not; recurrent state is left out (it is per request, not per block).
+    Rounded up where a period holds several receiver blocks."""
+    src_tpb, dst_tpb = senders[0].tokens_per_block, receiver.tokens_per_block
+    period = math.lcm(src_tpb, dst_tpb)
+    doc = plan.to_json(period=src_tpb != dst_tpb)
+    for peer in doc["peers"]:
+        peer.pop("states", None)
+    src_count, dst_count = period // src_tpb, period // dst_tpb
+    ranged = {"tokens": (0, period), "src_first_token": 0, "dst_first_token": 0}
+    transfer = plan_descriptors(
+        doc,
+        receiver_pools=_addresses(receiver, 1),
+        sender_pools={reg.rank: _addresses(reg, 2 + reg.rank) for reg in senders},
+        src_blocks=[2 * block for block in range(src_count)],
+        dst_blocks=[2 * block for block in range(dst_count)],
+        prompt_tokens=period,
+        **(ranged if src_tpb != dst_tpb else {}),
+    )
+    return -(-transfer.descriptors // dst_count)
+
+
+def _addresses(reg: RankRegistration, place: int) -> dict[int, PoolAddress]:
+    """Pool addresses far apart (one TiB per rank): only the slot layout matters."""
+    return {
+        pool.pool_id: PoolAddress(
+            (place << 40) + index * (1 << 36), pool.slot_stride, max(pool.num_slots, 256)
+        )
+        for index, pool in enumerate(reg.pools)
+    }
+
+
 def summary(verdict: Verdict, receiver_tpb: int, prompt: int) -> dict[str, Any]:
     """Per generation rank: writers, bytes and fragments per block, state per request; per sender rank:
     bytes per request of ``prompt`` tokens."""
@@ -142,11 +184,14 @@ def summary(verdict: Verdict, receiver_tpb: int, prompt: int) -> dict[str, Any]:
                 "bytes_per_block": plan.bytes_per_block,
                 # fragments are coalesced (rule 5): each is one NIXL descriptor
                 "fragments_per_block": plan.fragments_per_block,
+                "nixl_descriptors_per_block": nixl_descriptors_per_block(
+                    plan, verdict.senders, verdict.receivers[index]
+                ),
                 "state_bytes": plan.state_bytes,
                 "state_fragments": plan.state_fragments,
                 "fanin_bounce_safe": plan.fanin_bounce_safe,
             }
-            for plan in verdict.plans
+            for index, plan in enumerate(verdict.plans)
         ],
         "senders": [
             {
