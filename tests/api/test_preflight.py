@@ -138,3 +138,38 @@ async def test_preflight_names_what_it_cannot_model(client: Client) -> None:
         headers=WORKER,
     )
     assert ((await response.json())["code"], response.status) == ("invalid_layout", 422)
+
+
+async def test_preflight_refuses_hostile_configs_and_huge_layouts_with_422(client: Client) -> None:
+    llama = raw("llama-3.1-70b")
+    hostile = [
+        {**llama, "layer_types": [[1]] * 80},
+        {**llama, "num_hidden_layers": 10**9},
+        {**llama, "num_nextn_predict_layers": "one"},
+        {**llama, "num_key_value_heads": -1},
+        {**llama, "head_dim": 1.5},
+        {**llama, "text_config": {"model_type": "gemma3_text"}},
+        {
+            "model_type": "jamba",
+            "num_hidden_layers": 4,
+            "attn_layer_period": 2,
+            "attn_layer_offset": "x",
+        },
+        {"model_type": "nemotron_h", "layers_block_type": [{}], "num_hidden_layers": 1},
+    ]
+    for config in hostile:
+        body = {"model": config, "context": "tp=1", "generation": "tp=1"}
+        response = await client.post("/v1/preflight", json=body, headers=WORKER)
+        problem = await response.json()
+        assert (response.status, problem["code"]) == (422, "unsupported_model_config"), (
+            config,
+            problem,
+        )
+    huge = {"model": llama, "context": "tp=16,pp=32", "generation": "tp=1"}
+    response = await client.post("/v1/preflight", json=huge, headers=WORKER)
+    problem = await response.json()
+    assert (response.status, problem["code"], problem["field"]) == (
+        422,
+        "invalid_layout",
+        "context",
+    )

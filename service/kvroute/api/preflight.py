@@ -32,6 +32,10 @@ from kvroute.geometry import GeometryError, RankRegistration
 from kvroute.pictures import plan_svg
 from kvroute.render import plan_text
 
+# Ranks per side the endpoint derives and plans: seconds of CPU at this size (kvroute check has
+# no such bound); a fleet's instances are far smaller.
+MAX_PREFLIGHT_RANKS = 256
+
 
 def refusal_json(error: GeometryError, instance: str | None, rank: int | None) -> dict[str, Any]:
     """The problem members registration would answer, with its status and the rank it hit."""
@@ -103,6 +107,12 @@ def preflight(body: dict[str, Any]) -> dict[str, Any]:
         layouts = {side: parse_layout(body[side], side) for side in ("context", "generation")}
     except LayoutError as error:
         raise _invalid("layout", str(error), "invalid_layout") from None
+    for side, layout in layouts.items():
+        if layout.ranks > MAX_PREFLIGHT_RANKS:
+            detail = (
+                f"{layout.ranks} ranks; this endpoint plans at most {MAX_PREFLIGHT_RANKS} per side"
+            )
+            raise _invalid(side, detail, "invalid_layout")
     model = specs["model"]
     draft = specs.get("draft")
     try:

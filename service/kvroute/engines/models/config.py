@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvroute.engines.models.mamba import MambaSpec, mamba_spec
+from kvroute.geometry.limits import MAX_LAYERS
 
 # Keys naming features whose cache kvroute does not model, and why.
 UNMODELLED_KEYS: Mapping[str, str] = {
@@ -124,7 +125,7 @@ def model_spec(config: Mapping[str, Any]) -> ModelSpec:
         mla=mla,
         index_head_dim=_int(lm, "index_head_dim") if lm.get("index_head_dim") else None,
         mamba=mamba,
-        mtp_layers=int(lm.get("num_nextn_predict_layers") or 0),
+        mtp_layers=_count(lm, "num_nextn_predict_layers"),
     )
 
 
@@ -133,7 +134,22 @@ def _layer_count(lm: Mapping[str, Any]) -> int:
     blocks = lm.get("layers_block_type")
     if lm.get("num_hidden_layers") is None and isinstance(blocks, list) and blocks:
         return len(blocks)
-    return _int(lm, "num_hidden_layers")
+    count = _int(lm, "num_hidden_layers")
+    if count > MAX_LAYERS:
+        raise UnsupportedConfig(
+            "num_hidden_layers", f"{count} layers; kvroute registers at most {MAX_LAYERS}"
+        )
+    return count
+
+
+def _count(lm: Mapping[str, Any], key: str) -> int:
+    """An optional count (absent or null is 0)."""
+    value = lm.get(key)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LAYERS:
+        raise UnsupportedConfig(key, f"must be a count in [0, {MAX_LAYERS}], got {value!r}")
+    return value
 
 
 def _int(lm: Mapping[str, Any], key: str) -> int:
@@ -191,7 +207,7 @@ def _groups(
         if not isinstance(types, list) or len(types) != num_layers:
             raise UnsupportedConfig("layer_types", f"must list {num_layers} layer types")
         for index, kind in enumerate(types):
-            if index in attention and kind not in KNOWN_LAYER_TYPES:
+            if index in attention and (not isinstance(kind, str) or kind not in KNOWN_LAYER_TYPES):
                 raise UnsupportedConfig(
                     f"layer_types[{index}]",
                     f"{kind!r}: kvroute models {sorted(KNOWN_LAYER_TYPES)} attention layers",

@@ -55,6 +55,10 @@ class Layout:
                 raise LayoutError(f"{key}={value} is out of range")
         if self.mtp < 0:
             raise LayoutError(f"mtp={self.mtp} is negative")
+        if self.tp * self.pp > MAX_PARALLEL:
+            raise LayoutError(
+                f"tp x pp = {self.tp * self.pp} ranks; an instance has at most {MAX_PARALLEL}"
+            )
         if self.tp % self.dp:
             raise LayoutError(f"dp={self.dp} attention-DP groups do not divide tp={self.tp}")
         if self.split is not None and len(self.split) != self.pp:
@@ -118,16 +122,6 @@ def parse_layout(text: str, role: str) -> Layout:
                 f"unknown layout key {key!r}; known: {', '.join(INT_KEYS)}, split, dtype, state_dtype"
             )
     return Layout(**values)
-
-
-def layout_from_mapping(doc: Mapping[str, Any], role: str) -> Layout:
-    """A layout from a JSON object (the console's form) with the same keys as the string form."""
-    text = ",".join(f"{key}={_join(value)}" for key, value in doc.items() if value is not None)
-    return parse_layout(text, role)
-
-
-def _join(value: Any) -> str:
-    return "/".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
 
 
 def _integer(key: str, value: str) -> int:

@@ -100,7 +100,9 @@ def block_kinds(lm: Mapping[str, Any], num_layers: int) -> list[str] | None:
         return [PATTERN_KINDS[char] for char in pattern]
     types = lm.get("layers_block_type")
     if isinstance(types, list):
-        if len(types) != num_layers or any(kind not in BLOCK_TYPES for kind in types):
+        if len(types) != num_layers or any(
+            not isinstance(kind, str) or kind not in BLOCK_TYPES for kind in types
+        ):
             raise UnsupportedConfig(
                 "layers_block_type", f"must list {num_layers} of {sorted(BLOCK_TYPES)}"
             )
@@ -108,6 +110,10 @@ def block_kinds(lm: Mapping[str, Any], num_layers: int) -> list[str] | None:
     if lm.get("attn_layer_period"):
         period = _positive(lm, "attn_layer_period")
         offset = lm.get("attn_layer_offset", 0)
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
+            raise UnsupportedConfig(
+                "attn_layer_offset", f"must be in [0, {period}), got {offset!r}"
+            )
         return ["attention" if i % period == offset else "mamba" for i in range(num_layers)]
     return None
 

@@ -1,9 +1,11 @@
 """Pre-flight: would a context and a generation layout of a model be admitted, and what would move?
 
-The verdict is registration's own: every document is parsed and checked with
-``geometry.check_registration`` in the order a fresh deployment admits them (the context instance's
-ranks, then the generation instance's, each against the ranks admitted before it), so the first
-refusal is the one a real bring-up would meet: same code, field and both values. When both are
+The verdict is registration's own: every document is parsed and checked as ``store.admission``
+checks it (``check_self``, ``check_instance``, ``check_peers_by_class``: the same answers as
+``geometry.check_registration`` at the cost of one check per peer geometry class) in the order a
+fresh deployment admits them (the context instance's ranks, then the generation instance's, each
+against the ranks admitted before it), so the first refusal is the one a real bring-up would meet:
+same code, field and both values. When both are
 admitted, every generation rank's plan is built, and the summary gives what a request moves.
 """
 
@@ -11,14 +13,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvroute.client.nixl_descs import PoolAddress, plan_descriptors
 from kvroute.engines.models.config import ModelSpec
 from kvroute.engines.models.documents import rank_documents
 from kvroute.engines.models.layout import Layout
-from kvroute.geometry import GeometryError, Plan, RankRegistration, build_plan, check_registration
+from kvroute.geometry import GeometryError, Plan, RankRegistration, build_plan
+from kvroute.geometry.classes import VerdictMemo, check_peers_by_class, representatives
+from kvroute.geometry.instance import check_instance
+from kvroute.geometry.validate import check_self
 
 DEPLOYMENT = "preflight"
 CONTEXT, GENERATION = "ctx0", "gen0"
@@ -65,28 +70,22 @@ def describe(
     return Instance(name, tuple(rank_documents(model, layout, draft_model=draft)))
 
 
-def registrations(instance: Instance, deployment: str = DEPLOYMENT) -> list[RankRegistration]:
-    """The documents parsed as the server parses them, ranks numbered as workers number them."""
-    parsed = []
-    for rank, document in enumerate(instance.documents):
-        parsed.append(
-            RankRegistration.from_json(
-                document, deployment=deployment, instance=instance.name, rank=rank
-            )
-        )
-    return parsed
-
-
 def admit(context: Instance, generation: Instance) -> Verdict:
-    """Both instances admitted one rank at a time, context first; plans when all are admitted."""
+    """Both instances admitted one rank at a time, context first, with the server's checks (the
+    document's own, its instance's, then its peers' by geometry class, as ``store.admission``
+    runs them); plans for every generation rank when all are admitted."""
     admitted: dict[str, list[RankRegistration]] = {context.name: [], generation.name: []}
-    for instance, peers in ((context, ()), (generation, admitted[context.name])):
+    memo: VerdictMemo = {}
+    for instance, peers in ((context, []), (generation, admitted[context.name])):
+        firsts = representatives(peers)
         for rank, document in enumerate(instance.documents):
             try:
                 reg = RankRegistration.from_json(
                     document, deployment=DEPLOYMENT, instance=instance.name, rank=rank
                 )
-                check_registration(reg, admitted[instance.name], list(peers))
+                check_self(reg)
+                check_instance(reg, admitted[instance.name])
+                check_peers_by_class(reg, firsts, memo)
             except GeometryError as refusal:
                 return Verdict(refusal, instance.name, rank)
             admitted[instance.name].append(reg)
@@ -202,7 +201,3 @@ def summary(verdict: Verdict, receiver_tpb: int, prompt: int) -> dict[str, Any]:
             for load in sender_loads(verdict.plans, receiver_tpb, prompt)
         ],
     }
-
-
-def renamed(instance: Instance, name: str) -> Instance:
-    return replace(instance, name=name)

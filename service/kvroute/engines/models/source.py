@@ -42,8 +42,9 @@ def normalize(mapping: Mapping[str, Any]) -> dict[str, Any]:
     fields = {key: value for key, value in mapping.items() if key != "model_type"}
     try:
         config = auto.for_model(model_type, **fields)
-    except ValueError:  # a model type this transformers does not know
-        return dict(mapping)
+    except Exception:  # an unknown model type, or values its class rejects: the plain mapping,
+        return dict(mapping)  # which model_spec checks key by key and refuses by name
+
     return dict(config.to_dict())
 
 
@@ -55,7 +56,7 @@ def load_config(path: Path) -> dict[str, Any]:
         return mapping
     try:
         config = auto.from_pretrained(str(path), local_files_only=True)
-    except ValueError:  # unknown model type: the plain mapping, read by the same rules
+    except Exception:  # as in normalize: the plain mapping, read by the same rules
         return mapping
     return dict(config.to_dict())
 
