@@ -15,7 +15,13 @@ server on a temp file) and ``postgres-2`` (two servers on one PostgreSQL, client
 The load generator shares the machine with the server(s), as in the issue. One table, one column
 per configuration, and the two-replica throughput as a ratio of the one-replica figure.
 
-    python bench/scale_bench.py [--configs postgres,sqlite,postgres-2] [--profile DIR]
+    python bench/scale_bench.py [--configs postgres,sqlite,postgres-2] [--layouts identical,random]
+        [--profile DIR]
+
+``--layouts random`` has every rank lay its regions out its own way (``layouts.relayout``: shuffled
+layer order, gaps, padded slot and stride, other view and pool ids; deterministic from ``--seed``):
+the geometry, and so every verdict, stays the fleet's, but the documents all differ. Each layout
+mode runs every configuration; random-layout columns are named ``CONFIG random``.
 
 ``--profile DIR`` records each server with py-spy (collapsed stacks, one file per server).
 ``--baseline OLD/service`` first runs the same phases against another checkout's kvroute on
@@ -49,6 +55,7 @@ from sqlalchemy.engine import make_url
 from kvroute.geometry import RankRegistration
 from kvroute.live import LiveServer
 from kvroute.store import migrate
+from layouts import relayout
 from plan_bench import Model, instance
 
 MODEL = Model(layers=80, kv_heads=8, draft_heads=2, indexer=False)
@@ -64,6 +71,8 @@ REQUEST_TIMEOUT_SECONDS = 60.0
 RATIOS = [
     ("postgres", "baseline", "postgres / baseline"),
     ("postgres-2", "postgres", "2 replicas / 1"),
+    ("postgres random", "baseline random", "random: postgres / baseline"),
+    ("postgres random", "postgres", "random / identical layouts"),
 ]
 
 Request = Callable[[aiohttp.ClientSession, str], Awaitable[None]]
@@ -138,14 +147,15 @@ def plan_path(index: int, rank: int) -> str:
     return f"/v1/deployments/fleet/plans?sender=ctx{index}&receiver=gen{index}&receiver_rank={rank}"
 
 
-async def run_phases(bases: list[str], instances: int, seed: int) -> list[Phase]:
+async def run_phases(bases: list[str], instances: int, seed: int, layouts: str) -> list[Phase]:
     rng = random.Random(seed)
     ranks = fleet(instances)
     connector = aiohttp.TCPConnector(limit=CLIENTS)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         register = [
-            expect("PUT", rank_path(name, reg.rank), 201, _document(reg)) for name, reg in ranks
+            expect("PUT", rank_path(name, reg.rank), 201, _document(reg, name, layouts, seed))
+            for name, reg in ranks
         ]
         phases = [await drive(session, bases, f"register {len(ranks):,} ranks", register)]
         beats = [
@@ -178,8 +188,11 @@ async def matrix_phases(session: aiohttp.ClientSession, base: str) -> list[Phase
     return [first, repeated]
 
 
-def _document(reg: RankRegistration) -> dict[str, Any]:
-    return {**reg.to_json(), "lease_seconds": LEASE_SECONDS}
+def _document(reg: RankRegistration, name: str, layouts: str, seed: int) -> dict[str, Any]:
+    doc = {**reg.to_json(), "lease_seconds": LEASE_SECONDS}
+    if layouts == "random":  # each rank its own layout, the same one for a given seed
+        doc = relayout(doc, random.Random(f"{seed}:{name}:{reg.rank}"))
+    return doc
 
 
 def _pick(rng: random.Random, ranks: list[tuple[str, RankRegistration]]) -> tuple[str, int]:
@@ -275,14 +288,15 @@ def profiled(server_list: list[LiveServer], directory: Path | None, config: str)
             recorder.wait(timeout=60)
 
 
-def run_config(config: str, args: argparse.Namespace) -> list[Phase]:
+def run_config(config: str, layouts: str, args: argparse.Namespace) -> list[Phase]:
+    label = config if layouts == "identical" else f"{config}-{layouts}"
     with (
         tempfile.TemporaryDirectory() as workdir,
         servers(config, Path(workdir), args.baseline) as running,
-        profiled(running, args.profile, config),
+        profiled(running, args.profile, label),
     ):
         bases = [server.url for server in running]
-        return asyncio.run(run_phases(bases, args.instances, args.seed))
+        return asyncio.run(run_phases(bases, args.instances, args.seed, layouts))
 
 
 def report(results: dict[str, list[Phase]]) -> None:
@@ -340,6 +354,11 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, help="write py-spy flame graphs here")
     parser.add_argument("--seed", type=int, default=9)
     parser.add_argument(
+        "--layouts",
+        default="identical",
+        help="comma-separated: identical (every rank of a stage alike), random (per-rank layouts)",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         help="another checkout's service/ directory, run first as the 'baseline' configuration",
@@ -351,7 +370,13 @@ def main() -> None:
     configs = args.configs.split(",")
     if args.baseline:
         configs.insert(0, "baseline")
-    results = {config: run_config(config, args) for config in configs}
+    results = {}
+    for layouts in args.layouts.split(","):
+        if layouts not in ("identical", "random"):
+            parser.error(f"--layouts: unknown mode {layouts!r} (identical, random)")
+        for config in configs:
+            name = config if layouts == "identical" else f"{config} {layouts}"
+            results[name] = run_config(config, layouts, args)
     report(results)
 
 

@@ -2,7 +2,8 @@
 
 Reading path: model (what a rank registers) -> document (its JSON) -> heads (rule 1) -> validate
 and instance (self and instance checks) -> matching and pairs (view pairs between peers; window:
-sliding windows; state: recurrent state pairs) -> compat (the ordered registration check) ->
+sliding windows; state: recurrent state pairs) -> compat (the ordered registration check) -> faces
+and classes (what peer checks read of a rank; admission by geometry class) ->
 topology, mappers, planner and state_planner (plans) -> periods (plans between blocks of different
 sizes) -> ranges (token ranges cut from plans; a window restricts them) -> bounce (rule 6) ->
 builder (views for workers). Nothing here does I/O or imports aiohttp, SQLAlchemy or torch.

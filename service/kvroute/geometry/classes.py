@@ -1,11 +1,12 @@
 """Geometry classes: admission against peer classes instead of every peer rank.
 
-Ranks of one PP stage of an instance register documents that differ only in their TP position
-(``tp_rank``, ``dp_rank``), their rank number, their memory and endpoints. None of these reaches a
-peer check: the checks read head counts, byte sizes, layouts and the layers a rank holds (its PP
-stage), never which TP slot it sits in. So such ranks form one *class* (``class_digest``) and get
-the same verdict against any rank of another class: a verdict is a pure function of the pair of
-class digests and can be memoized forever.
+A rank's *class* (``class_digest``) is the digest of its face (``faces``): what peer checks can
+read of it. Ranks of one PP stage of an instance share it, and so do ranks of any instance with the
+same geometry laid out differently inside their slots (offsets, gaps, padded strides, view and pool
+ids), as fleets of mixed engine versions and allocators register. Verdicts are computed on faces,
+so a verdict is a pure function of the pair of class digests and can be memoized forever. Plans do
+depend on the layout: nothing that builds plans or fragments is keyed by class
+(``RankRegistration.geometry_digest`` keys plan fingerprints).
 
 ``check_peers_by_class`` gives exactly ``check_peers``' answer (the same error, naming the same
 first failing peer instance and rank) from one representative per peer class: the first rank of
@@ -16,37 +17,31 @@ whose verdict is that stage, and re-running the check on it alone yields the ide
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, MutableMapping, Sequence
 
 from kvroute.geometry.compat import PEER_STAGES, check_peers
-from kvroute.geometry.document import render_registration
 from kvroute.geometry.errors import GeometryError
+from kvroute.geometry.faces import face_digest, rank_face
 from kvroute.geometry.model import RankRegistration
-
-# Position within the instance: kept out of the class. pp_rank stays in, since it decides which
-# target layers a rank holds (view matching reads them even for a rank that registers no views).
-_POSITION = ("tp_rank", "dp_rank")
 
 Verdict = int | None  # index of the first peer stage the pair fails, None when compatible
 VerdictMemo = MutableMapping[tuple[str, str], Verdict]
 
 
 def class_digest(reg: RankRegistration) -> str:
-    """sha256 of the geometry a peer check can see: the document less position, memory, lease."""
-    doc = render_registration(reg, geometry_only=True)
-    for name in _POSITION:
-        doc.pop(name)
-    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    """sha256 of the rank's face: every field a peer check can read, names left out."""
+    return face_digest(rank_face(reg))
 
 
 def peer_verdict(reg: RankRegistration, peer: RankRegistration) -> Verdict:
-    """The first peer stage at which ``reg`` refuses ``peer``; None when the pair is compatible."""
+    """The first peer stage at which ``reg`` refuses ``peer``; None when the pair is compatible.
+
+    Judged on the two faces, so the verdict is a function of the two class digests by construction.
+    """
+    mine, theirs = rank_face(reg), rank_face(peer)
     for index, stage in enumerate(PEER_STAGES):
         try:
-            stage(reg, peer)
+            stage(mine, theirs)  # type: ignore[arg-type]  # a face is the checks' duck type
         except GeometryError:
             return index
     return None

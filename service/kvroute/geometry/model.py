@@ -231,7 +231,8 @@ class RankRegistration:
 
     @cached_property
     def class_digest(self) -> str:
-        """sha256 of the geometry peer checks see: ranks of one PP stage of an instance share it."""
+        """sha256 of the rank's face (``faces``), all peer checks see: ranks of one PP stage of an
+        instance share it, whatever their layout inside the slot."""
         from kvroute.geometry.classes import class_digest
 
         return class_digest(self)

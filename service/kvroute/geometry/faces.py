@@ -1,0 +1,172 @@
+"""A rank's *face*: everything a peer check may read of it, and nothing else.
+
+Peer verdicts (``compat.PEER_STAGES``: rank fields, view matching, pair geometry, windows, state)
+depend on which layers a rank holds and on each view's kind, roles, owner, heads, bytes, block
+size, window, dtype and state shape; never on where a layer's region sits in the slot (offsets,
+gaps, slot size and stride, pools), on view or pool ids, nor on the rank's TP position. A
+``RankFace`` carries the former only, as slotted frozen dataclasses: a check run on a face that
+reads anything else fails with ``AttributeError`` instead of reading it.
+
+Admission and the compatibility matrix compute their memoized verdicts by running the peer checks
+on faces (``classes.peer_verdict``), and the class digest is the digest of the face, taken over
+every field the face declares (``face_digest``). So the digest cannot miss what a verdict reads: a
+new check needing another field of a rank must first add it here, and the digest then covers it.
+
+Names (instance, rank, view id) ride along for the checks' messages only and stay out of the
+digest; the errors a caller sees are re-raised from the real registrations (``classes``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, fields, is_dataclass
+from enum import Enum
+from typing import Any
+
+from kvroute.geometry.model import Axis, Kind, Owner, RankRegistration, Role, View
+
+# Field metadata: ``NAME`` fields label messages and are not geometry; ``UNORDERED`` sequences are
+# digested as multisets (a stage fails when any view fails, whatever the order of the views).
+NAME = {"name": True}
+UNORDERED = {"unordered": True}
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionFace:
+    """The rank-wide attention fields the rank check compares (the head count is per view)."""
+
+    head_dim: int
+    dtype: str
+    is_mla: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ViewFace:
+    """A view less its placement: its layers as a set, its heads and tokens resolved."""
+
+    kind: Kind
+    roles: frozenset[str]
+    owner: Owner
+    axis: Axis
+    layer_ids: frozenset[int]
+    buffers_per_layer: int
+    bytes_per_layer: int
+    heads: int  # RankRegistration.heads: the view's own count or the rank-wide fallback
+    total_kv_heads: int | None
+    tokens: int  # RankRegistration.tokens: the view's own block size or the rank's
+    dtype: str | None
+    ssm_bytes_per_head: int | None
+    conv_sections: tuple[int, ...] | None
+    sliding_window: int | None
+    view_id: int = field(metadata=NAME)
+
+    @property
+    def is_state(self) -> bool:
+        return self.axis is Axis.STATE
+
+    def label(self) -> str:
+        state = " state" if self.is_state else ""
+        return f"view {self.view_id} ({self.owner}, roles={sorted(self.roles)}, {self.kind}{state})"
+
+
+@dataclass(frozen=True, slots=True)
+class RankFace:
+    """A rank as its peers' checks see it (the duck type of ``RankRegistration`` they use)."""
+
+    role: Role
+    num_layers: int
+    num_draft_layers: int
+    attention: AttentionFace
+    tp_per_dp: int  # heads and recurrent state are divided over the DP group's TP
+    target_layers: frozenset[int]  # RankRegistration.held_layers(TARGET): its PP stage
+    draft_layers: frozenset[int]
+    views: tuple[ViewFace, ...] = field(metadata=UNORDERED)
+    instance: str = field(metadata=NAME)
+    rank: int = field(metadata=NAME)
+
+    @property
+    def state_tp(self) -> int:
+        return self.tp_per_dp  # RankRegistration.state_tp
+
+    def heads(self, view: ViewFace) -> int:
+        return view.heads
+
+    def tokens(self, view: ViewFace) -> int:
+        return view.tokens
+
+    def held_layers(self, owner: Owner) -> frozenset[int]:
+        return self.target_layers if owner is Owner.TARGET else self.draft_layers
+
+    def label(self) -> str:
+        return f"{self.instance} rank {self.rank}"
+
+
+def rank_face(reg: RankRegistration) -> RankFace:
+    """The face of ``reg``; derived values come from the registration's own definitions."""
+    attention = reg.attention
+    return RankFace(
+        role=reg.role,
+        num_layers=reg.num_layers,
+        num_draft_layers=reg.num_draft_layers,
+        attention=AttentionFace(attention.head_dim, attention.dtype, attention.is_mla),
+        tp_per_dp=reg.tp_per_dp,
+        target_layers=reg.held_layers(Owner.TARGET),
+        draft_layers=reg.held_layers(Owner.DRAFT),
+        views=tuple(_view_face(reg, view) for view in reg.views),
+        instance=reg.instance,
+        rank=reg.rank,
+    )
+
+
+def _view_face(reg: RankRegistration, view: View) -> ViewFace:
+    return ViewFace(
+        kind=view.kind,
+        roles=view.roles,
+        owner=view.owner,
+        axis=view.axis,
+        layer_ids=view.layer_ids,
+        buffers_per_layer=view.buffers_per_layer,
+        bytes_per_layer=view.bytes_per_layer,
+        heads=reg.heads(view),
+        total_kv_heads=view.total_kv_heads,
+        tokens=reg.tokens(view),
+        dtype=view.dtype,
+        ssm_bytes_per_head=view.ssm_bytes_per_head,
+        conv_sections=view.conv_sections,
+        sliding_window=view.sliding_window,
+        view_id=view.view_id,
+    )
+
+
+def face_digest(face: RankFace) -> str:
+    """sha256 of every geometry field of the face, names left out, views as a multiset."""
+    canonical = json.dumps(_plain(face), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _plain(value: Any) -> Any:
+    """JSON of a face, generic over its fields so that a field added to a face is digested."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {
+            item.name: _member(item.metadata, getattr(value, item.name))
+            for item in fields(value)
+            if not item.metadata.get("name")
+        }
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, frozenset):
+        return sorted(_plain(member) for member in value)
+    if isinstance(value, tuple):
+        return [_plain(member) for member in value]
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    # A type with no canonical form here would make equal faces digest apart, or worse, alike.
+    raise TypeError(f"a rank face holds a {type(value).__name__}, which face_digest cannot digest")
+
+
+def _member(metadata: Any, value: Any) -> Any:
+    plain = _plain(value)
+    if metadata.get("unordered"):
+        return sorted(plain, key=lambda item: json.dumps(item, sort_keys=True))
+    return plain
