@@ -65,7 +65,10 @@ CLIENTS = 16
 LEASE_SECONDS = 3600  # leases outlive the run: an expiry would turn plan reads into 409s
 WORKER_TOKEN = "bench-worker-token-0123456789"
 ADMIN_TOKEN = "bench-admin-token-0123456789ab"
-POSTGRES_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/kvroute_scale_bench"
+# A database of its own per checkout running the bench: it is dropped and created for each run.
+POSTGRES_URL = os.environ.get(
+    "KVROUTE_BENCH_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/kvroute_scale_bench"
+)
 REQUEST_TIMEOUT_SECONDS = 60.0
 # (configuration, configuration it is compared with, column title)
 RATIOS = [

@@ -1,0 +1,57 @@
+"""Geometry classes are recomputed: a class is now the digest of a rank's face (what peer checks
+read), no longer of its whole document less position, so ranks laid out differently share one.
+
+Revision ID: 69e7318eb7be
+Revises: b7e2c4d1f9a0
+Create Date: 2026-12-03 13:30:00+00:00
+
+Without it admission would still be correct (every old class lies inside one new class, so a
+representative of either kind answers for its members) but would keep checking one representative
+per old class until every rank registered again.
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "69e7318eb7be"
+down_revision: str | Sequence[str] | None = "b7e2c4d1f9a0"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    from kvroute.geometry import RankRegistration
+
+    ranks = sa.table(
+        "ranks",
+        sa.column("deployment", sa.String),
+        sa.column("instance", sa.String),
+        sa.column("rank", sa.Integer),
+        sa.column("document", sa.JSON),
+        sa.column("geometry_class", sa.String),
+    )
+    bind = op.get_bind()
+    rows = bind.execute(
+        sa.select(ranks.c.deployment, ranks.c.instance, ranks.c.rank, ranks.c.document)
+    )
+    for deployment, instance, rank, document in rows.all():
+        reg = RankRegistration.from_json(
+            document, deployment=deployment, instance=instance, rank=rank
+        )
+        bind.execute(
+            ranks.update()
+            .where(
+                ranks.c.deployment == deployment,
+                ranks.c.instance == instance,
+                ranks.c.rank == rank,
+            )
+            .values(geometry_class=reg.class_digest)
+        )
+
+
+def downgrade() -> None:
+    # The previous definition is gone with its code. Rows keep the face digests, which older code
+    # reads correctly: its classes are finer, and each of theirs lies inside one of these.
+    pass
