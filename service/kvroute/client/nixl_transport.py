@@ -58,6 +58,29 @@ class PullReport:
     seconds: float
 
 
+class PendingPull:
+    """READs posted by ``NixlEndpoint.post``: poll ``state()``, then ``release()`` once."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self.handles: list[Any] = []
+        self.dlists: list[Any] = []
+
+    def state(self) -> str:
+        """ "DONE" when every read finished, "ERR" when one failed, else "PROC"."""
+        states = [self._agent.check_xfer_state(handle) for handle in self.handles]
+        if "ERR" in states:
+            return "ERR"
+        return "DONE" if all(state == "DONE" for state in states) else "PROC"
+
+    def release(self) -> None:
+        for handle in self.handles:
+            self._agent.release_xfer_handle(handle)
+        for dlist in self.dlists:
+            self._agent.release_dlist_handle(dlist)
+        self.handles, self.dlists = [], []
+
+
 class NixlEndpoint:
     """One NIXL agent (UCX) with its registered pool memory."""
 
@@ -87,6 +110,33 @@ class NixlEndpoint:
         self._peers.add(name)
         return name
 
+    def post(
+        self,
+        transfer: NixlTransfer,
+        agents: Mapping[int, str],
+        *,
+        notification: bytes,
+        mem_type: str = "DRAM",
+    ) -> PendingPull:
+        """Posts one READ per sender and returns at once; ``PendingPull.state()`` polls them."""
+        pending = PendingPull(self._agent)
+        try:
+            for peer in transfer.peers:
+                local = self._agent.prep_xfer_dlist(LOCAL_AGENT, list(peer.local), mem_type)
+                remote = self._agent.prep_xfer_dlist(agents[peer.rank], list(peer.remote), mem_type)
+                pending.dlists += [local, remote]
+                indices = list(range(len(peer.local)))
+                handle = self._agent.make_prepped_xfer(
+                    "READ", local, indices, remote, indices, notification
+                )
+                pending.handles.append(handle)
+                if self._agent.transfer(handle) == "ERR":
+                    raise NixlTransferError(f"posting the read from sender rank {peer.rank} failed")
+        except BaseException:
+            pending.release()
+            raise
+        return pending
+
     def pull(
         self,
         transfer: NixlTransfer,
@@ -98,50 +148,39 @@ class NixlEndpoint:
     ) -> PullReport:
         """READs every sender's descriptors in parallel; each sender is notified on completion."""
         started = time.perf_counter()
-        handles, dlists = [], []
+        pending = self.post(transfer, agents, notification=notification, mem_type=mem_type)
         try:
-            for peer in transfer.peers:
-                local = self._agent.prep_xfer_dlist(LOCAL_AGENT, list(peer.local), mem_type)
-                remote = self._agent.prep_xfer_dlist(agents[peer.rank], list(peer.remote), mem_type)
-                dlists += [local, remote]
-                indices = list(range(len(peer.local)))
-                handle = self._agent.make_prepped_xfer(
-                    "READ", local, indices, remote, indices, notification
-                )
-                handles.append(handle)
-                if self._agent.transfer(handle) == "ERR":
-                    raise NixlTransferError(f"posting the read from sender rank {peer.rank} failed")
-            self._wait(handles, limit_s)
+            deadline = time.monotonic() + limit_s
+            while (state := pending.state()) != "DONE":
+                if state == "ERR":
+                    raise NixlTransferError("a NIXL read failed")
+                if time.monotonic() > deadline:
+                    raise NixlTransferError(f"reads still running after {limit_s} s")
+                time.sleep(0.0005)
         finally:
-            for handle in handles:
-                self._agent.release_xfer_handle(handle)
-            for dlist in dlists:
-                self._agent.release_dlist_handle(dlist)
+            pending.release()
         return PullReport(
             transfer.bytes, transfer.descriptors, len(transfer.peers), time.perf_counter() - started
         )
 
-    def _wait(self, handles: list[Any], limit_s: float) -> None:
-        deadline = time.monotonic() + limit_s
-        pending = list(handles)
-        while pending:
-            states = [self._agent.check_xfer_state(handle) for handle in pending]
-            if "ERR" in states:
-                raise NixlTransferError("a NIXL read failed")
-            pending = [h for h, state in zip(pending, states, strict=True) if state != "DONE"]
-            if pending and time.monotonic() > deadline:
-                raise NixlTransferError(f"{len(pending)} reads still running after {limit_s} s")
-            if pending:
-                time.sleep(0.0005)
+    def notify(self, agent: str, message: bytes) -> None:
+        """Sends a notification to a loaded peer agent (no data moves)."""
+        self._agent.send_notif(agent, message)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """The notifications that arrived since the last call, without waiting."""
+        received = []
+        for agent, messages in self._agent.get_new_notifs().items():
+            name = agent.decode() if isinstance(agent, bytes) else str(agent)
+            received += [(name, message) for message in messages]
+        return received
 
     def wait_notifications(self, count: int, *, limit_s: float = 30.0) -> list[tuple[str, bytes]]:
         """Blocks until ``count`` notifications arrived (a sender waiting for its readers)."""
         received: list[tuple[str, bytes]] = []
         deadline = time.monotonic() + limit_s
         while len(received) < count:
-            for agent, messages in self._agent.get_new_notifs().items():
-                name = agent.decode() if isinstance(agent, bytes) else str(agent)
-                received += [(name, message) for message in messages]
+            received += self.notifications()
             if len(received) < count:
                 if time.monotonic() > deadline:
                     raise NixlTransferError(

@@ -1,0 +1,319 @@
+"""A vLLM rank's KV cache as a kvroute registration, read off what vLLM hands the connector.
+
+vLLM describes its cache in a ``KVCacheConfig`` (groups of layers sharing a spec, and tensors
+placing layers in one backing allocation at ``offset + l * layer_stride + b * block_stride``) and
+gives the connector one strided view per layer. Nothing here assumes a layout: each layer's block
+stride, head/token order and K/V placement are read from its tensor's strides (vLLM 0.34 packs K
+and V in the last dimension of ``[blocks, heads, tokens, head_size + head_size_v]``; older
+versions put K/V in a leading dimension of size 2). Layers whose pages share a block stride and
+fall inside one block of the same region become one kvroute pool (a block-outermost layout gives
+one pool per rank, a layer-outermost layout one pool per layer); the views are then built by
+``kvroute.geometry.builder`` from per-layer specs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvroute.client.nixl_descs import PoolAddress
+from kvroute.client.nixl_transport import nixl_memory
+from kvroute.client.pools import PoolDescription
+from kvroute.geometry import DTYPE_BITS, Kind, Owner
+from kvroute.geometry.builder import LayerSpec, build_views
+from kvroute.geometry.document import render_view
+
+if TYPE_CHECKING:
+    import torch
+
+KV_ROLES = frozenset({"key", "value"})
+MLA_ROLES = frozenset({"latent"})
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """A rank's place in its engine: parallel sizes and ranks, and the PP split of the layers."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    layers_per_stage: tuple[int, ...] = (1,)
+
+    @property
+    def rank(self) -> int:
+        """kvroute's rank number: PP-major, as vLLM numbers its workers."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """One layer as vLLM hands it over: its name, spec, owner, id and tensor."""
+
+    name: str
+    layer_id: int  # global id in the owner's namespace
+    owner: Owner
+    spec: Any  # a vLLM KVCacheSpec
+    tensor: torch.Tensor
+    group: int  # KV cache group index
+
+
+@dataclass
+class RankCache:
+    """What the connector registers and what its NIXL agent needs."""
+
+    document: dict[str, Any]
+    addresses: dict[int, PoolAddress]
+    group_views: dict[int, set[int]] = field(default_factory=dict)  # group -> view ids
+    state_groups: set[int] = field(default_factory=set)  # groups holding recurrent state
+
+
+@dataclass
+class _Pool:
+    base: int
+    stride: int
+    slots: int
+    specs: list[tuple[LayerSpec, int, int]] = field(default_factory=list)  # spec, address, group
+    end: int = 0  # bytes used in a slot
+
+
+def dtype_name(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BITS:
+        raise ValueError(f"KV cache dtype {dtype} has no kvroute name; known: {sorted(DTYPE_BITS)}")
+    return name
+
+
+def describe(
+    layers: list[Layer],
+    *,
+    place: Place,
+    total_kv_heads: Mapping[Owner, int | None],
+    conv_dim_first: bool,
+    num_draft_layers: int = 0,
+    lease_seconds: int = 30,
+) -> RankCache:
+    """The registration document of one rank (NIXL metadata is added by the caller)."""
+    pools: list[_Pool] = []
+    for layer in sorted(layers, key=lambda layer: layer.tensor.data_ptr()):
+        for offset_in_page, spec in _layer_specs(layer, total_kv_heads, conv_dim_first):
+            address = layer.tensor.data_ptr() + offset_in_page
+            _place_spec(pools, layer, spec, address)
+    descriptions, addresses, groups = [], {}, {}
+    for pool_id, pool in enumerate(pools):
+        specs = [_with_pool(spec, pool_id, address - pool.base) for spec, address, _ in pool.specs]
+        descriptions.append(
+            PoolDescription(
+                pool_id,
+                pool.end,
+                pool.stride,
+                pool.slots,
+                tuple(specs),
+                {"backend": "local", "nixl": nixl_memory(pool.base)},
+            )
+        )
+        addresses[pool_id] = PoolAddress(pool.base, pool.stride, pool.slots)
+        for spec, (_, _, group) in zip(specs, pool.specs, strict=True):
+            groups[(spec.owner, spec.layer, spec.kind.recurrent, spec.roles)] = group
+    views = build_views(spec for pool in descriptions for spec in pool.specs)
+    cache = RankCache(
+        _document(place, layers, descriptions, views, num_draft_layers, lease_seconds),
+        addresses,
+    )
+    for view in views:
+        first = view.layers[0].layer
+        group = groups[(view.owner, first, view.kind.recurrent, view.roles)]
+        cache.group_views.setdefault(group, set()).add(view.view_id)
+        if view.kind.recurrent:
+            cache.state_groups.add(group)
+    return cache
+
+
+def _with_pool(spec: LayerSpec, pool_id: int, offset: int) -> LayerSpec:
+    from dataclasses import replace
+
+    return replace(spec, pool_id=pool_id, offset=offset)
+
+
+def _place_spec(pools: list[_Pool], layer: Layer, spec: LayerSpec, address: int) -> None:
+    """Puts a region in the pool whose first block it falls in, or opens a pool at it."""
+    stride = layer.tensor.stride(0) * layer.tensor.element_size()
+    for pool in pools:
+        if pool.stride == stride and pool.base <= address < pool.base + stride:
+            if address - pool.base + spec.bytes_per_layer > stride:
+                raise ValueError(f"layer {layer.name}'s page crosses its block stride")
+            break
+    else:
+        pool = _Pool(address, stride, layer.tensor.shape[0])
+        pools.append(pool)
+    pool.specs.append((spec, address, layer.group))
+    pool.end = max(pool.end, address - pool.base + spec.bytes_per_layer)
+
+
+def _layer_specs(
+    layer: Layer, totals: Mapping[Owner, int | None], conv_dim_first: bool
+) -> list[tuple[int, LayerSpec]]:
+    """(offset inside the layer's page, spec) of each region the layer's page holds."""
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    spec, tensor = layer.spec, layer.tensor
+    if isinstance(spec, MambaSpec):
+        return _mamba_specs(layer, conv_dim_first)
+    if isinstance(spec, MLAAttentionSpec):
+        return [(0, _mla_spec(layer))]
+    if not isinstance(spec, FullAttentionSpec | SlidingWindowSpec) or type(spec) not in (
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    ):
+        kind = type(spec).__name__
+        raise ValueError(f"layer {layer.name}: KV cache spec {kind} is not supported by kvroute")
+    assert isinstance(spec, AttentionSpec)
+    if spec.num_head_slots is not None or spec.state_content_bytes is not None:
+        raise ValueError(f"layer {layer.name}: packed head slots are not supported by kvroute")
+    kind, buffers = attention_layout(tensor, layer.name)
+    common = {
+        "layer": layer.layer_id,
+        "pool_id": 0,
+        "offset": 0,
+        "kind": kind,
+        "owner": layer.owner,
+        "roles": KV_ROLES,
+        "num_kv_heads": spec.num_kv_heads,
+        "total_kv_heads": totals.get(layer.owner),
+        "buffers_per_layer": buffers,
+        # Only a SlidingWindowSpec group holds just the window's blocks. A FullAttentionSpec
+        # group (hybrid allocator off) keeps every token, and its merged spec names the window of
+        # some of its layers only: moving all tokens is right for each of them.
+        "sliding_window": spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
+    }
+    page = spec.num_kv_heads * spec.block_size * (spec.head_size + spec.head_size_v)
+    return [(0, LayerSpec(bytes_per_layer=page * tensor.element_size(), **common))]
+
+
+def attention_layout(tensor: torch.Tensor, name: str) -> tuple[Kind, int]:
+    """(kind, K/V buffers per layer region) read off a layer's tensor strides.
+
+    ``[B, H, N, C]`` with K and V packed in C is one buffer, head-major (``hnd``) or token-major
+    (``nhd``) by which of H and N has the larger stride; ``[B, 2, H|N, N|H, D]`` holds K then V
+    in each block (two buffers). Anything else (a block whose page is not one contiguous run) is
+    refused: kvroute addresses a layer's page as ``[buffers][rows]`` inside a slot.
+    """
+    shape, strides = tuple(tensor.shape), tensor.stride()
+    if tensor.dim() == 5 and shape[1] == 2:
+        buffer = shape[2] * shape[3] * shape[4]
+        kind, _ = _row_order(shape[2:], strides[2:], name)
+        if strides[1] == buffer:
+            return kind, 2
+    elif tensor.dim() == 4:
+        return _row_order(shape[1:], strides[1:], name)
+    raise ValueError(
+        f"layer {name}: KV tensor of shape {shape} and strides {strides} is neither "
+        "[blocks, heads, tokens, K|V] nor [blocks, 2, ...] with a contiguous page per block"
+    )
+
+
+def _row_order(shape: tuple[int, ...], strides: tuple[int, ...], name: str) -> tuple[Kind, int]:
+    heads, tokens, row = shape
+    if strides[2] != 1:
+        raise ValueError(f"layer {name}: the last KV dimension is not contiguous ({strides})")
+    if strides[1] == row and strides[0] == tokens * row:
+        return Kind.HND, 1
+    if strides[0] == row and strides[1] == heads * row:
+        return Kind.NHD, 1
+    raise ValueError(f"layer {name}: heads and tokens are not one contiguous page ({strides})")
+
+
+def _mla_spec(layer: Layer) -> LayerSpec:
+    spec, tensor = layer.spec, layer.tensor
+    if tensor.dim() != 4 or tensor.shape[1] != 1:
+        raise ValueError(f"layer {layer.name}: MLA cache of shape {tuple(tensor.shape)}")
+    _row_order(tuple(tensor.shape[1:]), tensor.stride()[1:], layer.name)
+    page = spec.block_size * spec.head_size * tensor.element_size()
+    return LayerSpec(
+        layer.layer_id,
+        0,
+        0,
+        page,
+        kind=Kind.REPLICATED,
+        owner=layer.owner,
+        roles=MLA_ROLES,
+        buffers_per_layer=1,
+    )
+
+
+def _mamba_specs(layer: Layer, conv_dim_first: bool) -> list[tuple[int, LayerSpec]]:
+    """A Mamba2 layer's page: the conv state, then the SSM state (``MambaSpec.shapes``)."""
+    spec = layer.spec
+    if not conv_dim_first:
+        raise ValueError(
+            f"layer {layer.name}: the conv state is stored (state_len, dim), which TP cannot "
+            "split by channel sections; start vLLM with VLLM_SSM_CONV_STATE_LAYOUT=DS"
+        )
+    if len(spec.shapes) != 2 or len(spec.shapes[1]) != 3 or spec.tp_replicated:
+        raise ValueError(f"layer {layer.name}: Mamba state shapes {spec.shapes} are not Mamba2's")
+    (channels, state_len), (heads, head_dim, d_state) = spec.shapes
+    conv_dtype, ssm_dtype = (dtype_name(d) for d in spec.dtypes)
+    conv_es, ssm_es = DTYPE_BITS[conv_dtype] // 8, DTYPE_BITS[ssm_dtype] // 8
+    x = heads * head_dim
+    if (channels - x) % 2:
+        raise ValueError(f"layer {layer.name}: {channels} conv channels do not split as x|B|C")
+    sections = tuple(c * state_len * conv_es for c in (x, (channels - x) // 2, (channels - x) // 2))
+    conv_bytes = sum(sections)
+    ssm_offset = -(-conv_bytes // spec.state_alignment) * spec.state_alignment
+    conv = LayerSpec(layer.layer_id, 0, 0, conv_bytes, Kind.CONV, owner=layer.owner,
+                     roles=frozenset({"conv"}), buffers_per_layer=1, conv_sections=sections,
+                     dtype=conv_dtype)  # fmt: skip
+    ssm = LayerSpec(layer.layer_id, 0, 0, heads * head_dim * d_state * ssm_es, Kind.SSM,
+                    owner=layer.owner, roles=frozenset({"ssm"}), buffers_per_layer=1,
+                    ssm_bytes_per_head=head_dim * d_state * ssm_es, dtype=ssm_dtype)  # fmt: skip
+    return [(0, conv), (ssm_offset, ssm)]
+
+
+def _document(
+    place: Place,
+    layers: list[Layer],
+    pools: list[PoolDescription],
+    views: Any,
+    num_draft_layers: int,
+    lease_seconds: int,
+) -> dict[str, Any]:
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+
+    attention = [
+        layer
+        for layer in layers
+        if layer.owner is Owner.TARGET and isinstance(layer.spec, AttentionSpec)
+    ]
+    if not attention:
+        raise ValueError("the model has no target attention layer: nothing kvroute can describe")
+    first = attention[0].spec
+    is_mla = isinstance(first, MLAAttentionSpec)
+    return {
+        "role": "context",  # the connector sets its own role
+        "tp_size": place.tp_size,
+        "tp_rank": place.tp_rank,
+        "pp_size": place.pp_size,
+        "pp_rank": place.pp_rank,
+        "attention_dp": False,
+        "dp_size": 1,
+        "dp_rank": 0,
+        "layers_per_stage": list(place.layers_per_stage),
+        "num_draft_layers": num_draft_layers,
+        "tokens_per_block": first.block_size,
+        "attention": {
+            "num_kv_heads": 1 if is_mla else first.num_kv_heads,
+            "head_dim": first.head_size,
+            "dtype": dtype_name(first.dtype),
+            "is_mla": is_mla,
+        },
+        "pools": [pool.to_json() for pool in pools],
+        "views": [render_view(view) for view in views],
+        "lease_seconds": lease_seconds,
+    }

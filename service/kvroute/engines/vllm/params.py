@@ -1,0 +1,116 @@
+"""What a KvrouteConnector reads from its configuration and writes into ``kv_transfer_params``.
+
+``Settings`` comes from ``kv_connector_extra_config``; ``Handover`` is the part of a request's
+``kv_transfer_params`` that a proxy carries from the producer's answer to the consumer's request,
+the same way users already hand a request over with vLLM's NixlConnector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ROLES = {"kv_producer": "context", "kv_consumer": "generation"}
+DONE_PREFIX = "kvroute-done"  # NIXL notification a consumer rank sends each producer rank
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """``kv_connector_extra_config``: where kvroute is and what this engine is called there."""
+
+    url: str
+    deployment: str
+    instance: str
+    role: str  # kvroute's role: "context" (producer) or "generation" (consumer)
+    token: str | None = None
+    lease_seconds: int = 30
+    pull_timeout_s: float = 30.0  # a pull still running after this is a load error
+    send_timeout_s: float = 120.0  # a producer frees blocks no consumer pulled after this
+    kv_cache_layout: str | None = "BLHNC"  # asked of vLLM: one pool, all layers of a block together
+
+    @classmethod
+    def from_config(cls, kv_role: str, extra: Mapping[str, Any]) -> Settings:
+        missing = [key for key in ("url", "deployment", "instance") if not extra.get(key)]
+        if missing:
+            raise ValueError(
+                f"kv_connector_extra_config needs {missing} for KvrouteConnector "
+                '(e.g. {"url": "http://kvroute:8080", "deployment": "llama", "instance": "prefill0"})'
+            )
+        role = extra.get("role") or ROLES.get(kv_role)
+        if role not in ("context", "generation"):
+            raise ValueError(
+                f"kv_role {kv_role!r} does not say whether this engine sends or receives: use "
+                'kv_producer or kv_consumer, or set "role": "context"|"generation" in '
+                "kv_connector_extra_config"
+            )
+        return cls(
+            url=str(extra["url"]),
+            deployment=str(extra["deployment"]),
+            instance=str(extra["instance"]),
+            role=role,
+            token=extra.get("token"),
+            lease_seconds=int(extra.get("lease_seconds", 30)),
+            pull_timeout_s=float(extra.get("pull_timeout_s", 30.0)),
+            send_timeout_s=float(extra.get("send_timeout_s", 120.0)),
+            kv_cache_layout=extra.get("kv_cache_layout", "BLHNC"),
+        )
+
+    @property
+    def producer(self) -> bool:
+        return self.role == "context"
+
+
+@dataclass(frozen=True, slots=True)
+class Handover:
+    """A prefilled request as the consumer learns it: whose blocks hold which tokens."""
+
+    instance: str  # the producer's kvroute instance
+    request_id: str  # the request's id on the producer (its ranks wait for this id)
+    block_ids: tuple[tuple[int, ...], ...]  # per KV cache group, covering tokens from first_token
+    first_token: int  # token held by the first block of each list
+    prompt_tokens: int
+
+    def to_params(self) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_instance": self.instance,
+            "remote_request_id": self.request_id,
+            "remote_block_ids": [list(group) for group in self.block_ids],
+            "remote_first_token": self.first_token,
+            "prompt_tokens": self.prompt_tokens,
+        }
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> Handover | None:
+        """The handover in a consumer's request, or None when it asks for no remote prefill."""
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            groups = params["remote_block_ids"]
+            if groups and not isinstance(groups[0], list):
+                groups = [groups]  # one group, as NixlConnector writes it
+            return cls(
+                instance=str(params["remote_instance"]),
+                request_id=str(params["remote_request_id"]),
+                block_ids=tuple(tuple(int(b) for b in group) for group in groups),
+                first_token=int(params.get("remote_first_token", 0)),
+                prompt_tokens=int(params["prompt_tokens"]),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"kv_transfer_params lack a kvroute handover: {error}") from error
+
+
+def done_message(request_id: str, notifiers: int) -> bytes:
+    """What a consumer rank tells each producer rank: ``notifiers`` ranks will say so."""
+    return f"{DONE_PREFIX}:{notifiers}:{request_id}".encode()
+
+
+def parse_done(message: bytes) -> tuple[str, int] | None:
+    """(request id, notifiers) of a done message; None for any other notification."""
+    prefix, _, rest = message.decode(errors="replace").partition(":")
+    count, _, request_id = rest.partition(":")
+    if prefix != DONE_PREFIX or not count.isdigit() or not request_id:
+        return None
+    return request_id, int(count)

@@ -1,0 +1,226 @@
+"""The consumer's pulls: a handed-over request's tokens read from the producer's ranks over NIXL.
+
+A plan (fetched once per producer instance, with ``period=True`` so any block-size pair cuts token
+ranges) says which producer rank holds which bytes; ``kvroute.client.nixl_descs`` turns it and the
+request's block lists into descriptors, per KV cache group (a group has its own block table). When
+every read is done, this rank tells every producer rank, so each frees the request's blocks once
+all consumer ranks have said so. A pull that fails or outlives its bound is a load error: its
+destination blocks are reported to vLLM, which recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvroute.client import KvrouteClient, KvrouteError
+from kvroute.client.nixl_descs import NixlTransfer, PeerDescriptors, PoolAddress, plan_descriptors
+from kvroute.client.nixl_transport import (
+    NixlEndpoint,
+    NixlTransferError,
+    PendingPull,
+    pool_addresses,
+)
+from kvroute.engines.vllm.params import Handover, done_message
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """One request to pull: the handover, this engine's block lists and the tokens to move."""
+
+    request_id: str
+    handover: Handover
+    block_ids: tuple[tuple[int, ...], ...]  # per KV cache group, from token 0
+    tokens: tuple[int, int]  # [start, end): a local prefix-cache hit is not moved again
+    block_size: int
+
+    def blocks_to_write(self) -> set[int]:
+        """The local blocks this load writes (reported when it fails)."""
+        start, end = self.tokens
+        first, last = start // self.block_size, -(-end // self.block_size)
+        return {b for group in self.block_ids for b in group[first:last]}
+
+
+@dataclass
+class _Producer:
+    """A producer instance as this rank knows it: its plan, rank documents and NIXL agents."""
+
+    plan: dict[str, Any]
+    documents: dict[int, Mapping[str, Any]]
+    agents: dict[int, str]
+
+
+@dataclass
+class _Running:
+    load: Load
+    pending: PendingPull
+    producer: _Producer
+    deadline: float
+
+
+@dataclass
+class Pulls:
+    """A consumer rank's pulls in flight; ``poll()`` answers finished and failed request ids."""
+
+    client: KvrouteClient
+    endpoint: NixlEndpoint
+    deployment: str
+    instance: str
+    rank: int
+    notifiers: int  # this instance's rank count: each rank tells each producer rank once
+    addresses: dict[int, PoolAddress]
+    group_views: dict[int, set[int]]
+    state_groups: set[int]
+    timeout_s: float
+    producers: dict[str, _Producer] = field(default_factory=dict)
+    running: dict[str, _Running] = field(default_factory=dict)
+    errors: set[int] = field(default_factory=set)
+    done: set[str] = field(default_factory=set)
+
+    def start(self, load: Load) -> None:
+        try:
+            producer = self._producer(load.handover.instance)
+            transfer = self._descriptors(producer.plan, load)
+            pending = self.endpoint.post(transfer, producer.agents, notification=b"")
+        except (KvrouteError, NixlTransferError, ValueError, RuntimeError) as error:
+            self._fail(load, f"could not start: {error}")
+            self.producers.pop(load.handover.instance, None)
+            return
+        deadline = time.monotonic() + self.timeout_s
+        self.running[load.request_id] = _Running(load, pending, producer, deadline)
+
+    def poll(self) -> set[str]:
+        """Request ids whose pull ended since the last call, failed ones included."""
+        for request_id, running in list(self.running.items()):
+            try:
+                state = running.pending.state()
+            except Exception as error:  # NIXL raises its own errors
+                state, detail = "ERR", str(error)
+            else:
+                detail = "a NIXL read failed"
+            if state == "PROC" and time.monotonic() > running.deadline:
+                state, detail = "ERR", f"still running after {self.timeout_s} s"
+            if state == "PROC":
+                continue
+            del self.running[request_id]
+            self._release(running.pending)
+            if state == "DONE":
+                self._tell_producer(running)
+                self.done.add(request_id)
+            else:
+                self._fail(running.load, detail)
+                self.producers.pop(running.load.handover.instance, None)
+        finished, self.done = self.done, set()
+        return finished
+
+    def take_errors(self) -> set[int]:
+        errors, self.errors = self.errors, set()
+        return errors
+
+    def _fail(self, load: Load, detail: str) -> None:
+        log.warning("kvroute pull of %s from %s failed: %s", load.request_id,
+                    load.handover.instance, detail)  # fmt: skip
+        self.errors |= load.blocks_to_write()
+        self.done.add(load.request_id)
+
+    @staticmethod
+    def _release(pending: PendingPull) -> None:
+        try:
+            pending.release()
+        except Exception:  # releasing a failed read may fail again
+            log.debug("releasing a failed NIXL read failed", exc_info=True)
+
+    def _tell_producer(self, running: _Running) -> None:
+        message = done_message(running.load.handover.request_id, self.notifiers)
+        for agent in running.producer.agents.values():
+            try:
+                self.endpoint.notify(agent, message)
+            except Exception:  # the producer frees the blocks on its timeout
+                log.warning("could not tell %s that %s was pulled", agent,
+                            running.load.handover.request_id)  # fmt: skip
+
+    def _producer(self, instance: str) -> _Producer:
+        """The producer's plan for this rank and every rank's document, fetched once."""
+        known = self.producers.get(instance)
+        if known is not None:
+            return known
+        plan = self.client.get_plan(
+            self.deployment,
+            sender=instance,
+            receiver=self.instance,
+            receiver_rank=self.rank,
+            period=True,
+        ).document
+        ranks = [summary.rank for summary in self.client.instance(self.deployment, instance).ranks]
+        documents = {r: self.client.get_rank(self.deployment, instance, r).document for r in ranks}
+        agents = {}
+        for rank, document in documents.items():
+            metadata = document.get("nixl_agent_metadata")
+            if metadata is None:
+                raise ValueError(f"producer {instance} rank {rank} published no NIXL metadata")
+            agents[rank] = self.endpoint.add_peer(metadata)
+        producer = _Producer(plan, documents, agents)
+        self.producers[instance] = producer
+        return producer
+
+    def _descriptors(self, plan: dict[str, Any], load: Load) -> NixlTransfer:
+        """One transfer: each KV cache group's views with that group's block lists."""
+        senders = [int(peer["rank"]) for peer in plan["peers"] if peer["sends"]]
+        producer = self.producers[load.handover.instance]
+        sender_pools = {rank: pool_addresses(producer.documents[rank]) for rank in senders}
+        parts = []
+        for group, views in sorted(self.group_views.items()):
+            if group >= len(load.block_ids) or group >= len(load.handover.block_ids):
+                raise ValueError(f"the handover has no block list for KV cache group {group}")
+            src, dst = load.handover.block_ids[group], load.block_ids[group]
+            kwargs: dict[str, Any] = {}
+            if group in self.state_groups:
+                kwargs = {"src_state_slot": src[-1], "dst_state_slot": dst[-1]}
+            parts.append(
+                plan_descriptors(
+                    _only_views(plan, views),
+                    receiver_pools=self.addresses,
+                    sender_pools=sender_pools,
+                    src_blocks=[] if kwargs else src,
+                    dst_blocks=[] if kwargs else dst,
+                    tokens=None if kwargs else load.tokens,
+                    src_first_token=None if kwargs else load.handover.first_token,
+                    dst_first_token=None if kwargs else 0,
+                    prompt_tokens=load.handover.prompt_tokens,
+                    **kwargs,
+                )
+            )
+        return _merged(parts, int(plan["expected_writers"]))
+
+
+def _only_views(plan: Mapping[str, Any], views: set[int]) -> dict[str, Any]:
+    """The plan restricted to the view pairs (and states) landing in ``views``."""
+    peers = []
+    for peer in plan["peers"]:
+        kept = dict(peer)
+        kept["views"] = [v for v in peer.get("views", []) if int(v["dst_view"]) in views]
+        kept["states"] = [s for s in peer.get("states", []) if int(s["dst_view"]) in views]
+        peers.append(kept)
+    return {**plan, "peers": peers}
+
+
+def _merged(parts: Sequence[NixlTransfer], writers: int) -> NixlTransfer:
+    by_rank: dict[int, list[PeerDescriptors]] = {}
+    for part in parts:
+        for peer in part.peers:
+            by_rank.setdefault(peer.rank, []).append(peer)
+    peers = tuple(
+        PeerDescriptors(
+            rank,
+            tuple(d for p in group for d in p.local),
+            tuple(d for p in group for d in p.remote),
+            sum(p.fragments for p in group),
+        )
+        for rank, group in sorted(by_rank.items())
+    )
+    return NixlTransfer(tuple(p for p in peers if p.local), writers)

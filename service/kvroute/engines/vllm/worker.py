@@ -1,0 +1,230 @@
+"""The connector's worker side: register this rank with kvroute, then pull or hold blocks.
+
+At start-up (``register_kv_caches``) the rank's registration is derived from what vLLM hands
+over (``layout.describe``), its backing allocation is registered with a NIXL agent whose metadata
+goes into the registration, and the rank registers with a lease kept in the background. A refusal
+stops start-up with kvroute's code, field and both values. Per step, a producer rank counts the
+consumers' "done" notifications for the requests whose blocks it holds; a consumer rank pulls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvroute.client import KvrouteClient, KvrouteError, SyncLease
+from kvroute.client.nixl_transport import NixlEndpoint
+from kvroute.engines.vllm.layout import Layer, Place, RankCache, describe
+from kvroute.engines.vllm.params import Settings, parse_done
+from kvroute.engines.vllm.pulls import Load, Pulls
+from kvroute.geometry import Owner
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class RegistrationRefused(RuntimeError):
+    """kvroute refused this rank's geometry: the engine must not start."""
+
+    def __init__(self, error: KvrouteError, instance: str, rank: int) -> None:
+        peer = (
+            f" (peer {error.peer_instance} rank {error.peer_rank})" if error.peer_instance else ""
+        )
+        super().__init__(
+            f"kvroute refused {instance} rank {rank}: {error.code} on field {error.field!r}: "
+            f"local {error.local!r}, peer {error.peer!r}{peer}: {error.detail}"
+        )
+        self.error = error
+
+
+def engine_place(vllm_config: Any) -> Place:
+    """TP/PP sizes and ranks of this worker, and vLLM's PP split of the target layers."""
+    from vllm.distributed.utils import get_pp_indices
+
+    parallel = vllm_config.parallel_config
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    except (AssertionError, AttributeError):  # no process groups (a single-process engine)
+        tp_rank, pp_rank = parallel.rank % tp, parallel.rank // tp
+    layers = vllm_config.model_config.get_total_num_hidden_layers()
+    stages = tuple(end - start for start, end in (get_pp_indices(layers, p, pp) for p in range(pp)))
+    return Place(tp, tp_rank, pp, pp_rank, stages)
+
+
+def engine_layers(kv_cache_config: Any, kv_caches: dict[str, torch.Tensor]) -> list[Layer]:
+    """Every transferable layer with its spec, owner and id; draft ids renumbered from 0."""
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    found = []
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        if not group.enable_kv_transfer:
+            continue
+        for name in group.layer_names:
+            spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                spec = spec.kv_cache_specs[name]
+            draft = spec.is_draft or group.is_eagle_group
+            found.append((name, spec, draft, group_id, extract_layer_index(name)))
+    drafts = sorted({index for _, _, draft, _, index in found if draft})
+    return [
+        Layer(
+            name,
+            drafts.index(index) if draft else index,
+            Owner.DRAFT if draft else Owner.TARGET,
+            spec,
+            kv_caches[name],
+            group_id,
+        )
+        for name, spec, draft, group_id, index in found
+    ]
+
+
+def total_kv_heads(vllm_config: Any) -> dict[Owner, int | None]:
+    totals: dict[Owner, int | None] = {
+        Owner.TARGET: vllm_config.model_config.get_total_num_kv_heads()
+    }
+    speculative = vllm_config.speculative_config
+    draft = getattr(speculative, "draft_model_config", None) if speculative else None
+    totals[Owner.DRAFT] = draft.get_total_num_kv_heads() if draft is not None else None
+    return totals
+
+
+def rank_cache(
+    vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, torch.Tensor], lease: int = 30
+) -> RankCache:
+    """The rank's registration derived from vLLM's objects (without NIXL metadata or role)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    layers = engine_layers(kv_cache_config, kv_caches)
+    return describe(
+        layers,
+        place=engine_place(vllm_config),
+        total_kv_heads=total_kv_heads(vllm_config),
+        conv_dim_first=is_conv_state_dim_first(),
+        num_draft_layers=len({layer.layer_id for layer in layers if layer.owner is Owner.DRAFT}),
+        lease_seconds=lease,
+    )
+
+
+class Worker:
+    """One rank's connector state between ``register_kv_caches`` and ``shutdown``."""
+
+    def __init__(self, settings: Settings, vllm_config: Any, kv_cache_config: Any) -> None:
+        self.settings = settings
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.client: KvrouteClient | None = None
+        self.endpoint: NixlEndpoint | None = None
+        self.lease: SyncLease | None = None
+        self.cache: RankCache | None = None
+        self.pulls: Pulls | None = None
+        self.holding: dict[str, float] = {}  # request id -> when its blocks are freed regardless
+        self.heard: dict[str, int] = {}  # request id -> done notifications so far
+        self.expected: dict[str, int] = {}
+
+    @property
+    def rank(self) -> int:
+        return engine_place(self.vllm_config).rank
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> RankCache:
+        import torch
+
+        settings = self.settings
+        cache = rank_cache(
+            self.vllm_config, self.kv_cache_config, kv_caches, settings.lease_seconds
+        )
+        rank = engine_place(self.vllm_config).rank
+        self.endpoint = NixlEndpoint(f"{settings.instance}-rank{rank}")
+        storage = next(iter(kv_caches.values())).untyped_storage()
+        backing = torch.empty(0, dtype=torch.int8, device=storage.device)
+        backing.set_(storage, 0, (storage.nbytes(),))
+        self.endpoint.register(backing)
+        document = {
+            **cache.document,
+            "role": settings.role,
+            "nixl_agent_metadata": self.endpoint.metadata,
+        }
+        self.client = KvrouteClient(settings.url, token=settings.token)
+        try:
+            self.lease = self.client.keep_lease(
+                settings.deployment, settings.instance, rank, document
+            )
+        except KvrouteError as error:
+            self.close()
+            raise RegistrationRefused(error, settings.instance, rank) from error
+        cache.document = document
+        self.cache = cache
+        parallel = self.vllm_config.parallel_config
+        self.pulls = Pulls(
+            self.client,
+            self.endpoint,
+            settings.deployment,
+            settings.instance,
+            rank,
+            parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+            cache.addresses,
+            cache.group_views,
+            cache.state_groups,
+            settings.pull_timeout_s,
+        )
+        return cache
+
+    def start(self, loads: list[Load], sends: dict[str, float]) -> None:
+        now = time.monotonic()
+        for request_id, timeout_s in sends.items():
+            self.holding[request_id] = now + timeout_s
+        if loads and self.pulls is None:
+            raise RuntimeError("register_kv_caches was never called on this worker")
+        for load in loads:
+            assert self.pulls is not None
+            self.pulls.start(load)
+
+    def finished(self) -> tuple[set[str] | None, set[str] | None]:
+        received = self.pulls.poll() if self.pulls is not None else set()
+        return (self._sent() or None), (received or None)
+
+    def load_errors(self) -> set[int]:
+        return self.pulls.take_errors() if self.pulls is not None else set()
+
+    def _sent(self) -> set[str]:
+        """Held requests every consumer rank has pulled, or whose time is up."""
+        if self.endpoint is None:
+            return set()
+        for _, message in self.endpoint.notifications():
+            parsed = parse_done(message)
+            if parsed is not None:
+                request_id, notifiers = parsed
+                self.heard[request_id] = self.heard.get(request_id, 0) + 1
+                self.expected[request_id] = notifiers
+        now, sent = time.monotonic(), set()
+        for request_id, deadline in list(self.holding.items()):
+            pulled = self.heard.get(request_id, 0) >= self.expected.get(request_id, 1 << 30)
+            if pulled or now > deadline:
+                if not pulled:
+                    log.warning("no consumer pulled %s in time; freeing its blocks", request_id)
+                del self.holding[request_id]
+                self.heard.pop(request_id, None)
+                self.expected.pop(request_id, None)
+                sent.add(request_id)
+        return sent
+
+    def close(self) -> None:
+        if self.lease is not None:
+            try:
+                self.lease.stop(deregister=True)
+            except KvrouteError:
+                log.warning("could not deregister from kvroute", exc_info=True)
+            self.lease = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None

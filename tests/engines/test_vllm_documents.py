@@ -1,0 +1,284 @@
+"""Registrations derived from vLLM's own KV cache objects, against hand-derived expectations.
+
+Every ``KVCacheConfig`` comes from vLLM's planner or is built from vLLM's classes, and every tensor
+from vLLM's ``allocate_kv_cache``; the expected numbers are written out by hand from the model
+dimensions (heads per rank, page bytes, strides), never computed by the code under test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.model_executor.layers.mamba import mamba_utils
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from kvroute.engines.vllm import KvrouteConnector
+from kvroute.engines.vllm.layout import attention_layout
+from kvroute.engines.vllm.worker import rank_cache
+from kvroute.geometry import Kind
+from tests.engines import vllm_world as world
+
+EXTRA = {"url": "http://127.0.0.1:9", "deployment": "llama", "instance": "prefill0"}
+
+
+def attn(name: int) -> str:
+    return f"model.layers.{name}.self_attn.attn"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 KV heads, head size 32, 2 layers."""
+    root = tmp_path_factory.mktemp("models")
+    return world.model_dir(root, "llama", num_key_value_heads=4, num_hidden_layers=2, head_dim=32)
+
+
+def dense(heads: int, *, block: int = 16, window: int | None = None) -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=block,
+        num_kv_heads=heads,
+        head_size=32,
+        dtype=torch.float16,
+        sliding_window=window,
+    )
+
+
+def derive(config, specs, blocks: int = 12):
+    kv_cache_config = world.cache_config(config, specs, blocks)
+    caches = world.allocate(config, kv_cache_config)
+    return rank_cache(config, kv_cache_config, caches), caches
+
+
+@pytest.mark.parametrize(("tp", "per_rank"), [(1, 4), (2, 2), (4, 1), (8, 1)])
+def test_dense_gqa_heads_per_rank_at_each_tp(llama: Path, tp: int, per_rank: int) -> None:
+    """4 KV heads: TP 1, 2, 4 split them; TP 8 > 4 heads holds one (replicated) head per rank."""
+    config = world.vllm_config(llama, tp_size=tp, rank=tp - 1, extra=EXTRA)
+    cache, caches = derive(config, {attn(i): dense(per_rank) for i in range(2)})
+    document = cache.document
+    # A page is heads x 16 tokens x (32 K + 32 V) fp16 elements; BLHNC puts both layers in a block.
+    page = per_rank * 16 * 64 * 2
+    assert document["tp_size"] == tp
+    assert document["tp_rank"] == tp - 1
+    assert document["tokens_per_block"] == 16
+    assert document["attention"] == {
+        "num_kv_heads": per_rank, "head_dim": 32, "dtype": "float16", "is_mla": False,
+    }  # fmt: skip
+    [pool] = document["pools"]
+    assert (pool["slot_bytes"], pool["slot_stride"], pool["num_slots"]) == (2 * page, 2 * page, 12)
+    [view] = document["views"]
+    assert view["kind"] == "hnd"
+    assert view["buffers_per_layer"] == 1
+    assert (view["num_kv_heads"], view["total_kv_heads"]) == (per_rank, 4)
+    assert view["bytes_per_layer"] == page
+    assert view["layers"] == [{"layer": 0, "offset": 0}, {"layer": 1, "offset": page}]
+    base = caches[attn(0)].data_ptr()
+    assert pool["memory"]["nixl"]["address"] == base
+    assert caches[attn(1)].data_ptr() == base + page
+
+
+def test_layer_outermost_token_major_layout(llama: Path) -> None:
+    """LBNHC (vLLM's default): each layer is its own region, token-major: one pool per layer."""
+    config = world.vllm_config(llama, tp_size=2, layout="LBNHC", extra=EXTRA)
+    cache, caches = derive(config, {attn(i): dense(2) for i in range(2)})
+    assert caches[attn(0)].stride() == (2048, 64, 128, 1)  # [B, H, N, C]: N over H
+    assert attention_layout(caches[attn(0)], "x") == (Kind.NHD, 1)
+    pools, views = cache.document["pools"], cache.document["views"]
+    assert [(p["slot_stride"], p["num_slots"]) for p in pools] == [(4096, 12), (4096, 12)]
+    assert (
+        pools[1]["memory"]["nixl"]["address"] - pools[0]["memory"]["nixl"]["address"] == 12 * 4096
+    )
+    assert [(v["pool_id"], v["kind"], v["layers"]) for v in views] == [
+        (0, "nhd", [{"layer": 0, "offset": 0}]),
+        (1, "nhd", [{"layer": 1, "offset": 0}]),
+    ]
+
+
+def test_older_layout_with_a_leading_kv_dimension_is_detected() -> None:
+    """[blocks, 2, heads, tokens, head]: K then V in each block, two buffers per layer."""
+    tensor = torch.zeros(4, 2, 2, 16, 32, dtype=torch.float16)
+    assert attention_layout(tensor, "x") == (Kind.HND, 2)
+    with pytest.raises(ValueError, match="neither"):
+        attention_layout(tensor.permute(1, 0, 2, 3, 4), "x")
+
+
+def test_sliding_window_layers(llama: Path) -> None:
+    """Hybrid allocator off: vLLM merges the group's spec (window 64) and keeps every token's
+    blocks, so all tokens move; a SlidingWindowSpec group (blocks of the window only) keeps it."""
+    config = world.vllm_config(llama, extra=EXTRA)
+    specs = {attn(0): dense(4), attn(1): dense(4, window=64)}
+    kv_cache_config = world.cache_config(config, specs, 12)
+    [group] = kv_cache_config.kv_cache_groups
+    assert group.kv_cache_spec.sliding_window == 64  # merged: layer 0 is not windowed at all
+    caches = world.allocate(config, kv_cache_config)
+    [view] = rank_cache(config, kv_cache_config, caches).document["views"]
+    assert "sliding_window" not in view
+    assert len(view["layers"]) == 2
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=4, head_size=32, dtype=torch.float16, sliding_window=64
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[
+            KVCacheTensor(8 * 16384, [attn(0)], layer_stride=8192, block_stride=16384),
+            KVCacheTensor(8 * 16384, [attn(1)], layer_stride=8192, block_stride=16384, offset=8192),
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec([attn(0)], dense(4)),
+            KVCacheGroupSpec([attn(1)], window),
+        ],
+    )
+    caches = world.allocate(config, kv_cache_config)
+    cache = rank_cache(config, kv_cache_config, caches)
+    windows = {v["layers"][0]["layer"]: v.get("sliding_window") for v in cache.document["views"]}
+    assert windows == {0: None, 1: 64}
+    assert cache.group_views == {0: {0}, 1: {1}}
+
+
+def test_mla_latent_is_one_replicated_view(tmp_path: Path) -> None:
+    model = world.model_dir(
+        tmp_path, "mla", num_key_value_heads=1, num_hidden_layers=2, head_dim=32
+    )
+    config = world.vllm_config(model, tp_size=4, rank=2, extra=EXTRA)
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float16)
+    cache, caches = derive(config, {attn(i): spec for i in range(2)})
+    assert caches[attn(0)].shape[1:] == (1, 16, 576)
+    document = cache.document
+    assert document["attention"]["is_mla"] is True
+    [view] = document["views"]
+    assert view["kind"] == "replicated"
+    assert view["roles"] == ["latent"]
+    assert view["bytes_per_layer"] == 16 * 576 * 2
+    assert "num_kv_heads" not in view
+
+
+def test_a_draft_layer_lives_in_the_draft_namespace(llama: Path) -> None:
+    """An Eagle draft layer (vLLM numbers it after the target's) registers as draft layer 0."""
+    config = world.vllm_config(llama, tp_size=2, extra=EXTRA)
+    specs = {attn(0): dense(2), attn(1): dense(2)}
+    specs[attn(2)] = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float16, is_draft=True
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[
+            KVCacheTensor(8 * 10240, [attn(0), attn(1)], layer_stride=4096, block_stride=10240),
+            KVCacheTensor(8 * 10240, [attn(2)], layer_stride=2048, block_stride=10240, offset=8192),
+        ],
+        kv_cache_groups=[KVCacheGroupSpec([attn(0), attn(1), attn(2)], specs[attn(0)])],
+    )
+    # One group holds target and draft: the draft's own spec is what its layer reports.
+    kv_cache_config.kv_cache_groups[0] = KVCacheGroupSpec(
+        [attn(0), attn(1), attn(2)], _per_layer(specs)
+    )
+    caches = world.allocate(config, kv_cache_config)
+    document = rank_cache(config, kv_cache_config, caches).document
+    assert document["num_draft_layers"] == 1
+    target, draft = document["views"]
+    assert (target["owner"], target["num_kv_heads"], target["layers"]) == (
+        "target", 2, [{"layer": 0, "offset": 0}, {"layer": 1, "offset": 4096}],
+    )  # fmt: skip
+    assert (draft["owner"], draft["num_kv_heads"], draft["layers"]) == (
+        "draft", 1, [{"layer": 0, "offset": 8192}],
+    )  # fmt: skip
+    # Target pages: 2 heads x 16 tokens x 64 fp16 = 4096 bytes; the draft's: 1 head, 2048 bytes.
+    assert (target["bytes_per_layer"], draft["bytes_per_layer"]) == (4096, 2048)
+    assert document["pools"][0]["slot_stride"] == 10240
+
+
+def _per_layer(specs):
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    return UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=specs)
+
+
+def test_mamba_hybrid_state_beside_attention(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mamba2 at TP2: 8 heads x 16 head_dim, 1 group x d_state 16, d_conv 4. Per rank the conv
+    state holds x = 64 channels and B = C = 8, each 3 columns (DS layout), then the SSM state."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    mamba_utils.get_conv_state_layout.cache_clear()
+    config = world.vllm_config(llama, tp_size=2, extra=EXTRA)
+    conv, ssm = (80, 3), (4, 16, 16)
+    page = 80 * 3 * 2 + 4 * 16 * 16 * 2  # 480 + 2048
+    mamba = MambaSpec(block_size=16, shapes=(conv, ssm), dtypes=(torch.float16, torch.float16))
+    assert mamba.page_size_bytes == page
+    kv_cache_config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[
+            KVCacheTensor(8 * 4096, [attn(0)], layer_stride=4096, block_stride=4096),
+            KVCacheTensor(8 * 4096, ["model.layers.1.mixer"], layer_stride=4096, block_stride=4096),
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec([attn(0)], dense(2)),
+            KVCacheGroupSpec(["model.layers.1.mixer"], mamba),
+        ],
+    )
+    try:
+        caches = world.allocate(config, kv_cache_config)
+        cache = rank_cache(config, kv_cache_config, caches)
+    finally:
+        mamba_utils.get_conv_state_layout.cache_clear()
+    [pool] = cache.document["pools"]
+    assert pool["slot_stride"] == 4096  # a slot is a KV block or one request's state
+    kinds = {v["kind"]: v for v in cache.document["views"]}
+    assert kinds["hnd"]["layers"] == [{"layer": 0, "offset": 0}]
+    assert kinds["conv"]["conv_sections"] == [64 * 3 * 2, 8 * 3 * 2, 8 * 3 * 2]
+    assert kinds["conv"]["layers"] == [{"layer": 1, "offset": 0}]
+    assert kinds["ssm"]["ssm_bytes_per_head"] == 16 * 16 * 2
+    assert kinds["ssm"]["layers"] == [{"layer": 1, "offset": 480}]
+    assert cache.state_groups == {1}
+
+
+def test_mamba_conv_state_token_major_is_refused(llama: Path) -> None:
+    mamba_utils.get_conv_state_layout.cache_clear()
+    config = world.vllm_config(llama, extra=EXTRA)
+    mamba = MambaSpec(block_size=16, shapes=((3, 80), (4, 16, 16)), dtypes=(torch.float16,) * 2)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[
+            KVCacheTensor(4 * 4096, [attn(0)], layer_stride=4096, block_stride=4096),
+            KVCacheTensor(4 * 4096, ["model.layers.1.mixer"], layer_stride=4096, block_stride=4096),
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec([attn(0)], dense(2)),
+            KVCacheGroupSpec(["model.layers.1.mixer"], mamba),
+        ],
+    )
+    caches = world.allocate(config, kv_cache_config)
+    with pytest.raises(ValueError, match="VLLM_SSM_CONV_STATE_LAYOUT=DS"):
+        rank_cache(config, kv_cache_config, caches)
+
+
+@pytest.mark.parametrize(
+    ("kv_role", "role", "kvroute_role"),
+    [
+        ("kv_producer", KVConnectorRole.SCHEDULER, "context"),
+        ("kv_producer", KVConnectorRole.WORKER, "context"),
+        ("kv_consumer", KVConnectorRole.SCHEDULER, "generation"),
+        ("kv_consumer", KVConnectorRole.WORKER, "generation"),
+    ],
+)
+def test_loaded_through_vllms_factory(llama: Path, kv_role, role, kvroute_role) -> None:
+    config = world.vllm_config(llama, role=kv_role, extra=EXTRA)
+    kv_cache_config = world.cache_config(config, {attn(i): dense(4) for i in range(2)}, 12)
+    connector = KVConnectorFactory.create_connector(config, role, kv_cache_config)
+    assert type(connector) is KvrouteConnector
+    assert connector.settings.role == kvroute_role
+    assert (connector.scheduler is None) is (role == KVConnectorRole.WORKER)
+    assert KvrouteConnector.get_required_kvcache_layout(config) == "BLHNC"
+
+
+def test_a_connector_without_kvroute_settings_does_not_start(llama: Path) -> None:
+    config = world.vllm_config(llama, extra={"url": "http://127.0.0.1:9"})
+    with pytest.raises(ValueError, match="deployment"):
+        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, None)

@@ -1,0 +1,101 @@
+"""vLLM's own objects on CPU, built the way an engine builds them: no weights, no GPU.
+
+A model is a hand-written ``config.json`` in a directory; ``VllmConfig`` is built from it with
+``DeviceConfig("cpu")``; per-layer ``KVCacheSpec``s are what the model's attention layers would
+report; vLLM's planner (``get_kv_cache_configs``) turns them into the ``KVCacheConfig`` and vLLM's
+``allocate_kv_cache`` makes the tensors the connector is handed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float16",
+}
+
+
+def model_dir(root: Path, name: str, **overrides: Any) -> Path:
+    directory = root / name
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**LLAMA, **overrides}))
+    return directory
+
+
+def vllm_config(
+    model: Path,
+    *,
+    role: str = "kv_producer",
+    extra: dict[str, Any] | None = None,
+    tp_size: int = 1,
+    rank: int = 0,
+    block_size: int = 16,
+    layout: str = "BLHNC",
+    max_model_len: int = 128,
+) -> VllmConfig:
+    model_config = ModelConfig(
+        model=str(model), dtype="float16", skip_tokenizer_init=True, max_model_len=max_model_len
+    )
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache.kv_cache_layout = layout  # the engine core resolves it before connectors are built
+    parallel = ParallelConfig(tensor_parallel_size=tp_size)
+    parallel.rank = rank
+    config = VllmConfig(
+        model_config=model_config,
+        cache_config=cache,
+        parallel_config=parallel,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+        ),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvrouteConnector",
+            kv_connector_module_path="kvroute.engines.vllm",
+            kv_role=role,
+            kv_connector_extra_config=extra or {},
+        ),
+    )
+    return config
+
+
+def cache_config(
+    config: VllmConfig, specs: dict[str, KVCacheSpec], num_blocks: int
+) -> KVCacheConfig:
+    """vLLM's planner's KVCacheConfig for ``specs``, sized for ``num_blocks`` blocks."""
+    groups = get_global_kv_cache_groups(config, [specs])
+    page = sum(spec.page_size_bytes for spec in specs.values())
+    [kv_cache_config] = get_kv_cache_configs(config, [specs], [page * num_blocks], groups)
+    return kv_cache_config
+
+
+def allocate(config: VllmConfig, kv_cache_config: KVCacheConfig) -> dict[str, torch.Tensor]:
+    layout = KVCacheLayout[config.cache_config.kv_cache_layout]
+    return allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
