@@ -93,6 +93,12 @@ class Settings(BaseSettings):
     )
     transfer_workers: int = Field(default=2, ge=1, le=64)
     transfer_queue_size: int = Field(default=256, ge=1, le=100_000)
+    transfer_max_open_pools: int = Field(
+        default=256,
+        ge=1,
+        le=100_000,
+        description="pools kept mapped at most; idle ones beyond close least recently used first",
+    )
     # Names this process among replicas sharing one database: a restart fails only the transfer
     # jobs its own previous incarnation left in flight. Must be stable across restarts (a pod name).
     replica_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128)

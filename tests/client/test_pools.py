@@ -167,21 +167,25 @@ def test_shared_pool_over_a_given_buffer_and_refusals() -> None:
         KvLayout(Kind.REPLICATED, 1, 1, 1, 1, "bfloat16")
 
 
-def test_shm_pool_is_what_kvroute_maps() -> None:
+@pytest.mark.parametrize("sealed", [True, False])
+def test_shm_pool_is_what_kvroute_maps(sealed: bool) -> None:
     import os
 
     from kvroute.client.memory import ShmPool
     from kvroute.geometry import Pool
-    from kvroute.transfer import ShmBackend
+    from kvroute.transfer import MemfdBackend, ShmBackend
 
     layout = KvLayout(Kind.HND, 2, 2, 4, 8, "bfloat16")
     name = f"kvroute-client-test-{os.getpid()}"
-    with ShmPool(name, 4 * 1024 * 8) as memory:
+    backend = MemfdBackend() if sealed else ShmBackend()
+    with ShmPool(name, 4 * 1024 * 8, sealed=sealed) as memory:
         shared = SharedKvPool.carve([layout], num_blocks=8, buffer=memory.tensor)
         fill(shared.tensors[0], 5)
         described = shared.describe(memory=memory.descriptor())
+        assert described.memory is not None
+        assert described.memory["backend"] == backend.name
         pool = Pool(0, described.slot_bytes, described.slot_stride, described.num_slots)
-        opened = ShmBackend().open(described.memory or {}, pool)
+        opened = backend.open(described.memory, pool)
         try:
             assert torch.equal(opened.tensor, shared.buffer.reshape(-1))
         finally:

@@ -32,17 +32,28 @@ def call(method: str, url: str, body: Any = None) -> tuple[int, Any]:
 
 @dataclass(frozen=True)
 class World:
-    """What was registered: the segment of each instance and its size."""
+    """What was registered: each instance's pool memory (its segment name for shm) and size."""
 
-    segments: dict[str, str]
+    memories: dict[str, dict[str, Any]]
     pool_bytes: int
+
+    @property
+    def segments(self) -> dict[str, str]:
+        return {instance: memory["name"] for instance, memory in self.memories.items()}
 
 
 def register_world(
-    base: str, owners: Owners, *, num_layers: int = 4, head_dim: int = 16, num_slots: int = 8
+    base: str,
+    owners: Owners,
+    *,
+    num_layers: int = 4,
+    head_dim: int = 16,
+    num_slots: int = 8,
+    sealed: bool = False,
 ) -> World:
-    """ctx0 and gen0 (TP1 each, identical geometry): every block copies one whole slot."""
-    segments = {}
+    """ctx0 and gen0 (TP1 each, identical geometry): every block copies one whole slot. Pools are
+    plain shm segments, or sealed memfds (``sealed``) of the owner process."""
+    memories: dict[str, dict[str, Any]] = {}
     size = 0
     for role, instance in (("context", "ctx0"), ("generation", "gen0")):
         document = rank_document(
@@ -50,12 +61,16 @@ def register_world(
         )
         pool = document["pools"][0]
         size = pool["slot_stride"] * pool["num_slots"]
-        segments[instance] = owners.create("workers", size, seed=len(segments))
-        pool["memory"] = {"backend": "shm", "name": segments[instance]}
+        if sealed:
+            memories[instance] = owners.memfd("workers", size, seed=len(memories))
+        else:
+            name = owners.create("workers", size, seed=len(memories))
+            memories[instance] = {"backend": "shm", "name": name}
+        pool["memory"] = memories[instance]
         path = f"/v1/deployments/llama/instances/{instance}/ranks/0"
         status, answer = call("PUT", base + path, document)
         assert status == 201, answer
-    return World(segments, size)
+    return World(memories, size)
 
 
 def submit(base: str, blocks: list[int]) -> tuple[int, Any]:

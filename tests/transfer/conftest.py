@@ -57,6 +57,26 @@ class Owners:
     def unlink(self, owner: str, name: str) -> None:
         assert self._call(owner, "unlink", name) == ("unlinked", name)
 
+    def memfd(
+        self, owner: str, size: int, seed: int, seals: tuple[str, ...] | None = ("F_SEAL_SHRINK",)
+    ) -> dict[str, object]:
+        """A memfd of the owner (sealable unless ``seals`` is None) as a pool's memory."""
+        name = f"kvroute-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        reply = self._call(owner, "memfd", name, size, seed, seals)
+        assert reply[0] == "memfd", reply
+        return {"backend": "memfd", "pid": reply[1], "fd": reply[2]}
+
+    def memfd_truncate(self, owner: str, fd: int, size: int) -> int | None:
+        """The errno the owner's ftruncate failed with, or None when it shrank the memfd."""
+        reply = self._call(owner, "memfd_truncate", fd, size)
+        return int(reply[1]) if reply[0] == "refused" else None  # type: ignore[call-overload]
+
+    def memfd_digest(self, owner: str, fd: int) -> str:
+        return str(self._call(owner, "memfd_digest", fd)[1])
+
+    def memfd_close(self, owner: str, fd: int) -> None:
+        assert self._call(owner, "memfd_close", fd) == ("closed", fd)
+
     def pids(self) -> list[int]:
         return [process.pid for process in self._processes if process.pid is not None]
 

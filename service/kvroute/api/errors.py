@@ -29,6 +29,7 @@ from kvroute.store.faults import DATABASE_ERRORS, database_fault
 from kvroute.transfer.errors import (
     PoolDraining,
     PoolMemoryError,
+    PoolsExhausted,
     QueueFull,
     TransferValidationError,
     UnknownJob,
@@ -140,6 +141,14 @@ def _pool_draining(exc: PoolDraining) -> Problem:
     return Problem(503, "Service Unavailable", str(exc), "draining", headers={"Retry-After": "1"})
 
 
+def _pools_exhausted(exc: PoolsExhausted) -> Problem:
+    retry = str(max(1, math.ceil(exc.retry_after)))
+    log.warning("transfer refused: %s", exc)
+    return Problem(
+        503, "Service Unavailable", str(exc), "pools_exhausted", headers={"Retry-After": retry}
+    )
+
+
 def _unprocessable(exc: Exception, code: str, extras: dict[str, Any]) -> Problem:
     return Problem(422, "Unprocessable Content", str(exc), code, extras=extras)
 
@@ -158,6 +167,7 @@ PROBLEM_TABLE: tuple[
     (TransferValidationError, _invalid_transfer),
     (QueueFull, _queue_full),
     (PoolDraining, _pool_draining),
+    (PoolsExhausted, _pools_exhausted),
     (DATABASE_ERRORS, _database_problem),
 )
 

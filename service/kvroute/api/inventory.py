@@ -11,6 +11,7 @@ from aiohttp import web
 from kvroute import wire
 from kvroute.api.clock import app_now
 from kvroute.api.keys import sessionmaker_key, validated_key
+from kvroute.api.transfers import pools_deleted
 from kvroute.store import registry
 
 
@@ -55,6 +56,7 @@ async def delete_instance(request: web.Request) -> web.Response:
     await registry.delete_instance(
         request.app[sessionmaker_key], path["deployment"], path["instance"]
     )
+    pools_deleted(request.app, path["deployment"], path["instance"], None)
     return web.Response(status=204)
 
 

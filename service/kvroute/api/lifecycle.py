@@ -30,6 +30,7 @@ from kvroute.api.keys import (
     settings_key,
 )
 from kvroute.api.problems import Problem, ProblemError
+from kvroute.api.transfers import sweep_pools
 from kvroute.store import lease_watch, registry
 from kvroute.store.engine import create_engine, dispose, make_sessionmaker
 from kvroute.store.records import RankName
@@ -81,6 +82,7 @@ async def _reap_round(
     expired = await lease_watch.expired_between(sessionmaker, after=since, until=now)
     reaped = await registry.reap_expired(sessionmaker, now=now, grace=grace)
     counts = await lease_watch.rank_counts(sessionmaker, now=now)
+    await sweep_pools(app, now)  # pools of ranks that expired, or changed on another replica
     metrics.database_up.set(1)
     metrics.count_expired(expired)
     metrics.set_rank_counts(counts)

@@ -15,6 +15,7 @@ from aiohttp import web
 from kvroute import wire
 from kvroute.api.clock import app_now
 from kvroute.api.keys import metrics_key, registry_key, sessionmaker_key, validated_key
+from kvroute.api.transfers import pools_deleted, pools_registered
 from kvroute.geometry import GeometryError, RankRegistration
 from kvroute.store import registry
 
@@ -37,6 +38,7 @@ async def put_rank(request: web.Request) -> web.Response:
         metrics.rejections.labels(code=error.code, deployment=deployment).inc()
         raise
     metrics.registrations.labels(result="created" if outcome.created else "accepted").inc()
+    pools_registered(app, deployment, instance, rank, outcome.generation)
     answer = wire.Registered(outcome.generation, outcome.lease_expires_at)
     return web.json_response(wire.to_json(answer), status=201 if outcome.created else 200)
 
@@ -80,4 +82,5 @@ async def heartbeat(request: web.Request) -> web.Response:
 async def delete_rank(request: web.Request) -> web.Response:
     deployment, instance, rank = rank_address(request)
     await registry.delete_rank(request.app[sessionmaker_key], deployment, instance, rank)
+    pools_deleted(request.app, deployment, instance, rank)
     return web.Response(status=204)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -44,7 +45,8 @@ async def transfer_context(app: web.Application) -> AsyncIterator[None]:
     """Start the worker pool; on shutdown (readiness is already 503) drain it, then unmap pools."""
     try:
         from kvroute.control.transfers import TransferService
-        from kvroute.transfer.memory import PoolMemoryCache, default_backends
+        from kvroute.transfer.memory import default_backends
+        from kvroute.transfer.opened import PoolMemoryCache
     except ImportError as error:
         log.warning("transfer endpoints disabled: %s (%s)", NO_DATA_PLANE, error)
         yield
@@ -60,7 +62,8 @@ async def transfer_context(app: web.Application) -> AsyncIterator[None]:
         memories=PoolMemoryCache(
             default_backends(
                 shm_name_prefix=settings.shm_name_prefix, shm_owners=settings.shm_owner_uids
-            )
+            ),
+            max_open=settings.transfer_max_open_pools,
         ),
         replica=settings.replica_id,
     )
@@ -70,6 +73,30 @@ async def transfer_context(app: web.Application) -> AsyncIterator[None]:
     report = await service.close(settings.shutdown_timeout_seconds)
     if not report.clean:
         log.warning("transfer jobs abandoned at shutdown: %s", ", ".join(report.abandoned))
+
+
+def pools_deleted(app: web.Application, deployment: str, instance: str, rank: int | None) -> None:
+    """A rank (or a whole instance) was deleted: its idle pools are closed now, busy ones after
+    their last job. Nothing to do where this process has no data plane."""
+    service = app.get(transfer_service_key)
+    if service is not None:
+        service.pools.deleted(deployment, instance, rank)
+
+
+def pools_registered(
+    app: web.Application, deployment: str, instance: str, rank: int, generation: int
+) -> None:
+    """A rank registered at ``generation``: pools of its earlier generations are done with."""
+    service = app.get(transfer_service_key)
+    if service is not None:
+        service.pools.registered(deployment, instance, rank, generation)
+
+
+async def sweep_pools(app: web.Application, now: datetime) -> None:
+    """On each reaper round: close pools of ranks that expired or changed on other replicas."""
+    service = app.get(transfer_service_key)
+    if service is not None:
+        await service.pools.sweep(now=now)
 
 
 def transfer_checks(app: web.Application) -> dict[str, str]:

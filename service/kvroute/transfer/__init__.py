@@ -1,6 +1,7 @@
 """kvroute.transfer: the same-node data plane.
 
-Reading path: memory (pool -> flat byte tensor; backends in shm, cuda_ipc) -> plan (a plan
+Reading path: memory (pool -> flat byte tensor; backends in memfd, shm (both through mapped),
+cuda_ipc; opened: the pools a process holds, shared by jobs and closed when done) -> plan (a plan
 document made executable) and exactly_once (its destination checks) -> program (fragments folded
 into strided runs) -> jobs (what is submitted, its states) -> slots (state slots and prompt length a
 leg needs) -> passes (a job's blocks or token range, a window's part of it or the state slot pair,
@@ -40,7 +41,10 @@ _EXPORTS: dict[str, str] = {
     "PeerCopy": "kvroute.transfer.plan",
     "PoolDraining": "kvroute.transfer.errors",
     "PoolMemory": "kvroute.transfer.memory",
-    "PoolMemoryCache": "kvroute.transfer.memory",
+    "PoolMemoryCache": "kvroute.transfer.opened",
+    "PoolOwner": "kvroute.transfer.opened",
+    "PoolsExhausted": "kvroute.transfer.errors",
+    "MemfdBackend": "kvroute.transfer.memfd",
     "PoolMemoryError": "kvroute.transfer.errors",
     "QueueFull": "kvroute.transfer.errors",
     "ShmBackend": "kvroute.transfer.shm",

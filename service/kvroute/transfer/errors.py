@@ -2,7 +2,8 @@
 
 The transfer package never imports aiohttp; the error middleware maps these types once:
 ``PoolMemoryError`` and ``TransferValidationError`` -> 422, ``QueueFull`` -> 429 with
-``Retry-After``, ``PoolDraining`` -> 503, ``UnknownJob`` -> 404.
+``Retry-After``, ``PoolDraining`` and ``PoolsExhausted`` -> 503 (the latter with ``Retry-After``),
+``UnknownJob`` -> 404.
 """
 
 from __future__ import annotations
@@ -68,6 +69,16 @@ class QueueFull(TransferError):
         self.queue_size = queue_size
         self.retry_after = retry_after
         super().__init__(f"transfer queue is full ({queue_size} jobs); retry in {retry_after:g} s")
+
+
+class PoolsExhausted(TransferError):
+    """This process cannot map another pool now: its bound of open pools is held by running jobs,
+    or the system refused a descriptor or a mapping. Retry after ``retry_after`` seconds."""
+
+    def __init__(self, reason: str, retry_after: float = 1.0) -> None:
+        self.reason = reason
+        self.retry_after = retry_after
+        super().__init__(f"cannot open another pool now: {reason}; retry in {retry_after:g} s")
 
 
 class PoolDraining(TransferError):

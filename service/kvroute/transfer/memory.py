@@ -9,7 +9,6 @@ the backend. Opening is the only place a backend's quirks appear, and every fail
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -32,7 +31,7 @@ class PoolMemory:
     no longer be used safely: a shared-memory segment that shrank, changed owner or was replaced.
     """
 
-    __slots__ = ("_release", "_tensor", "_verify", "backend", "pool")
+    __slots__ = ("_release", "_tensor", "_verify", "backend", "descriptors", "pool")
 
     def __init__(
         self,
@@ -41,6 +40,8 @@ class PoolMemory:
         tensor: torch.Tensor,
         release: Callable[[], None] | None = None,
         verify: Callable[[], None] | None = None,
+        *,
+        descriptors: int = 0,
     ) -> None:
         if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
             raise PoolMemoryError(
@@ -57,6 +58,7 @@ class PoolMemory:
         self._tensor: torch.Tensor | None = tensor
         self._release = release
         self._verify = verify
+        self.descriptors = descriptors  # file descriptors the open memory holds
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -153,82 +155,17 @@ class LocalBackend:
         return PoolMemory(pool, self.name, flat[offset : offset + pool.size_bytes])
 
 
-def _cache_key(descriptor: Descriptor, pool: Pool) -> str:
-    shape = [pool.pool_id, pool.slot_bytes, pool.slot_stride, pool.num_slots]
-    return json.dumps([dict(descriptor), shape], sort_keys=True, default=str)
-
-
-class PoolMemoryCache:
-    """Opens pools through their backend once and keeps the mappings until ``close()``.
-
-    Keyed by the descriptor and the pool's shape, so a re-registration with another geometry opens
-    a fresh mapping instead of reusing one sized for the old pool. Safe to call from any thread.
-    """
-
-    def __init__(self, backends: Sequence[MemoryBackend] | None = None) -> None:
-        if backends is None:
-            backends = default_backends()
-        self._backends = {backend.name: backend for backend in backends}
-        self._open: dict[str, PoolMemory] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def backends(self) -> tuple[str, ...]:
-        return tuple(self._backends)
-
-    def open_pool(self, descriptor: Descriptor | None, pool: Pool) -> PoolMemory:
-        if descriptor is None:
-            raise PoolMemoryError(pool.pool_id, "none", "the pool was registered without memory")
-        backend_name = descriptor.get("backend")
-        backend = self._backends.get(backend_name) if isinstance(backend_name, str) else None
-        if backend is None:
-            raise PoolMemoryError(
-                pool.pool_id,
-                str(backend_name),
-                f"unsupported memory backend; this kvroute opens {sorted(self._backends)}",
-            )
-        key = _cache_key(descriptor, pool)
-        with self._lock:
-            memory = self._open.get(key)
-            if memory is not None:
-                try:
-                    memory.verify()  # every job re-checks what it opens, cached or not
-                    return memory
-                except PoolMemoryError:
-                    # A stale mapping is dropped, not closed: a running copy may still hold it,
-                    # and the mapping is released when its last view goes. Opening again below
-                    # checks the segment from scratch and names what is wrong with it.
-                    del self._open[key]
-            memory = backend.open(descriptor, pool)
-            self._open[key] = memory
-            return memory
-
-    def close(self) -> None:
-        """Release every mapping; call after the worker pool has drained."""
-        with self._lock:
-            opened, self._open = list(self._open.values()), {}
-        for memory in opened:
-            try:
-                memory.close()
-            except PoolMemoryError as error:
-                log.warning("could not release pool memory: %s", error)
-
-    def __len__(self) -> int:
-        return len(self._open)
-
-    def __enter__(self) -> PoolMemoryCache:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 def default_backends(
     *, shm_name_prefix: str | None = None, shm_owners: Sequence[int] | None = None
 ) -> list[MemoryBackend]:
-    """The backends a kvroute server opens: shared memory and CUDA IPC."""
+    """The backends a kvroute server opens: sealed memfds, shared memory and CUDA IPC."""
     from kvroute.transfer.cuda_ipc import CudaIpcBackend
+    from kvroute.transfer.memfd import MemfdBackend
     from kvroute.transfer.shm import DEFAULT_NAME_PREFIX, ShmBackend
 
     prefix = DEFAULT_NAME_PREFIX if shm_name_prefix is None else shm_name_prefix
-    return [ShmBackend(name_prefix=prefix, owners=shm_owners), CudaIpcBackend()]
+    return [
+        MemfdBackend(name_prefix=prefix, owners=shm_owners),
+        ShmBackend(name_prefix=prefix, owners=shm_owners),
+        CudaIpcBackend(),
+    ]

@@ -6,6 +6,8 @@ build many pools. Labels are bounded (a job's final state), never job or block i
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Same-node copies of a few blocks take milliseconds; a large multi-rank job may take seconds.
@@ -47,3 +49,26 @@ class TransferMetrics:
             buckets=DURATION_BUCKETS_SECONDS,
             registry=registry,
         )
+
+
+class OpenPools(Protocol):
+    """What the pool gauges read: ``PoolMemoryCache``'s counts."""
+
+    def __len__(self) -> int: ...
+
+    @property
+    def open_descriptors(self) -> int: ...
+
+
+def pool_gauges(registry: CollectorRegistry, pools: OpenPools) -> None:
+    """Open pools and their descriptors, read from the cache at each scrape."""
+    Gauge(
+        "kvroute_open_pools",
+        "Pools this process has mapped (shared by jobs; closed once idle and their rank is gone)",
+        registry=registry,
+    ).set_function(lambda: len(pools))
+    Gauge(
+        "kvroute_open_pool_descriptors",
+        "File descriptors held by open pools (two per shm or memfd mapping)",
+        registry=registry,
+    ).set_function(lambda: pools.open_descriptors)

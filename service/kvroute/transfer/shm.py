@@ -20,25 +20,22 @@ still leads to the same file, so a restarted worker's new segment is never writt
 mapping). ``PoolMemoryCache`` verifies a cached mapping each time a job opens it, and the worker pool
 verifies every pool of a job again right before copying, on the worker thread, so a job only ever
 touches a mapping it checked itself. What no check can close is a worker shrinking its segment while a
-copy into it is running: a mapping cannot be protected against its own file (only sealed memfds
-can), so that worker can still fault kvroute; the window is the copy itself.
+copy into it is running: a mapping cannot be protected against its own file, so that worker can still
+fault kvroute; the window is the copy itself. That is why plain segments are the opt-in: the default
+pools of ``kvroute.client`` are sealed memfds (``memfd``), which cannot shrink at all.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 import stat
-import threading
 from collections.abc import Collection
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from kvroute.geometry import Pool
 from kvroute.transfer.errors import PoolMemoryError
+from kvroute.transfer.mapped import Identity, Segment, exhausted, map_descriptor
 from kvroute.transfer.memory import Descriptor, PoolMemory, check_extent, descriptor_offset
 
 SHM_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}", re.ASCII)
@@ -64,30 +61,16 @@ class ShmBackend:
         name = self._segment_name(descriptor, pool)
         offset = descriptor_offset(descriptor, pool, self.name)
         fd = self._open_fd(name, pool)
-        try:
-            info = self._check(fd, name, offset, pool)
-            mapping = mmap.mmap(fd, offset + pool.size_bytes)
-        except BaseException:
-            os.close(fd)
-            raise
-        segment = _Segment(self, name, fd, (info.st_dev, info.st_ino), offset, pool)
-        # Through numpy, not torch.frombuffer: numpy holds a buffer export for as long as any tensor
-        # view lives, so the mapping can never be closed under a running copy (torch.frombuffer
-        # keeps no export and would leave dangling pointers).
-        array = np.frombuffer(mapping, dtype=np.uint8, count=pool.size_bytes, offset=offset)
-        tensor = torch.from_numpy(array)
-
-        def release() -> None:
-            segment.close()
-            try:
-                mapping.close()
-            except BufferError as error:
-                # A caller still holds a view of the pool; the mapping then lives until it is dropped.
-                raise PoolMemoryError(
-                    pool.pool_id, self.name, f"segment {name!r} is still in use, not unmapped"
-                ) from error
-
-        return PoolMemory(pool, self.name, tensor, release, segment.verify)
+        path = self._root / name
+        segment = Segment(
+            self.name,
+            pool,
+            lambda fd: self._check(fd, name, offset, pool),
+            # lstat: the name must lead to the mapped file itself, never through a link
+            lambda: _lstat_identity(path),
+            f"segment {name!r} was removed or re-created",
+        )
+        return map_descriptor(fd, offset, segment)
 
     def _segment_name(self, descriptor: Descriptor, pool: Pool) -> str:
         segment = descriptor.get("name")
@@ -118,11 +101,11 @@ class ShmBackend:
                 pool.pool_id, self.name, f"no shared memory segment named {segment!r}"
             ) from error
         except OSError as error:
-            raise PoolMemoryError(
+            raise exhausted(error, f"opening segment {segment!r}") or PoolMemoryError(
                 pool.pool_id, self.name, f"cannot open segment {segment!r}: {error.strerror}"
             ) from error
 
-    def _check(self, fd: int, segment: str, offset: int, pool: Pool) -> os.stat_result:
+    def _check(self, fd: int, segment: str, offset: int, pool: Pool) -> None:
         """Type, owner and size of the open segment; raises ``PoolMemoryError`` naming what is off."""
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -141,55 +124,11 @@ class ShmBackend:
             raise PoolMemoryError(
                 pool.pool_id, self.name, f"segment {segment!r}: {error.reason}"
             ) from None
-        return info
 
 
-class _Segment:
-    """The open descriptor behind one mapping: re-checked through it, closed once, never reused."""
-
-    def __init__(
-        self,
-        backend: ShmBackend,
-        name: str,
-        fd: int,
-        identity: tuple[int, int],
-        offset: int,
-        pool: Pool,
-    ) -> None:
-        self._backend = backend
-        self._name = name
-        self._fd: int | None = fd
-        self._identity = identity
-        self._offset = offset
-        self._pool = pool
-        # A closed descriptor's number may be reused by another file: check and close exclusively.
-        self._lock = threading.Lock()
-
-    def verify(self) -> None:
-        pool, backend = self._pool, self._backend
-        with self._lock:
-            if self._fd is None:
-                raise PoolMemoryError(
-                    pool.pool_id, backend.name, f"segment {self._name!r} was closed"
-                )
-            backend._check(self._fd, self._name, self._offset, pool)
-        # A worker that restarts re-creates its segment under the same name: writes into the old
-        # mapping would land in an unlinked segment nobody reads, and the job would "succeed".
-        try:
-            now = os.stat(backend._root / self._name, follow_symlinks=False)
-        except OSError:
-            now = None
-        if now is None or (now.st_dev, now.st_ino) != self._identity:
-            raise PoolMemoryError(
-                pool.pool_id, backend.name, f"segment {self._name!r} was removed or re-created"
-            )
-
-    def close(self) -> None:
-        with self._lock:
-            fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-
-    def __del__(self) -> None:
-        # A stale mapping dropped from the cache (and from the last job holding it) goes here.
-        self.close()
+def _lstat_identity(path: Path) -> Identity | None:
+    try:
+        info = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino

@@ -80,6 +80,7 @@ class WorkerPool:
         history: int = 10_000,
         retry_after: float = 1.0,
         on_update: Callable[[JobStatus], None] | None = None,
+        on_done: Callable[[TransferJob], None] | None = None,
     ) -> None:
         if workers < 1 or queue_size < 1:
             raise ValueError("a worker pool needs at least one worker and one queue slot")
@@ -89,6 +90,8 @@ class WorkerPool:
         self._history = history
         self._retry_after = retry_after
         self._on_update = on_update
+        # Called once per job as it reaches its final state (on whichever thread ends it).
+        self._on_done = on_done
         self._metrics = TransferMetrics(registry or CollectorRegistry())
         self._cond = threading.Condition()
         self._queued: OrderedDict[str, _Entry] = OrderedDict()
@@ -298,6 +301,11 @@ class WorkerPool:
                 loop, idle = self._on_idle
                 with contextlib.suppress(RuntimeError):  # the draining loop may be gone
                     loop.call_soon_threadsafe(idle.set)
+        if self._on_done is not None:
+            try:
+                self._on_done(entry.job)
+            except Exception:
+                log.exception("releasing transfer job %s failed", job_id)
         self._metrics.jobs.labels(state=state.value).inc()
         if result is not None and seconds is not None:
             self._metrics.bytes.inc(result.bytes)

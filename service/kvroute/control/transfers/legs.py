@@ -8,7 +8,7 @@ open) is refused here, before a job row exists or anything is queued.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -19,7 +19,8 @@ from kvroute.geometry import Pool
 from kvroute.store.registrations import RankAt, RegistrationMoved
 from kvroute.transfer.errors import PoolMemoryError, TransferValidationError
 from kvroute.transfer.jobs import TransferLeg
-from kvroute.transfer.memory import PoolMemory, PoolMemoryCache
+from kvroute.transfer.memory import PoolMemory
+from kvroute.transfer.opened import PoolMemoryCache, PoolOwner
 from kvroute.transfer.plan import CopyPlan
 
 _BlockTarget = tuple[str, tuple[int, ...], str, int, Pool]  # list name, ids, instance, rank, pool
@@ -59,6 +60,8 @@ class Leg:
     receiver_rank: int
     sender_pools: dict[tuple[int, int], Pool]  # (sender rank, pool id)
     receiver_pools: dict[int, Pool]
+    sender_generations: Mapping[int, int]  # the generations the plan was built from
+    receiver_generation: int
 
 
 class LegResolver:
@@ -77,21 +80,28 @@ class LegResolver:
         return legs
 
     def open(self, request: TransferRequest, legs: Iterable[Leg]) -> list[TransferLeg]:
-        """Maps every pool a job touches (blocking: a backend may map memory or a device)."""
-        opened = []
-        for leg in legs:
-            src = {
-                (rank, pool_id): self._open(leg.sender_pools[rank, pool_id], request.sender, rank)
-                for rank, pool_id in sending_pools(leg.copy_plan)
-            }
-            dst = {
-                pool_id: self._open(
-                    leg.receiver_pools[pool_id], request.receiver, leg.receiver_rank
-                )
-                for pool_id in receiving_pools(leg.copy_plan)
-            }
-            opened.append(TransferLeg(leg.copy_plan, src, dst))
-        return opened
+        """Maps every pool a job touches (blocking: a backend may map memory or a device).
+
+        Each pool is one use of the shared cache until ``release(job_memories(...))``; a pool
+        that cannot be opened releases the ones opened before it."""
+        opened: list[PoolMemory] = []
+        legs_opened = []
+        try:
+            for leg in legs:
+                src, dst = {}, {}
+                for rank, pool_id in sending_pools(leg.copy_plan):
+                    at = (request.sender, rank, leg.sender_generations[rank])
+                    src[rank, pool_id] = self._open(request, leg.sender_pools[rank, pool_id], at)
+                    opened.append(src[rank, pool_id])
+                for pool_id in receiving_pools(leg.copy_plan):
+                    at = (request.receiver, leg.receiver_rank, leg.receiver_generation)
+                    dst[pool_id] = self._open(request, leg.receiver_pools[pool_id], at)
+                    opened.append(dst[pool_id])
+                legs_opened.append(TransferLeg(leg.copy_plan, src, dst))
+        except BaseException:
+            self._memories.release(opened)
+            raise
+        return legs_opened
 
     async def _leg(self, request: TransferRequest, receiver_rank: int, now: datetime) -> Leg:
         key = PlanKey(
@@ -116,6 +126,8 @@ class LegResolver:
                 for pool in pools[request.sender, rank]
             },
             {pool.pool_id: pool for pool in pools[request.receiver, receiver_rank]},
+            {rank: served.sender_generations[rank] for rank in senders},
+            served.receiver_generation,
         )
 
     def _copy_plan(self, served: ServedPlan) -> CopyPlan:
@@ -136,11 +148,18 @@ class LegResolver:
             raise PlanUnavailable(f"{moved} (while the job was checked)") from None
         return {(reg.instance, reg.rank): reg.pools for reg in registrations}
 
-    def _open(self, pool: Pool, instance: str, rank: int) -> PoolMemory:
+    def _open(self, request: TransferRequest, pool: Pool, at: RankAt) -> PoolMemory:
+        instance, rank, generation = at
+        owner = PoolOwner(request.deployment, instance, rank, generation)
         try:
-            return self._memories.open_pool(pool.memory, pool)
+            return self._memories.open_pool(pool.memory, pool, owner)
         except PoolMemoryError as error:
             raise error.of_rank(instance, rank) from error
+
+
+def job_memories(legs: Iterable[TransferLeg]) -> list[PoolMemory]:
+    """Every pool use of a job's legs, as ``LegResolver.open`` took them (one per leg and pool)."""
+    return [memory for leg in legs for memory in (*leg.src_pools.values(), *leg.dst_pools.values())]
 
 
 def sending_pools(plan: CopyPlan, *, state: bool | None = None) -> list[tuple[int, int]]:

@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry
 from kvroute import wire
 from kvroute.control.plans import PlanService
 from kvroute.control.transfers.journal import JobJournal
-from kvroute.control.transfers.legs import Leg, LegResolver, TransferRequest
+from kvroute.control.transfers.legs import Leg, LegResolver, TransferRequest, job_memories
+from kvroute.control.transfers.pool_sweep import PoolSweep
 from kvroute.geometry import TokenRange, TokenRangeError
 from kvroute.job_state import JobState
 from kvroute.store import jobs
@@ -28,7 +29,8 @@ from kvroute.store.errors import Conflict, InvalidTransition
 from kvroute.transfer.engine import CopyEngine
 from kvroute.transfer.errors import TransferValidationError, UnknownJob
 from kvroute.transfer.jobs import CopyResult, TokenWindow, TransferJob
-from kvroute.transfer.memory import PoolMemoryCache
+from kvroute.transfer.metrics import pool_gauges
+from kvroute.transfer.opened import PoolMemoryCache
 from kvroute.transfer.workers import DrainReport, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -61,8 +63,15 @@ class TransferService:
         self._legs = LegResolver(plans, self._memories)
         self._journal = JobJournal(sessionmaker, replica=replica)
         self.pool = WorkerPool(
-            workers, queue_size, registry, engine=engine, on_update=self._journal.on_update
+            workers,
+            queue_size,
+            registry,
+            engine=engine,
+            on_update=self._journal.on_update,
+            on_done=self._release,
         )
+        self.pools = PoolSweep(sessionmaker, self._memories)
+        pool_gauges(registry, self._memories)
 
     async def start(self, *, now: datetime) -> None:
         """Start the workers and fail the jobs a previous process left in flight.
@@ -106,24 +115,33 @@ class TransferService:
         if not request.names_tokens:
             _check_pairs(request, legs)
         opened = await asyncio.to_thread(self._legs.open, request, legs)
-        job = TransferJob(
-            opened,
-            request.src_blocks,
-            request.dst_blocks,
-            str(uuid.uuid4()),
-            window=window,
-            src_state_slot=request.src_state_slot,
-            dst_state_slot=request.dst_state_slot,
-        )
-        # Splits the job into its copies (refusing a gap) and counts what they move.
-        totals = self.pool.engine.totals(job)
-        record = await self._journal.create(job.job_id, _row(request, legs, totals), now=now)
+        queued = False
         try:
-            await self.pool.submit(job)
-        except BaseException:
-            await self._journal.discard(job.job_id)
-            raise
+            job = TransferJob(
+                opened,
+                request.src_blocks,
+                request.dst_blocks,
+                str(uuid.uuid4()),
+                window=window,
+                src_state_slot=request.src_state_slot,
+                dst_state_slot=request.dst_state_slot,
+            )
+            # Splits the job into its copies (refusing a gap) and counts what they move.
+            totals = self.pool.engine.totals(job)
+            record = await self._journal.create(job.job_id, _row(request, legs, totals), now=now)
+            try:
+                await self.pool.submit(job)
+                queued = True  # from here the pool releases the job's pools as it ends
+            except BaseException:
+                await self._journal.discard(job.job_id)
+                raise
+        finally:
+            if not queued:
+                self._memories.release(job_memories(opened))
         return record
+
+    def _release(self, job: TransferJob) -> None:
+        self._memories.release(job_memories(job.legs))
 
     async def cancel(self, job_id: str, *, now: datetime) -> wire.TransferJob:
         """Cancel a job queued in this process; ``Conflict`` once it runs, ended or lives elsewhere."""
