@@ -50,8 +50,10 @@ class Request:
         if pairs and "fragments" in view:
             return self._pairs(view, self.src_blocks, self.dst_blocks)
         period = PeriodMap.from_json(view) if "period_fragments" in view else None
+        spreads = {}
         if period is not None:
             sizes = (period.src_tokens_per_block, period.dst_tokens_per_block)
+            spreads = {"src_spread": period.src_spread, "dst_spread": period.dst_spread}
         else:
             sizes = (window["src_tokens_per_block"], window["dst_tokens_per_block"])
         span, src, dst = resolve_lists(
@@ -62,6 +64,7 @@ class Request:
             src_first_token=self.firsts[0],
             dst_first_token=self.firsts[1],
             prompt_tokens=self.prompt_tokens,
+            **spreads,
         )
         if window is not None:
             prompt = prompt_length(self.tokens, self.prompt_tokens)

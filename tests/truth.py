@@ -100,21 +100,23 @@ class Truth:
             pool: np.zeros(stride * slots, dtype=np.int64) if into is None else into[pool].copy()
             for pool, (_, stride, slots) in layout.pools.items()
         }
-        q = (rank % side.tp_size) % side.tp_per_dp
+        _, tp_rank, cp_rank = side.position(rank)
+        q = tp_rank % side.tp_per_dp
         slots = np.array(sorted(placement), dtype=np.int64)
         first = np.array([placement[s] for s in sorted(placement)], dtype=np.int64)
         for (c, layer), (pool, offset) in layout.regions.items():
             cls, stride = self.classes[c], layout.pools[pool][1]
             if cls.is_state:
                 for slot, request in (states or {}).items():
-                    at, ids = self._state(c, cls, side, q, layer, request)
+                    at, ids = self._state(c, cls, side, q * side.cp_size + cp_rank, layer, request)
                     arrays[pool][slot * stride + offset + at] = ids
                 continue
             low = (starts or {}).get(c, 0)
             keep = range(max(low, 0 if positions is None else positions.start), self.MAX_POSITIONS)
             if positions is not None:
                 keep = range(keep.start, positions.stop)
-            self._blocks(arrays[pool], side, c, layer, q, (slots, first), (stride, offset), keep)
+            placed = (slots, first, cp_rank)
+            self._blocks(arrays[pool], side, c, layer, q, placed, (stride, offset), keep)
         return arrays
 
     def _blocks(
@@ -124,12 +126,14 @@ class Truth:
         c: int,
         layer: int,
         q: int,
-        placed: tuple[np.ndarray, np.ndarray],
+        placed: tuple[np.ndarray, np.ndarray, int],
         where: tuple[int, int],
         keep: range,
     ) -> None:
-        """Writes one layer region of a block class into every placed slot, positions in ``keep``."""
-        cls, (slots, starts), (stride, offset) = self.classes[c], placed, where
+        """Writes one layer region of a block class into every placed slot, positions in ``keep``;
+        a slot's start is a local position of CP rank ``placed[2]`` (the prompt position without
+        context parallelism)."""
+        cls, (slots, starts, cp_rank), (stride, offset) = self.classes[c], placed, where
         heads = np.array(
             [0] if cls.kind == "replicated" else true_heads(cls.total_heads, side.tp_per_dp, q)
         )
@@ -137,7 +141,7 @@ class Truth:
         n, j, tok, k = np.ogrid[: len(slots), :h, :t, :u]
         # nhd is token-major; hnd and replicated (one pseudo-head) are head-major.
         position = tok * (h * u) + j * u + k if cls.kind == "nhd" else j * (t * u) + tok * u + k
-        prompt = starts[n] + tok
+        prompt = side.prompt_position(cp_rank, starts[n] + tok)
         shape = (len(slots), h, t, u)
         mask = np.broadcast_to((prompt >= keep.start) & (prompt < keep.stop), shape)
         assert (prompt < self.MAX_POSITIONS).all()
@@ -149,9 +153,10 @@ class Truth:
     def _state(
         self, c: int, cls: ViewClass, side: Side, q: int, layer: int, request: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(positions in the layer region, ids) of one request's state held by TP rank ``q``."""
+        """(positions in the layer region, ids) of one request's state held by state rank ``q``
+        (TP rank x CP size + CP rank)."""
         if cls.kind == "ssm":
-            per_rank = cls.total_heads // side.tp_per_dp
+            per_rank = cls.total_heads // side.state_tp
             j, k = np.meshgrid(np.arange(per_rank), np.arange(cls.unit), indexing="ij")
             ids = self.logical_id(c, request, layer, 0, q * per_rank + j, k)
             return (j * cls.unit + k).reshape(-1), ids.reshape(-1)
@@ -160,7 +165,7 @@ class Truth:
             ids: list[np.ndarray] = []
             start = 0
             for section, size in enumerate(cls.sections):
-                per_rank = size // side.tp_per_dp
+                per_rank = size // side.state_tp
                 positions.append(start + np.arange(per_rank))
                 # A section's bytes are channel-major and split contiguously over the TP.
                 ids.append(

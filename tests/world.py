@@ -59,6 +59,8 @@ class Side:
     num_slots: int = 3
     windows: tuple[tuple[int, int | None], ...] = ()  # (class index, window) overriding the class
     shared_state_pool: bool = False  # state regions in pool 0, overlapping the block regions
+    cp_size: int = 1  # context parallelism: prompt tokens dealt round robin to the CP ranks
+    cp_interleave: int = 1  # ... this many at a time
 
     @property
     def pp_size(self) -> int:
@@ -67,6 +69,29 @@ class Side:
     @property
     def tp_per_dp(self) -> int:
         return self.tp_size // self.dp_size if self.attention_dp else self.tp_size
+
+    @property
+    def state_tp(self) -> int:
+        """The ranks recurrent state is split over: the DP group's TP times CP (helix)."""
+        return self.tp_per_dp * self.cp_size
+
+    @property
+    def ranks(self) -> int:
+        return self.tp_size * self.pp_size * self.cp_size
+
+    def position(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, tp_rank, cp_rank) of a rank number: CP fastest, then TP, then PP."""
+        return (
+            rank // (self.tp_size * self.cp_size),
+            rank // self.cp_size % self.tp_size,
+            (rank % self.cp_size),
+        )
+
+    def prompt_position(self, cp_rank: int, local: Any) -> Any:
+        """The prompt position at local cache position ``local`` of CP rank ``cp_rank``: chunks of
+        ``cp_interleave`` tokens dealt round robin."""
+        n, c = self.cp_interleave, self.cp_size
+        return local // n * (n * c) + cp_rank * n + local % n
 
 
 def true_heads(total: int, tp: int, q: int) -> list[int]:
@@ -102,7 +127,7 @@ def rank_layers(side: Side, cls: ViewClass, pp_rank: int) -> list[int]:
 
 def per_rank_heads(cls: ViewClass, side: Side) -> int:
     if cls.kind == "ssm":
-        return cls.total_heads // side.tp_per_dp  # state is split, never replicated
+        return cls.total_heads // side.state_tp  # state is split, never replicated
     return 1 if cls.kind == "replicated" else len(true_heads(cls.total_heads, side.tp_per_dp, 0))
 
 
@@ -110,7 +135,7 @@ def layer_bytes(cls: ViewClass, side: Side) -> int:
     if cls.kind == "ssm":
         return per_rank_heads(cls, side) * cls.unit
     if cls.kind == "conv":
-        return sum(cls.sections) // side.tp_per_dp
+        return sum(cls.sections) // side.state_tp
     if cls.per_request:
         return cls.unit
     tokens = side.tokens_per_block
@@ -128,7 +153,7 @@ def _state_members(cls: ViewClass, side: Side) -> dict[str, Any]:
     if cls.kind == "ssm":
         return {"ssm_bytes_per_head": cls.unit}
     if cls.kind == "conv":
-        return {"conv_sections": [size // side.tp_per_dp for size in cls.sections]}
+        return {"conv_sections": [size // side.state_tp for size in cls.sections]}
     return {"per_request": True}
 
 
@@ -138,7 +163,7 @@ def layout_rank(
     """An API.md document for one rank, with layers placed in a shuffled order with gaps."""
     num_slots = side.num_slots if num_slots is None else num_slots
     rng = random.Random(side.seed * 1000 + rank)
-    pp_rank = rank // side.tp_size
+    pp_rank = side.position(rank)[0]
     regions = [
         (c, layer) for c, cls in enumerate(classes) for layer in rank_layers(side, cls, pp_rank)
     ]
@@ -176,7 +201,7 @@ def layout_rank(
 def _rank_doc(
     side: Side, classes: list[ViewClass], rank: int, pools: list[Any], views: list[Any]
 ) -> dict[str, Any]:
-    tp_rank, pp_rank = rank % side.tp_size, rank // side.tp_size
+    pp_rank, tp_rank, cp_rank = side.position(rank)
     block_classes = [c for c, cls in enumerate(classes) if not cls.is_state]
     legacy_heads = [per_rank_heads(classes[c], side) for c in side.legacy]
     attention_heads = (
@@ -195,6 +220,9 @@ def _rank_doc(
         "attention_dp": side.attention_dp,
         "dp_size": side.dp_size if side.attention_dp else 1,
         "dp_rank": tp_rank // side.tp_per_dp if side.attention_dp else 0,
+        "cp_size": side.cp_size,
+        "cp_rank": cp_rank,
+        "cp_interleave": side.cp_interleave,
         "layers_per_stage": list(side.layers_per_stage),
         "num_draft_layers": side.num_draft_layers,
         "tokens_per_block": side.tokens_per_block,
@@ -240,7 +268,7 @@ def _view_doc(side: Side, c: int, cls: ViewClass, layout: Layout) -> dict[str, A
 def instance(
     side: Side, classes: list[ViewClass], name: str, num_slots: int | None = None
 ) -> tuple[list[RankRegistration], list[Layout]]:
-    layouts = [layout_rank(side, classes, r, num_slots) for r in range(side.tp_size * side.pp_size)]
+    layouts = [layout_rank(side, classes, r, num_slots) for r in range(side.ranks)]
     regs = [
         RankRegistration.from_json(layout.doc, deployment="world", instance=name, rank=r)
         for r, layout in enumerate(layouts)

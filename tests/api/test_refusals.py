@@ -68,15 +68,17 @@ async def test_self_inconsistent_view_is_422(client):
     }
 
 
-async def test_context_parallelism_is_refused_as_unsupported(client):
+async def test_prefill_context_parallel_chunks_are_refused_as_not_planned(client):
     document = rank_document()
     document["cp_size"] = 2
+    document["cp_layout"] = "zigzag"
     problem = await _refused(client, "ctx0", 0, document)
     assert (problem["status"], problem["code"], problem["field"]) == (
         422,
-        "context_parallel_unsupported",
-        "cp_size",
+        "context_parallel_layout_unsupported",
+        "cp_layout",
     )
+    assert (problem["local"], problem["peer"]) == ("zigzag", "interleaved")
 
 
 async def test_unknown_dtype_is_a_422_schema_refusal(client):

@@ -70,6 +70,9 @@ def rank(
     slot: int | None = None,
     instance: str | None = None,
     cp: int = 1,
+    cp_rank: int = 0,
+    cp_layout: str = "interleaved",
+    interleave: int = 1,
 ) -> RankRegistration:
     views = list(views) if views is not None else [view()]
     end = max((s["offset"] + v["bytes_per_layer"] for v in views for s in v["layers"]), default=1)
@@ -84,6 +87,9 @@ def rank(
         "dp_size": dp,
         "dp_rank": tp_rank // (tp // dp) if dp > 1 else 0,
         "cp_size": cp,
+        "cp_rank": cp_rank,
+        "cp_layout": cp_layout,
+        "cp_interleave": interleave,
         "layers_per_stage": list(stages),
         "num_draft_layers": draft,
         "tokens_per_block": tpb,
@@ -93,7 +99,7 @@ def rank(
     }
     name = instance or ("ctx" if role == "context" else "gen")
     return RankRegistration.from_json(
-        doc, deployment="d", instance=name, rank=pp_rank * tp + tp_rank
+        doc, deployment="d", instance=name, rank=(pp_rank * tp + tp_rank) * cp + cp_rank
     )
 
 

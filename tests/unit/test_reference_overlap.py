@@ -47,12 +47,22 @@ def test_case_4_receiver_tp2_rank1_hears_from_sender_tp4_ranks_2_and_3() -> None
     assert peers(build_plan(ctx, gen).to_json()) == [2, 3]
 
 
-def test_case_5_context_parallelism_is_refused() -> None:
-    # kvroute refuses CP instead of computing CP overlaps: no stack agrees on the CP rank order and
-    # helix writers contribute unequal shares.
-    with pytest.raises(GeometryError) as refused:
-        check_registration(rank(cp=2), [], [])
-    assert refused.value.code == "context_parallel_unsupported"
+def test_case_5_cp_receiver_hears_from_the_sender_cp_ranks_holding_its_tokens() -> None:
+    # Self CP2 rank 1, peer CP4 (TP1). The reference computes the CP overlap positionally, like TP
+    # ([2, 3]), which holds for contiguous chunks only. Helix deals whole blocks round robin
+    # (interleave = tokens per block): the receiver owns blocks 1, 3, 5, ..., which sender CP ranks
+    # 1 (blocks 1, 5, ...) and 3 (blocks 3, 7, ...) hold, so those two write; ranks 0 and 2 hold
+    # none of its tokens and send nothing.
+    mla = [view(0, [0, 1], 16 * 64, kind="replicated", roles=["latent"], buffers=1, heads=None)]
+    ctx = [
+        rank("context", tp=1, heads=1, mla=True, views=mla, cp=4, cp_rank=c, interleave=16)
+        for c in range(4)
+    ]
+    gen = rank("generation", tp=1, heads=1, mla=True, views=mla, cp=2, cp_rank=1, interleave=16)
+    check_registration(gen, [], ctx)
+    plan = build_plan(ctx, gen).to_json()
+    assert peers(plan) == [0, 1, 2, 3]
+    assert [p["rank"] for p in plan["peers"] if p["sends"]] == [1, 3]
 
 
 def test_case_6_pp_and_tp_overlap_together() -> None:

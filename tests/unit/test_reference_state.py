@@ -61,9 +61,14 @@ def test_mamba_tp_is_the_attention_dp_group_tp(tp, dp, tp_rank, expected) -> Non
     assert (reg.state_tp, reg.state_rank) == expected
 
 
-def test_helix_cp_never_reaches_the_mamba_tp_rule() -> None:
-    error = _refusal(rank("context", cp=2, views=[ssm(2)]), [])
-    assert error.code == "context_parallel_unsupported"
+@pytest.mark.parametrize(
+    ("tp", "tp_rank", "cp", "cp_rank", "expected"),
+    [(2, 1, 2, 0, (4, 2)), (2, 1, 2, 1, (4, 3)), (1, 0, 4, 3, (4, 3)), (2, 0, 4, 1, (8, 1))],
+)
+def test_helix_mamba_tp_is_tp_times_cp(tp, tp_rank, cp, cp_rank, expected) -> None:
+    # Reference 2.10: (tp x cp, tp_rank x cp + cp_rank) when cp > 1 (helix repurposes CP as TP).
+    reg = rank("context", tp=tp, tp_rank=tp_rank, cp=cp, cp_rank=cp_rank, views=[ssm(tp * cp)])
+    assert (reg.state_tp, reg.state_rank) == expected
 
 
 @pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 2), (2, 1), (2, 8), (8, 2), (4, 4), (1, 8)])

@@ -127,13 +127,12 @@ def _read_document(path: Path) -> dict[str, Any]:
 
 
 def _registration(path: Path, *, deployment: str, instance: str) -> RankRegistration:
-    """The document as a rank numbered TP-fastest within PP stages, as the instance check requires."""
+    """The document as a rank numbered as the instance check requires (CP fastest, then TP, then PP)."""
     registration = RankRegistration.from_json(
         _read_document(path), deployment=deployment, instance=instance, rank=0
     )
-    return replace(
-        registration, rank=registration.pp_rank * registration.tp_size + registration.tp_rank
-    )
+    position = registration.pp_rank * registration.tp_size + registration.tp_rank
+    return replace(registration, rank=position * registration.cp_size + registration.cp_rank)
 
 
 def sender_ranks(args: argparse.Namespace, deployment: str) -> list[RankRegistration]:
@@ -145,7 +144,7 @@ def sender_ranks(args: argparse.Namespace, deployment: str) -> list[RankRegistra
             raise PlanCommandError(f"{path} is sender rank {sender.rank} again")
         check_registration(sender, senders, [])
         senders.append(sender)
-    expected = senders[0].tp_size * senders[0].pp_size
+    expected = senders[0].tp_size * senders[0].pp_size * senders[0].cp_size
     missing = sorted(set(range(expected)) - {sender.rank for sender in senders})
     if missing:
         given = ",".join(str(sender.rank) for sender in sorted(senders, key=lambda s: s.rank))

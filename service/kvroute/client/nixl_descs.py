@@ -26,6 +26,7 @@ import numpy as np
 from kvroute.geometry import (
     BlockList,
     PeriodMap,
+    Spread,
     TokenRange,
     check_covered,
     periods_inside,
@@ -156,7 +157,9 @@ class _Request:
             )
         return np.array([self.src_state_slot]), np.array([self.dst_state_slot])
 
-    def lists(self, sizes: tuple[int, int]) -> tuple[TokenRange, BlockList, BlockList]:
+    def lists(
+        self, sizes: tuple[int, int], spreads: tuple[Spread, Spread] = (Spread(), Spread())
+    ) -> tuple[TokenRange, BlockList, BlockList]:
         return resolve_lists(
             self.src.tolist(),
             self.dst.tolist(),
@@ -165,6 +168,8 @@ class _Request:
             src_first_token=self.src_first_token,
             dst_first_token=self.dst_first_token,
             prompt_tokens=self.prompt_tokens,
+            src_spread=spreads[0],
+            dst_spread=spreads[1],
         )
 
     def windowed(self, view: Mapping[str, Any], tokens: TokenRange) -> TokenRange | None:
@@ -252,7 +257,8 @@ def _range_copies(view: Mapping[str, Any], request: _Request) -> np.ndarray:
         sizes = (window["src_tokens_per_block"], window["dst_tokens_per_block"])
     else:
         raise _needs_period(view)
-    tokens, src, dst = request.lists(sizes)
+    spreads = (Spread(), Spread()) if period is None else (period.src_spread, period.dst_spread)
+    tokens, src, dst = request.lists(sizes, spreads)
     part = request.windowed(view, tokens)
     if part is None:
         return np.empty((0, 5), dtype=np.int64)
@@ -310,7 +316,12 @@ def _range_rows(
 ) -> np.ndarray:
     """(src block, src offset, dst block, dst offset, length) of every copy of the range."""
     parts = []
-    inner = whole_pieces(tokens, period.src_tokens_per_block, period.dst_tokens_per_block)
+    # A context-parallel pair's blocks hold local positions: it is cut from its period whole.
+    inner = (
+        None
+        if period.context_parallel
+        else whole_pieces(tokens, period.src_tokens_per_block, period.dst_tokens_per_block)
+    )
     cuts = [tokens]
     if inner is not None:
         spans = np.array(period.spans, dtype=np.int64).reshape(-1, 7)

@@ -4,8 +4,9 @@ Reading path: model (what a rank registers) -> document (its JSON) -> heads (rul
 and instance (self and instance checks) -> matching and pairs (view pairs between peers; window:
 sliding windows; state: recurrent state pairs) -> compat (the ordered registration check) -> faces
 and classes (what peer checks read of a rank; admission by geometry class) ->
-topology, mappers, planner and state_planner (plans) -> periods (plans between blocks of different
-sizes) -> ranges (token ranges cut from plans; a window restricts them) -> bounce (rule 6) ->
+topology, mappers, planner and state_planner (plans) -> spread (context parallelism: which tokens a
+CP rank holds) -> periods (plans between blocks of different sizes or CP placements) -> ranges
+(token ranges cut from plans; a window restricts them) -> bounce (rule 6) ->
 builder (views for workers). Nothing here does I/O or imports aiohttp, SQLAlchemy or torch.
 """
 
@@ -40,6 +41,7 @@ from kvroute.geometry.ranges import (
     resolve_lists,
     whole_pieces,
 )
+from kvroute.geometry.spread import Spread
 from kvroute.geometry.window import Window, window_start, windowed_range
 
 __all__ = [
@@ -57,6 +59,7 @@ __all__ = [
     "PromptContradiction",
     "RankRegistration",
     "Role",
+    "Spread",
     "StateTransfer",
     "TokenAxis",
     "TokenGap",

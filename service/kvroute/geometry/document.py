@@ -21,6 +21,7 @@ from kvroute.geometry.limits import (
 from kvroute.geometry.model import (
     DTYPE_BITS,
     Attention,
+    CpLayout,
     Kind,
     LayerSlot,
     Owner,
@@ -98,7 +99,9 @@ class _Reader:
     def opt_str(self, key: str, **kwargs: Any) -> str | None:
         return self.str(key, **kwargs) if self.has(key) else None
 
-    def enum(self, key: str, enum: type[E]) -> E:
+    def enum(self, key: str, enum: type[E], *, default: E | None = None) -> E:
+        if default is not None and key not in self.obj:
+            return default
         value = self.obj.get(key)
         try:
             return enum(value)  # type: ignore[call-arg]
@@ -298,6 +301,9 @@ def parse_registration(
         dp_size=r.int("dp_size", default=1),
         dp_rank=r.int("dp_rank", default=0),
         cp_size=r.int("cp_size", default=1),
+        cp_rank=r.int("cp_rank", default=0),
+        cp_layout=r.enum("cp_layout", CpLayout, default=CpLayout.INTERLEAVED),
+        cp_interleave=r.int("cp_interleave", default=1),
         layers_per_stage=tuple(stages),
         num_draft_layers=r.int("num_draft_layers", default=0),
         tokens_per_block=r.int("tokens_per_block"),
@@ -362,6 +368,9 @@ def render_registration(reg: RankRegistration, *, geometry_only: bool = False) -
         "dp_size": reg.dp_size,
         "dp_rank": reg.dp_rank,
         "cp_size": reg.cp_size,
+        "cp_rank": reg.cp_rank,
+        "cp_layout": reg.cp_layout.value,
+        "cp_interleave": reg.cp_interleave,
         "layers_per_stage": list(reg.layers_per_stage),
         "num_draft_layers": reg.num_draft_layers,
         "tokens_per_block": reg.tokens_per_block,

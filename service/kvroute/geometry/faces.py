@@ -79,6 +79,7 @@ class RankFace:
     num_draft_layers: int
     attention: AttentionFace
     tp_per_dp: int  # heads and recurrent state are divided over the DP group's TP
+    cp_size: int  # context parallelism: pairs re-cut tokens, state splits over TP x CP
     target_layers: frozenset[int]  # RankRegistration.held_layers(TARGET): its PP stage
     draft_layers: frozenset[int]
     views: tuple[ViewFace, ...] = field(metadata=UNORDERED)
@@ -87,7 +88,7 @@ class RankFace:
 
     @property
     def state_tp(self) -> int:
-        return self.tp_per_dp  # RankRegistration.state_tp
+        return self.tp_per_dp * self.cp_size  # RankRegistration.state_tp
 
     def heads(self, view: ViewFace) -> int:
         return view.heads
@@ -111,6 +112,7 @@ def rank_face(reg: RankRegistration) -> RankFace:
         num_draft_layers=reg.num_draft_layers,
         attention=AttentionFace(attention.head_dim, attention.dtype, attention.is_mla),
         tp_per_dp=reg.tp_per_dp,
+        cp_size=reg.cp_size,
         target_layers=reg.held_layers(Owner.TARGET),
         draft_layers=reg.held_layers(Owner.DRAFT),
         views=tuple(_view_face(reg, view) for view in reg.views),

@@ -19,6 +19,8 @@ _INSTANCE_FIELDS: tuple[str, ...] = (
     "tp_size",
     "pp_size",
     "cp_size",
+    "cp_layout",
+    "cp_interleave",
     "attention_dp",
     "dp_size",
     "layers_per_stage",
@@ -30,11 +32,13 @@ _ATTENTION_FIELDS: tuple[str, ...] = ("num_kv_heads", "head_dim", "dtype", "is_m
 
 def check_instance(reg: RankRegistration, others: Iterable[RankRegistration]) -> None:
     """The rank agrees with its instance's layout (fixed by its first rank) and its rank number."""
-    expected_rank = reg.pp_rank * reg.tp_size + reg.tp_rank
+    # CP-minor, as TensorRT-LLM's Mapping numbers ranks; pp_rank * tp_size + tp_rank without CP.
+    expected_rank = (reg.pp_rank * reg.tp_size + reg.tp_rank) * reg.cp_size + reg.cp_rank
     if reg.rank != expected_rank:
         raise GeometryError(
             "rank_mismatch",
-            f"rank {reg.rank} must be pp_rank * tp_size + tp_rank = {expected_rank}",
+            f"rank {reg.rank} must be (pp_rank * tp_size + tp_rank) * cp_size + cp_rank "
+            f"= {expected_rank}",
             field="rank",
             local=reg.rank,
             peer=expected_rank,

@@ -49,6 +49,8 @@ INTEGER_BOUNDS: dict[str, tuple[int, int]] = {
     "RegistrationDocument.pp_size": (1, MAX_PARALLEL),
     "RegistrationDocument.pp_rank": (0, MAX_PARALLEL - 1),
     "RegistrationDocument.cp_size": (1, MAX_PARALLEL),
+    "RegistrationDocument.cp_rank": (0, MAX_PARALLEL - 1),
+    "RegistrationDocument.cp_interleave": (1, MAX_TOKENS_PER_BLOCK),
     "RegistrationDocument.dp_size": (1, MAX_PARALLEL),
     "RegistrationDocument.dp_rank": (0, MAX_PARALLEL - 1),
     "RegistrationDocument.layers_per_stage[]": (0, MAX_LAYERS),

@@ -14,6 +14,8 @@ from enum import StrEnum
 from functools import cached_property
 from typing import Any, NamedTuple
 
+from kvroute.geometry.spread import Spread
+
 
 class Role(StrEnum):
     CONTEXT = "context"
@@ -42,6 +44,14 @@ class Kind(StrEnum):
     def recurrent(self) -> bool:
         """Recurrent state: one slot per request, never per-token blocks."""
         return self in (Kind.SSM, Kind.CONV)
+
+
+class CpLayout(StrEnum):
+    """How a context-parallel instance deals a request's prompt tokens to its CP ranks."""
+
+    INTERLEAVED = "interleaved"  # round robin by cp_interleave tokens (decode CP, helix)
+    CONTIGUOUS = "contiguous"  # one contiguous chunk per CP rank (prefill ring attention)
+    ZIGZAG = "zigzag"  # 2 x cp chunks, rank c holding chunks c and 2cp-1-c (load-balanced prefill)
 
 
 class Axis(StrEnum):
@@ -186,6 +196,11 @@ class RankRegistration:
     dp_rank: int = 0
     num_draft_layers: int = 0
     cp_size: int = 1
+    cp_rank: int = 0
+    cp_layout: CpLayout = (
+        CpLayout.INTERLEAVED
+    )  # how prompt tokens are dealt to CP ranks (see ``spread``)
+    cp_interleave: int = 1  # tokens dealt to a CP rank at a time (interleaved layout)
     lease_seconds: int = 30
     endpoint: str | None = None
     nixl_agent_metadata: str | None = None
@@ -251,19 +266,25 @@ class RankRegistration:
         return self.tp_rank % self.tp_per_dp
 
     @property
+    def spread(self) -> Spread:
+        """Which prompt tokens this rank holds, and where (the identity without CP)."""
+        return Spread(self.cp_size, self.cp_rank, self.cp_interleave)
+
+    @property
     def state_tp(self) -> int:
         """Mamba TP: the ranks one request's recurrent state is split over (reference 2.10).
 
         The reference takes (1, 0) under attention DP, since a DP rank serves its requests alone;
         kvroute generalises that to the DP group's TP, which is 1 when dp_size == tp_size as the
-        reference assumes, and (tp, tp_rank) without attention DP. Helix CP, the reference's third
-        case, never arises: context parallelism is refused at registration.
+        reference assumes, and (tp, tp_rank) without attention DP. With context parallelism the
+        state is split over TP x CP, CP-minor (helix repurposes CP as TP for non-attention layers):
+        CP rank c of TP position q holds share ``q * cp_size + c``.
         """
-        return self.tp_per_dp
+        return self.tp_per_dp * self.cp_size
 
     @property
     def state_rank(self) -> int:
-        return self.tp_rank_in_group
+        return self.tp_rank_in_group * self.cp_size + self.cp_rank
 
     @property
     def group(self) -> int:

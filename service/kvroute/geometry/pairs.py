@@ -30,11 +30,13 @@ class PairGeometry:
     peer_tokens: int
     token_unit: int  # bytes per token-head (per token for replicated); 0 when not exact
     window: Window | None = None  # the sliding window the pair moves; None: every token
+    context_parallel: bool = False  # either side spreads tokens over CP ranks
 
     @property
     def reblocks(self) -> bool:
-        """True when the two sides cut tokens into blocks of different sizes."""
-        return self.peer_tokens != self.tokens
+        """True when a block of one side is not a block of the other: different block sizes, or
+        tokens spread over CP ranks (a pair then moves by period, never by block pair)."""
+        return self.peer_tokens != self.tokens or self.context_parallel
 
     @property
     def slices_heads(self) -> bool:
@@ -68,27 +70,40 @@ def pair_geometry(
         raise fail("view_dtype_mismatch", "dtype", view.dtype, theirs.dtype)
     tokens, peer_tokens = local.tokens(view), peer.tokens(theirs)
     window = pair_window(local, view, peer, theirs)
+    cp = local.cp_size > 1 or peer.cp_size > 1
+    if cp and window is not None:
+        raise fail(
+            "context_parallel_window_unsupported",
+            "sliding_window",
+            view.sliding_window,
+            theirs.sliding_window,
+            reason=f"a sliding window (local={view.sliding_window}, peer={theirs.sliding_window}) "
+            f"with context parallelism (cp_size local={local.cp_size}, peer={peer.cp_size}) is not "
+            "planned: the window's first block is not one block on every CP rank",
+        )
     if view.kind is Kind.REPLICATED:
-        token_unit = _token_units(fail, view, 1, tokens, theirs, 1, peer_tokens, same_heads=True)
+        token_unit = _token_units(
+            fail, view, 1, tokens, theirs, 1, peer_tokens, same_heads=True, recut=cp
+        )
         _check_same_bytes(fail, view, theirs, tokens, peer_tokens)
         return PairGeometry(
-            "replicated", 1, 1, 1, view.bytes_per_layer, tokens, peer_tokens, token_unit, window
+            "replicated", 1, 1, 1, view.bytes_per_layer, tokens, peer_tokens, token_unit, window, cp
         )
     local_heads, peer_heads = local.heads(view), peer.heads(theirs)
     total = _head_total(fail, local, view, peer, theirs)
     same = local_heads == peer_heads
     token_unit = _token_units(
-        fail, view, local_heads, tokens, theirs, peer_heads, peer_tokens, same_heads=same
+        fail, view, local_heads, tokens, theirs, peer_heads, peer_tokens, same_heads=same, recut=cp
     )
     if same:
         _check_same_bytes(fail, view, theirs, tokens, peer_tokens)
         unit, mapper = view.bytes_per_layer, "intact"
-    elif tokens != peer_tokens:
-        unit, mapper = token_unit, view.kind.value  # re-blocked: only bytes per token-head matter
+    elif tokens != peer_tokens or cp:
+        unit, mapper = token_unit, view.kind.value  # re-cut: only bytes per token-head matter
     else:
         unit, mapper = _sliced_unit(fail, view, local_heads, theirs, peer_heads, tokens)
     return PairGeometry(
-        mapper, total, local_heads, peer_heads, unit, tokens, peer_tokens, token_unit, window
+        mapper, total, local_heads, peer_heads, unit, tokens, peer_tokens, token_unit, window, cp
     )
 
 
@@ -155,15 +170,17 @@ def _token_units(
     peer_tokens: int,
     *,
     same_heads: bool,
+    recut: bool = False,
 ) -> int:
     """Bytes per token-head of the pair (0 when not exact and both sides cut blocks alike).
 
-    With equal block sizes nothing is re-blocked and today's checks stand, so an inexact division
-    only means a mid-block token range cannot be cut from this pair. With different sizes both
-    sides must divide exactly into token rows, and the rows must be the same size.
+    With equal block sizes and no context parallelism nothing is re-cut and today's checks stand,
+    so an inexact division only means a mid-block token range cannot be cut from this pair. With
+    different sizes or tokens spread over CP ranks (``recut``) both sides must divide exactly into
+    token rows, and the rows must be the same size.
     """
     unit = _token_unit(view, heads, tokens)
-    if tokens == peer_tokens:
+    if tokens == peer_tokens and not recut:
         return unit or 0
     peer_unit = _token_unit(theirs, peer_heads, peer_tokens)
     for side_unit, side_view, side_heads, side_tokens in (
@@ -176,7 +193,8 @@ def _token_units(
                 "tokens_per_block",
                 tokens,
                 peer_tokens,
-                reason=f"tokens_per_block differs (local={tokens}, peer={peer_tokens}) and "
+                reason=f"tokens are re-cut (tokens_per_block local={tokens}, peer={peer_tokens}, "
+                "or context parallelism on a side) and "
                 f"view {side_view.view_id}'s bytes_per_layer {side_view.bytes_per_layer} is not a "
                 f"whole number of token rows ({side_view.buffers_per_layer} buffers x "
                 f"{side_heads} heads x {side_tokens} tokens), so its blocks cannot be re-cut",

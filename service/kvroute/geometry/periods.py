@@ -15,6 +15,14 @@ block on both, which needs equal sizes.
 
 Every fragment (a *span*) names its token interval, and its bytes are those tokens in order, the same
 number per token on both sides, so any token range is cut from it by arithmetic (``ranges``).
+
+With context parallelism (``spread``) a side's rank holds only some prompt tokens, at local
+positions of its own cache, and its blocks cut local positions. The period is then the lcm of both
+sides' placement periods (``cp x lcm(interleave, tpb)`` each, ``tpb`` without CP), a side's blocks
+per period are its *local* blocks, and a span is a run of prompt tokens both ranks hold that stays
+inside one interleave chunk and one block on each side, so its tokens are consecutive local
+positions on both and cut by the same arithmetic. Prompt positions (``first_token``, a job's token
+range) stay global throughout.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import Any
 from kvroute.geometry.mappers import held_heads
 from kvroute.geometry.model import Kind, RankRegistration, View
 from kvroute.geometry.pairs import PairGeometry
+from kvroute.geometry.spread import IDENTITY, Spread, shared_runs
 
 Row = tuple[int, int, int, int, int]  # src_base, dst_base, src_pitch, dst_pitch, width (bytes)
 # (src_block, src_offset, dst_block, dst_offset, length, first_token, tokens): blocks are indices
@@ -54,18 +63,28 @@ class PeriodMap:
     src_tokens_per_block: int
     dst_tokens_per_block: int
     spans: tuple[Span, ...]  # sorted by (dst_block, dst_offset)
+    src_spread: Spread = IDENTITY
+    dst_spread: Spread = IDENTITY
+
+    @property
+    def context_parallel(self) -> bool:
+        return not (self.src_spread.trivial and self.dst_spread.trivial)
 
     @property
     def period_tokens(self) -> int:
-        return math.lcm(self.src_tokens_per_block, self.dst_tokens_per_block)
+        return math.lcm(
+            self.src_spread.period(self.src_tokens_per_block),
+            self.dst_spread.period(self.dst_tokens_per_block),
+        )
 
     @property
     def src_blocks_per_period(self) -> int:
-        return self.period_tokens // self.src_tokens_per_block
+        """The sender rank's local blocks per period."""
+        return self.period_tokens // (self.src_spread.size * self.src_tokens_per_block)
 
     @property
     def dst_blocks_per_period(self) -> int:
-        return self.period_tokens // self.dst_tokens_per_block
+        return self.period_tokens // (self.dst_spread.size * self.dst_tokens_per_block)
 
     @property
     def bytes_per_period(self) -> int:
@@ -73,8 +92,15 @@ class PeriodMap:
 
     @property
     def bytes_per_dst_block(self) -> int:
-        """Every receiver block of a period receives the same bytes: all rows, tpb_dst tokens."""
-        return self.bytes_per_period // self.dst_blocks_per_period
+        """The most bytes any receiver block of a period receives from this pair.
+
+        Without context parallelism every receiver block gets the same: all rows, tpb_dst tokens.
+        With it, a block may get a share of its tokens from this sender rank (or none).
+        """
+        per_block = Counter[int]()
+        for span in self.spans:
+            per_block[span[2]] += span[4]
+        return max(per_block.values(), default=0)
 
     @property
     def descriptors_per_dst_block(self) -> int:
@@ -83,7 +109,7 @@ class PeriodMap:
         return max(counts.values(), default=0)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "descriptors_per_block": self.descriptors_per_dst_block,
             "period_tokens": self.period_tokens,
             "src_blocks_per_period": self.src_blocks_per_period,
@@ -92,6 +118,10 @@ class PeriodMap:
             "descriptors_per_period": len(self.spans),
             "period_fragments": [list(span) for span in self.spans],
         }
+        for name, spread in (("src_cp", self.src_spread), ("dst_cp", self.dst_spread)):
+            if not spread.trivial:
+                doc[name] = spread.to_json()
+        return doc
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> PeriodMap:
@@ -99,22 +129,32 @@ class PeriodMap:
         period = _positive(doc, "period_tokens")
         src_blocks = _positive(doc, "src_blocks_per_period")
         dst_blocks = _positive(doc, "dst_blocks_per_period")
-        if period % src_blocks or period % dst_blocks:
+        spreads = [
+            Spread.from_json(doc[name], name) if name in doc else IDENTITY
+            for name in ("src_cp", "dst_cp")
+        ]
+        src_local, dst_local = (period // spread.size for spread in spreads)
+        if (
+            period % spreads[0].size
+            or period % spreads[1].size
+            or (src_local % src_blocks or dst_local % dst_blocks)
+        ):
             raise ValueError(
                 f"period_tokens {period} is not a whole number of blocks "
                 f"({src_blocks} sender, {dst_blocks} receiver blocks per period)"
             )
-        result = cls(period // src_blocks, period // dst_blocks, ())
+        result = cls(src_local // src_blocks, dst_local // dst_blocks, (), *spreads)
         if result.period_tokens != period:
             raise ValueError(
                 f"period_tokens {period} is not the least common multiple of the block sizes "
                 f"{result.src_tokens_per_block} and {result.dst_tokens_per_block}"
+                + (" under their CP placements" if result.context_parallel else "")
             )
         raw = doc.get("period_fragments")
         if not isinstance(raw, Sequence) or isinstance(raw, str):
             raise ValueError("period_fragments must be a list of 7-integer fragments")
         spans = tuple(result.checked_span(span, index) for index, span in enumerate(raw))
-        return cls(result.src_tokens_per_block, result.dst_tokens_per_block, spans)
+        return cls(result.src_tokens_per_block, result.dst_tokens_per_block, spans, *spreads)
 
     def checked_span(self, span: object, index: int) -> Span:
         """``span`` as a Span when it lies inside one block on each side; ``ValueError`` otherwise."""
@@ -134,6 +174,9 @@ class PeriodMap:
             )
         if last >= self.period_tokens:
             raise ValueError(f"{where}: tokens [{first}, {last + 1}) leave the period")
+        if self.context_parallel:
+            self._check_spread_span(where, first, last, src_block, dst_block)
+            return tuple(span)  # type: ignore[return-value]
         if (first // ts, last // ts, first // td, last // td) != (
             src_block,
             src_block,
@@ -145,6 +188,32 @@ class PeriodMap:
                 f"({ts} tokens each) and receiver block {dst_block} ({td} tokens each)"
             )
         return tuple(span)  # type: ignore[return-value]
+
+    def _check_spread_span(
+        self, where: str, first: int, last: int, src_block: int, dst_block: int
+    ) -> None:
+        """Both ranks hold the span's tokens as one run of consecutive local positions, in the
+        named block of each side."""
+        for side, spread, tokens, block in (
+            ("sender", self.src_spread, self.src_tokens_per_block, src_block),
+            ("receiver", self.dst_spread, self.dst_tokens_per_block, dst_block),
+        ):
+            held = spread.holds(first) and spread.holds(last)
+            local = spread.local(first), spread.local(last)
+            if (
+                not held
+                or local[1] - local[0] != last - first
+                or {
+                    local[0] // tokens,
+                    local[1] // tokens,
+                }
+                != {block}
+            ):
+                raise ValueError(
+                    f"{where}: tokens [{first}, {last + 1}) are not one run of the {side} CP rank "
+                    f"{spread.rank} of {spread.size} (interleave {spread.interleave}) inside its "
+                    f"local block {block} ({tokens} tokens each)"
+                )
 
 
 def _positive(doc: Mapping[str, Any], name: str) -> int:
@@ -171,11 +240,16 @@ class TokenAxis:
     src_first: int  # first moved head, counted from each side's first held head
     dst_first: int
     moved: int  # heads moved per layer buffer
+    src_spread: Spread = IDENTITY  # the prompt tokens each side's rank holds (CP)
+    dst_spread: Spread = IDENTITY
 
     @property
     def periodic(self) -> bool:
-        """Block sizes differ: the plan must state a period (its block fragments cannot)."""
-        return self.src_tokens != self.dst_tokens
+        """Block sizes differ or a side is context parallel: the plan must state a period (its
+        block fragments cannot)."""
+        return self.src_tokens != self.dst_tokens or not (
+            self.src_spread.trivial and self.dst_spread.trivial
+        )
 
     @cached_property
     def rows(self) -> tuple[Row, ...]:
@@ -211,7 +285,12 @@ class TokenAxis:
 
     @cached_property
     def period_map(self) -> PeriodMap:
-        return PeriodMap(self.src_tokens, self.dst_tokens, period_spans(self.rows, *self.tokens))
+        spreads = self.src_spread, self.dst_spread
+        if spreads == (IDENTITY, IDENTITY):
+            spans = period_spans(self.rows, *self.tokens)
+        else:
+            spans = spread_spans(self.rows, *self.tokens, *spreads)
+        return PeriodMap(self.src_tokens, self.dst_tokens, spans, *spreads)
 
     @property
     def tokens(self) -> tuple[int, int]:
@@ -234,6 +313,28 @@ def period_spans(rows: Iterable[Row], src_tokens: int, dst_tokens: int) -> tuple
             else:
                 spans += [
                     (sb, src + k * src_pitch, db, dst + k * dst_pitch, width, t0 + k, 1)
+                    for k in range(t1 - t0)
+                ]
+    spans.sort(key=lambda span: (span[2], span[3]))
+    return tuple(spans)
+
+
+def spread_spans(
+    rows: Iterable[Row], src_tokens: int, dst_tokens: int, src: Spread, dst: Spread
+) -> tuple[Span, ...]:
+    """Fragments of one period between context-parallel placements: every row cut at the shared
+    runs (``period_spans`` with local positions in place of prompt positions)."""
+    pieces = shared_runs(src_tokens, dst_tokens, src, dst)
+    spans: list[Span] = []
+    for src_base, dst_base, src_pitch, dst_pitch, width in rows:
+        contiguous = src_pitch == width == dst_pitch
+        for t0, t1, sb, s_at, db, d_at in pieces:
+            src_at, dst_at = src_base + s_at * src_pitch, dst_base + d_at * dst_pitch
+            if contiguous:
+                spans.append((sb, src_at, db, dst_at, (t1 - t0) * width, t0, t1 - t0))
+            else:
+                spans += [
+                    (sb, src_at + k * src_pitch, db, dst_at + k * dst_pitch, width, t0 + k, 1)
                     for k in range(t1 - t0)
                 ]
     spans.sort(key=lambda span: (span[2], span[3]))
@@ -271,4 +372,6 @@ def token_axis(
         src_first=first[0],
         dst_first=first[1],
         moved=moved,
+        src_spread=sender.spread,
+        dst_spread=receiver.spread,
     )

@@ -1,8 +1,10 @@
 """The plan builder: for one sender instance and one receiver rank, who writes which bytes where.
 
 For every receiver view and every layer of it, the sender ranks that overlap the receiver in TP
-position and hold that layer in the matching view are grouped by the heads they hold; each group
-holds identical bytes, and exactly one of its ranks (elected) writes them (DESIGN.md rule 3).
+position and hold that layer in the matching view are grouped by the heads they hold and, under
+context parallelism, by their CP rank (the tokens they hold); each group holds identical bytes, and
+exactly one of its ranks (elected) writes them (DESIGN.md rule 3). A CP rank pair moves the tokens
+both ranks hold (``periods``); a pair that shares none writes nothing.
 Recurrent-state views are planned per request slot by ``state_planner`` under the same rule.
 """
 
@@ -164,11 +166,13 @@ def _assign_layers(view: View, sources: Sequence[_Source], receiver: RankRegistr
     """Elects exactly one writer per (layer, head group) among the ranks holding identical bytes."""
     r_heads = (0, 1)
     for layer in sorted(view.layer_ids):
-        groups: dict[tuple[int, int], list[_Source]] = defaultdict(list)
+        # Ranks hold identical bytes when they hold the same heads of the same tokens: CP ranks
+        # of one TP position hold different tokens, so each elects its own writer.
+        groups: dict[tuple[tuple[int, int], int], list[_Source]] = defaultdict(list)
         for source in sources:
             if layer in source.view.layer_ids:
-                groups[source.heads].append(source)
-        for heads, group in groups.items():
+                groups[(source.heads, source.sender.cp_rank)].append(source)
+        for (heads, _), group in groups.items():
             if group[0].geometry.slices_heads or group[0].geometry.mapper == "intact":
                 r_heads = held_heads(receiver, group[0].geometry.total_heads)
                 if heads[1] <= r_heads[0] or heads[0] >= r_heads[1]:

@@ -13,6 +13,12 @@ would contradict each other. Without a range, a prompt length places the lists a
 blocks (the suffix rule against it, issue 12's block lists) and the range is the tokens both hold, up
 to the prompt's last token (``resolve_lists``).
 
+With context parallelism a side's CP ranks share one list of *local* blocks (``spread``): block
+``b`` of it holds local positions ``[b x tpb, (b + 1) x tpb)`` on every CP rank. The list then starts
+at the first local block any CP rank needs from ``first_token`` on, the suffix rule counts the
+local blocks CP rank 0 (which holds the most tokens) needs before ``end``, and a range is covered
+when every token of it the rank holds lies in the list, from ``first_token`` on.
+
 Pure arithmetic over a ``PeriodMap``: data planes use ``range_copies`` where a range cuts blocks (or
 as the reference), and their own fused copies for whole periods (``full_periods``).
 """
@@ -22,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from kvroute.geometry.spread import IDENTITY, Spread
 
 if TYPE_CHECKING:  # periods imports pairs, which imports window, which imports this module
     from kvroute.geometry.periods import PeriodMap
@@ -94,33 +102,72 @@ class BlockList:
     blocks: Sequence[int]
     first_token: int
     tokens_per_block: int
+    spread: Spread = IDENTITY  # the side's CP placement (the rank's own, for coverage)
 
     @classmethod
     def suffix(
-        cls, blocks: Sequence[int], end: int, tokens_per_block: int, field: str
+        cls,
+        blocks: Sequence[int],
+        end: int,
+        tokens_per_block: int,
+        field: str,
+        spread: Spread = IDENTITY,
     ) -> BlockList:
         """Upstream's rule: the list ends with the block holding token ``end - 1``."""
-        first = (-(-end // tokens_per_block) - len(blocks)) * tokens_per_block
-        if first < 0:
+        first_block = spread.last_block_end(end, tokens_per_block) - len(blocks)
+        if first_block < 0:
+            where = (
+                f"token {first_block * tokens_per_block}"
+                if spread.trivial
+                else f"local block {first_block}"
+            )
             raise TokenRangeError(
                 field,
                 f"{len(blocks)} blocks of {tokens_per_block} tokens ending at token {end} would "
-                f"start at token {first}; name the first token or send fewer blocks",
+                f"start at {where}; name the first token or send fewer blocks",
             )
-        return cls(blocks, first, tokens_per_block)
+        return cls(
+            blocks, spread.first_token(first_block, tokens_per_block), tokens_per_block, spread
+        )
 
     @property
     def first_block(self) -> int:
-        """The absolute block number (token // tokens_per_block) of ``blocks[0]``."""
-        return self.first_token // self.tokens_per_block
+        """The absolute (local) block number of ``blocks[0]``: token // tokens_per_block without CP."""
+        return self.spread.first_block(self.first_token, self.tokens_per_block)
 
     @property
     def end_token(self) -> int:
-        return (self.first_block + len(self.blocks)) * self.tokens_per_block
+        """The end of the prompt tokens the list holds on every CP rank."""
+        return self.spread.end_token(self.first_block + len(self.blocks), self.tokens_per_block)
 
     def block_id(self, block: int) -> int:
         """The id listed for absolute block number ``block``."""
-        return self.blocks[block - self.first_block]
+        index = block - self.first_block
+        if not 0 <= index < len(self.blocks):  # a negative index would silently wrap around
+            raise TokenRangeError(
+                "blocks", f"block {block} is outside the list's blocks from {self.first_block}"
+            )
+        return self.blocks[index]
+
+    def gap(self, tokens: TokenRange, field: str) -> TokenGap | None:
+        """The lowest token of ``tokens`` this side's rank holds and the list lacks."""
+        covered = (self.first_token, self.end_token)
+        spread = self.spread
+        if spread.trivial:
+            if tokens.start < covered[0]:
+                return TokenGap(field, tokens.start, covered, tokens)
+            if tokens.end > covered[1]:
+                return TokenGap(field, max(tokens.start, covered[1]), covered, tokens)
+            return None
+        low, high = spread.count(tokens.start), spread.count(tokens.end)  # the rank's local run
+        if low >= high:
+            return None
+        if spread.token(low) < self.first_token:
+            return TokenGap(field, spread.token(low), covered, tokens)
+        local_end = (self.first_block + len(self.blocks)) * self.tokens_per_block
+        if high > local_end:
+            return TokenGap(field, spread.token(max(low, local_end)), covered, tokens)
+        return None
 
 
 def prompt_length(tokens: TokenRange | None, prompt_tokens: int | None) -> int | None:
@@ -142,8 +189,10 @@ def resolve_lists(
     src_first_token: int | None = None,
     dst_first_token: int | None = None,
     prompt_tokens: int | None = None,
+    src_spread: Spread = IDENTITY,
+    dst_spread: Spread = IDENTITY,
 ) -> tuple[TokenRange, BlockList, BlockList]:
-    """A transfer request's range and lists for one view pair's block sizes.
+    """A transfer request's range and lists for one view pair's block sizes (and CP placements).
 
     A side's first token defaults to upstream's suffix rule against ``tokens.end`` (else against
     ``prompt_tokens``), or to 0 when neither is named. The range defaults to every token either list
@@ -156,14 +205,14 @@ def resolve_lists(
     prompt_length(tokens, prompt_tokens)
     end = tokens.end if tokens is not None else prompt_tokens
     sides = []
-    for blocks, first, size, field in (
-        (src_blocks, src_first_token, src_tokens_per_block, "src_blocks"),
-        (dst_blocks, dst_first_token, dst_tokens_per_block, "dst_blocks"),
+    for blocks, first, size, field, spread in (
+        (src_blocks, src_first_token, src_tokens_per_block, "src_blocks", src_spread),
+        (dst_blocks, dst_first_token, dst_tokens_per_block, "dst_blocks", dst_spread),
     ):
         if first is None and end is not None:
-            sides.append(BlockList.suffix(blocks, end, size, field))
+            sides.append(BlockList.suffix(blocks, end, size, field, spread))
         else:
-            sides.append(BlockList(blocks, first or 0, size))
+            sides.append(BlockList(blocks, first or 0, size, spread))
     if tokens is not None:
         return tokens, sides[0], sides[1]
     if prompt_tokens is None:
@@ -190,13 +239,11 @@ def _prompt_range(prompt_tokens: int, src: BlockList, dst: BlockList) -> TokenRa
 
 def first_gap(tokens: TokenRange, src: BlockList, dst: BlockList) -> TokenGap | None:
     """The lowest token of the range either list lacks (the sender's list first on a tie)."""
-    gaps = []
-    for field, side in (("src_blocks", src), ("dst_blocks", dst)):
-        covered = (side.first_token, side.end_token)
-        if tokens.start < covered[0]:
-            gaps.append(TokenGap(field, tokens.start, covered, tokens))
-        elif tokens.end > covered[1]:
-            gaps.append(TokenGap(field, max(tokens.start, covered[1]), covered, tokens))
+    gaps = [
+        gap
+        for field, side in (("src_blocks", src), ("dst_blocks", dst))
+        if (gap := side.gap(tokens, field)) is not None
+    ]
     return min(gaps, key=lambda gap: gap.token, default=None)
 
 
@@ -235,14 +282,17 @@ def range_copies(
     period: PeriodMap, tokens: TokenRange, src: BlockList, dst: BlockList
 ) -> list[Copy]:
     """Every copy the range needs, in period order; raises ``TokenGap`` when a list falls short."""
-    if (src.tokens_per_block, dst.tokens_per_block) != (
+    if (src.tokens_per_block, dst.tokens_per_block, src.spread, dst.spread) != (
         period.src_tokens_per_block,
         period.dst_tokens_per_block,
+        period.src_spread,
+        period.dst_spread,
     ):
         raise TokenRangeError(
             "plan",
             f"the plan cuts {period.src_tokens_per_block} -> {period.dst_tokens_per_block} tokens "
-            f"per block, the lists {src.tokens_per_block} -> {dst.tokens_per_block}",
+            f"per block (CP {period.src_spread} -> {period.dst_spread}), the lists "
+            f"{src.tokens_per_block} -> {dst.tokens_per_block} (CP {src.spread} -> {dst.spread})",
         )
     check_covered(tokens, src, dst)
     length_tokens = period.period_tokens

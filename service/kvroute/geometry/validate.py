@@ -11,7 +11,7 @@ import itertools
 
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.heads import declared_total_problem
-from kvroute.geometry.model import Kind, Owner, RankRegistration, View
+from kvroute.geometry.model import CpLayout, Kind, Owner, RankRegistration, View
 
 
 def _self_error(
@@ -30,17 +30,11 @@ def check_self(reg: RankRegistration) -> None:
 
 
 def _check_layout(reg: RankRegistration) -> None:
-    if reg.cp_size != 1:
-        raise _self_error(
-            "context_parallel_unsupported",
-            f"context parallelism is not supported: cp_size={reg.cp_size}, kvroute needs 1",
-            "cp_size",
-            reg.cp_size,
-            1,
-        )
+    _check_context_parallel(reg)
     for field, index, size in (
         ("tp_rank", reg.tp_rank, reg.tp_size),
         ("pp_rank", reg.pp_rank, reg.pp_size),
+        ("cp_rank", reg.cp_rank, reg.cp_size),
     ):
         if index >= size:
             raise _self_error(
@@ -69,6 +63,40 @@ def _check_layout(reg: RankRegistration) -> None:
             reg.attention.num_kv_heads,
             1,
         )
+
+
+def _check_context_parallel(reg: RankRegistration) -> None:
+    """Context parallelism kvroute plans: prompt tokens interleaved over the CP ranks, by a
+    number of tokens that divides every block size of the rank or is a multiple of it."""
+    if reg.cp_size == 1:
+        return
+    if reg.cp_layout is not CpLayout.INTERLEAVED:
+        raise _self_error(
+            "context_parallel_layout_unsupported",
+            f"cp_layout={reg.cp_layout.value} with cp_size={reg.cp_size}: contiguous and zig-zag "
+            "prefill chunks depend on each request's prompt length and are not planned yet; "
+            "kvroute plans cp_layout=interleaved",
+            "cp_layout",
+            reg.cp_layout.value,
+            CpLayout.INTERLEAVED.value,
+        )
+    n = reg.cp_interleave
+    for index, view in enumerate(reg.views):
+        tokens = reg.tokens(view)
+        if not view.is_state and n % tokens and tokens % n:
+            field = (
+                "tokens_per_block"
+                if view.tokens_per_block is None
+                else f"views[{index}].tokens_per_block"
+            )
+            raise _self_error(
+                "cp_interleave_invalid",
+                f"cp_interleave={n} neither divides nor is a multiple of {field}={tokens}; "
+                "interleaving deals whole blocks or whole parts of one",
+                "cp_interleave",
+                n,
+                tokens,
+            )
 
 
 def _check_attention_dp(reg: RankRegistration) -> None:

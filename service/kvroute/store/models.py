@@ -111,6 +111,7 @@ class Instance(Base):
     role: Mapped[str] = mapped_column(String(16))
     tp_size: Mapped[int]
     pp_size: Mapped[int]
+    cp_size: Mapped[int] = mapped_column(server_default="1")
     attention_dp: Mapped[bool] = mapped_column(Boolean)
     dp_size: Mapped[int]
     created_at: Mapped[datetime]

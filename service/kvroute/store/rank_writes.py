@@ -179,6 +179,7 @@ def _layout(reg: RankRegistration) -> dict[str, Any]:
         "role": reg.role.value,
         "tp_size": reg.tp_size,
         "pp_size": reg.pp_size,
+        "cp_size": reg.cp_size,
         "attention_dp": reg.attention_dp,
         "dp_size": reg.dp_size,
     }

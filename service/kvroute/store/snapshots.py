@@ -27,12 +27,13 @@ class InstanceState:
     role: str
     tp_size: int
     pp_size: int
+    cp_size: int
     live: dict[int, int]  # rank -> generation
     expired: tuple[int, ...]
 
     @property
     def expected_ranks(self) -> int:
-        return self.tp_size * self.pp_size
+        return self.tp_size * self.pp_size * self.cp_size
 
 
 async def instance_states(
@@ -83,6 +84,7 @@ def _query(*where: ColumnElement[bool]) -> Select[Any]:
             Instance.role,
             Instance.tp_size,
             Instance.pp_size,
+            Instance.cp_size,
             Rank.rank,
             Rank.generation,
             Rank.lease_expires_at,
@@ -109,11 +111,11 @@ async def _states(
             return (await connection.execute(query, values)).all()
 
     rows = await retry_disconnect(read)
-    layouts: dict[str, tuple[str, int, int]] = {}
+    layouts: dict[str, tuple[str, int, int, int]] = {}
     live: dict[str, dict[int, int]] = {}
     expired: dict[str, list[int]] = {}
-    for checked_at, name, role, tp_size, pp_size, rank, generation, expires in rows:
-        layouts[name] = (role, tp_size, pp_size)
+    for checked_at, name, role, tp_size, pp_size, cp_size, rank, generation, expires in rows:
+        layouts[name] = (role, tp_size, pp_size, cp_size)
         live.setdefault(name, {})
         expired.setdefault(name, [])
         if rank is None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvroute.geometry import (
     BlockList,
+    Spread,
     TokenRange,
     TokenRangeError,
     prompt_length,
@@ -102,9 +103,14 @@ class TokenWindow:
         return prompt_length(self.tokens, self.prompt_tokens)
 
     def lists(
-        self, src: np.ndarray, dst: np.ndarray, src_tokens: int, dst_tokens: int
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        src_tokens: int,
+        dst_tokens: int,
+        spreads: tuple[Spread, Spread] = (Spread(), Spread()),
     ) -> tuple[TokenRange, BlockList, BlockList]:
-        """The range and both block lists for one view pair's block sizes."""
+        """The range and both block lists for one view pair's block sizes (and CP placements)."""
         try:
             return resolve_lists(
                 src.tolist(),
@@ -115,6 +121,8 @@ class TokenWindow:
                 src_first_token=self.src_first_token,
                 dst_first_token=self.dst_first_token,
                 prompt_tokens=self.prompt_tokens,
+                src_spread=spreads[0],
+                dst_spread=spreads[1],
             )
         except TokenRangeError as error:
             raise validation_error(error) from error

@@ -65,7 +65,7 @@ def view_work(
     if sizes is None:
         raise _needs_period(where)
     window = job.window or TokenWindow()
-    tokens, src, dst = window.lists(job.src_blocks, job.dst_blocks, *sizes)
+    tokens, src, dst = window.lists(job.src_blocks, job.dst_blocks, *sizes, view.spreads)
     if view.sliding_window is not None:
         assert window.prompt is not None  # slots.check_leg refused a windowed job without it
         windowed = windowed_range(tokens, view.sliding_window.first_token(window.prompt))
@@ -95,8 +95,12 @@ def _range_passes(
     src: BlockList,
     dst: BlockList,
 ) -> tuple[Pass, ...]:
-    """Whole pieces by cached passes, the ends of the range cut from the period."""
-    inner = whole_pieces(tokens, src.tokens_per_block, dst.tokens_per_block)
+    """Whole pieces by cached passes, the ends of the range cut from the period.
+
+    A context-parallel pair is cut from its period whole: its blocks hold local positions, so no
+    prompt position is a block boundary on both sides the way ``whole_pieces`` needs."""
+    cp = view.period is not None and view.period.context_parallel
+    inner = None if cp else whole_pieces(tokens, src.tokens_per_block, dst.tokens_per_block)
     if inner is None:
         cuts = [tokens]
     else:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvroute.geometry import PeriodMap, Plan, Window
+from kvroute.geometry import PeriodMap, Plan, Spread, Window
 from kvroute.transfer.errors import TransferValidationError
 
 SRC, DST, LENGTH = 0, 1, 2  # columns of a fragment array
@@ -102,6 +102,13 @@ class ViewCopy:
             window = self.sliding_window
             return window.src_tokens_per_block, window.dst_tokens_per_block
         return None
+
+    @property
+    def spreads(self) -> tuple[Spread, Spread]:
+        """Each side's CP placement (the identity where the plan states none)."""
+        if self.period is None:
+            return Spread(), Spread()
+        return self.period.src_spread, self.period.dst_spread
 
     def slot_spans(self, column: int) -> np.ndarray:
         """(offset, length) of every fragment in a slot on one side (``SRC`` or ``DST``)."""

@@ -1,0 +1,204 @@
+"""Property test: context parallelism on either side or both, executed on bytes.
+
+Hypothesis draws the worlds of ``test_plan_ground_truth`` (TP ratios, PP splits, attention DP, head
+replication, HND/NHD/replicated and draft views, different block sizes) and adds context parallelism
+to each side: 1-4 CP ranks dealt prompt tokens round robin by an interleave that divides the block
+size or is a multiple of it. Each CP rank's pools hold its own tokens at its own local positions
+(``tests/world.Side.prompt_position``, written out again there), the CP ranks of a side share one
+list of local blocks, and a token range is moved to every receiver rank. Where a list lacks a token
+some rank needs, the plan must refuse with a gap naming a token that is really missing; otherwise
+every receiver byte of the range is written once with the right content and nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from functools import partial
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvroute.geometry import TokenGap, TokenRange, build_plan, check_registration
+from tests.executor import Request, execute
+from tests.truth import Truth, background
+from tests.unit.test_plan_ground_truth import BLOCK_TOKENS, classes, side
+from tests.world import Side, ViewClass, instance
+
+EXAMPLES = int(os.environ.get("KVROUTE_CP_PROPERTY_EXAMPLES", "120"))
+MAX_PROMPT = 24
+
+
+def interleaves(tokens: int) -> list[int]:
+    """Interleaves that divide the block size or are a multiple of it."""
+    return sorted({*(d for d in range(1, tokens + 1) if tokens % d == 0), 2 * tokens})
+
+
+@st.composite
+def cp_side(draw: st.DrawFn, base: Side, force: bool) -> Side:
+    limit = max(1, 32 // base.ranks)
+    cp = draw(st.integers(2 if force else 1, max(2 if force else 1, min(4, limit))))
+    local_blocks = -(-MAX_PROMPT // base.tokens_per_block)
+    return replace(
+        base,
+        cp_size=cp,
+        cp_interleave=draw(st.sampled_from(interleaves(base.tokens_per_block))),
+        num_slots=local_blocks + 2,
+    )
+
+
+@st.composite
+def cp_worlds(draw: st.DrawFn) -> tuple[list[ViewClass], Side, Side]:
+    layers = draw(st.integers(1, 4))
+    draft_layers = draw(st.integers(0, 1))
+    tokens = draw(st.sampled_from(BLOCK_TOKENS))
+    gen_tokens = draw(st.one_of(st.just(tokens), st.sampled_from(BLOCK_TOKENS)))
+    if draw(st.booleans()):  # MLA: one latent row per token, replicated over TP
+        cls = [ViewClass(("latent",), "target", "replicated", 1, 1, draw(st.integers(1, 3)))]
+        draft_layers = 0
+    else:
+        cls = draw(classes(draft_layers))
+    ctx = draw(side("context", cls, layers, draft_layers, tokens))
+    gen = draw(side("generation", cls, layers, draft_layers, gen_tokens))
+    which = draw(st.sampled_from(["context", "generation", "both"]))
+    ctx = draw(cp_side(ctx, which != "generation"))
+    gen = draw(cp_side(gen, which != "context"))
+    return cls, ctx, gen
+
+
+class Placement:
+    """Where each prompt position lives on one side, by brute force over the CP ranks' deals."""
+
+    def __init__(self, side: Side) -> None:
+        self.side = side
+        self.owner: dict[int, tuple[int, int]] = {}  # position -> (cp rank, local position)
+        for cp_rank in range(side.cp_size):
+            for local in range(4 * MAX_PROMPT):
+                self.owner[side.prompt_position(cp_rank, local)] = (cp_rank, local)
+
+    def held(self, cp_rank: int, span: TokenRange) -> list[int]:
+        return [t for t in range(span.start, span.end) if self.owner[t][0] == cp_rank]
+
+    def count(self, cp_rank: int, end: int) -> int:
+        return sum(1 for t in range(end) if self.owner[t][0] == cp_rank)
+
+
+@dataclass(frozen=True)
+class Lists:
+    """One side's shared list of local blocks: slot ids, the first local block, its first token
+    (named, or derived by the suffix rule)."""
+
+    blocks: list[int]
+    first_block: int
+    first: int | None  # the first token named; None: upstream's suffix rule
+
+    def placement(self, tokens: int) -> dict[int, int]:
+        return {b: (self.first_block + i) * tokens for i, b in enumerate(self.blocks)}
+
+
+@st.composite
+def cp_list(draw: st.DrawFn, where: Placement, span: TokenRange) -> Lists:
+    side, tokens = where.side, where.side.tokens_per_block
+    locals_ = [where.owner[t][1] for t in range(span.start, span.end)]
+    need_lo, need_hi = min(locals_) // tokens, max(locals_) // tokens + 1
+    if draw(st.booleans()):
+        # Suffix rule: the list ends with the block CP rank 0 (which holds most) needs last.
+        last = -(-where.count(0, span.end) // tokens)
+        first_block = draw(st.integers(0, need_lo))
+        first = None
+    else:
+        first = draw(st.integers(0, span.start))
+        # A named first token starts the list at the earliest block any CP rank needs from it on.
+        first_block = where.count(side.cp_size - 1, first) // tokens
+        last = max(need_hi, first_block + 1) + draw(st.integers(0, 1))
+    slots = draw(st.permutations(range(side.num_slots)))
+    return Lists(slots[: last - first_block], first_block, first)
+
+
+def covered(where: Placement, lists: Lists, token: int) -> bool:
+    """The list holds ``token`` on its owner: in a listed local block, and not before the list's
+    first token (named, or the first from which every CP rank's tokens lie in listed blocks)."""
+    tokens = where.side.tokens_per_block
+    _, local = where.owner[token]
+    start = lists.first
+    if start is None:
+        low = lists.first_block * tokens
+        earlier = [t for t, (_, at) in where.owner.items() if at < low]
+        start = max(earlier) + 1 if earlier else 0
+    end = (lists.first_block + len(lists.blocks)) * tokens
+    return token >= start and lists.first_block * tokens <= local < end
+
+
+def missing(where: Placement, lists: Lists, span: TokenRange, cp_ranks: range) -> set[int]:
+    return {
+        t
+        for t in range(span.start, span.end)
+        if where.owner[t][0] in cp_ranks and not covered(where, lists, t)
+    }
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(world=cp_worlds(), data=st.data())
+def test_cp_plans_write_every_token_once_on_the_rank_holding_it(world, data) -> None:
+    cls, ctx_side, gen_side = world
+    ctx, ctx_layouts = instance(ctx_side, cls, "ctx")
+    gen, gen_layouts = instance(gen_side, cls, "gen")
+    check_registration(ctx[0], ctx[1:], gen)
+    check_registration(gen[-1], gen[:-1], ctx)
+    truth = Truth(cls)
+    sender_dp = data.draw(st.integers(0, ctx_side.dp_size - 1)) if ctx_side.attention_dp else 0
+    start = data.draw(st.integers(0, MAX_PROMPT - 1))
+    span = TokenRange(start, data.draw(st.integers(start + 1, MAX_PROMPT)))
+    senders, receivers = Placement(ctx_side), Placement(gen_side)
+    src = data.draw(cp_list(senders, span))
+    dst = data.draw(cp_list(receivers, span))
+    if data.draw(st.integers(0, 7)) == 0:  # a list a block short: the range may have a gap
+        short = data.draw(st.sampled_from(["src", "dst"]))
+        lists = src if short == "src" else dst
+        if len(lists.blocks) > 1:
+            # A suffix list stays anchored at its end, so it then starts a block later.
+            shortened = (
+                replace(lists, blocks=lists.blocks[:-1])
+                if lists.first is not None
+                else replace(lists, blocks=lists.blocks[1:], first_block=lists.first_block + 1)
+            )
+            src, dst = (shortened, dst) if short == "src" else (src, shortened)
+    ts, td = ctx_side.tokens_per_block, gen_side.tokens_per_block
+    sender_pools = {
+        r: truth.place(ctx_side, ctx_layouts[r], r, src.placement(ts)) for r in range(len(ctx))
+    }
+    request = Request(src.blocks, dst.blocks, span, (src.first, dst.first))
+    src_missing = missing(senders, src, span, range(ctx_side.cp_size))
+    for receiver, layout in zip(gen, gen_layouts, strict=True):
+        plan = build_plan(ctx, receiver, sender_dp_rank=sender_dp).to_json()
+        views = [view for peer in plan["peers"] for view in peer["views"]]
+        assert all("period_fragments" in v and "fragments" not in v for v in views)
+        assert plan["fanin_bounce_safe"] is False
+        assert plan["expected_writers"] == sum(p["sends"] for p in plan["peers"])
+        run = partial(execute, plan, sender_pools, dict(enumerate(ctx_layouts)), layout, request)
+        cp_rank = receiver.cp_rank
+        dst_missing = missing(receivers, dst, span, range(cp_rank, cp_rank + 1))
+        if views and (src_missing or dst_missing):
+            with pytest.raises(TokenGap) as gap:
+                run()
+            wanted = src_missing if gap.value.field == "src_blocks" else dst_missing
+            assert gap.value.token in wanted, (gap.value.field, gap.value.token, wanted)
+            continue
+        before = background(layout)
+        out, writes = run(into=before)
+        positions = range(span.start, span.end)
+        expected = truth.place(
+            gen_side, layout, receiver.rank, dst.placement(td), positions, before
+        )
+        for pool, want in expected.items():
+            written = (want != before[pool]).astype(np.int64)
+            np.testing.assert_array_equal(
+                writes[pool], written, err_msg=f"write count, pool {pool}"
+            )
+            np.testing.assert_array_equal(out[pool], want, err_msg=f"content, pool {pool}")
