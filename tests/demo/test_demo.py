@@ -76,3 +76,33 @@ def test_small_hybrid_demo_moves_blocks_and_state_and_refuses_other_ssm_heads() 
     )
     # Per job and rank: 8 tokens x 256 bytes of KV, and the state.
     assert output.count("5,728") == 2
+
+
+def test_small_mla_cp_demo_spreads_tokens_over_generation_cp_ranks() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvroute", "demo", "--model", "mla-cp", "--small", "--jobs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=DEMO_LIMIT_S,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "registered ctx0: context, TP4, 4 live ranks" in output
+    assert "registered gen0: generation, TP1, 4 live ranks" in output
+    assert (
+        "refused gen-bad: 422 context_parallel_layout_unsupported field=cp_layout local=zigzag "
+        "peer=interleaved" in output
+    )
+    # Every generation CP rank hears from the four context ranks (MLA replicates the latent over
+    # TP); one elected context rank writes.
+    assert len(re.findall(r"│\s*[0-3]\s*│\s*0, 1, 2, 3\s*│\s*0\s*│", output)) == 4, output
+    assert output.count("succeeded") == 2
+    # A job moves its range's latent rows (4 layers x 32 elements x 2 bytes per token) to
+    # whichever CP rank holds each token: 18 and 19 tokens.
+    assert re.search(r"\[3, 21\)\s*│\s*[\d,]+\s*│\s*4,608\s*│", output), output
+    assert re.search(r"\[21, 40\)\s*│\s*[\d,]+\s*│\s*4,864\s*│", output), output
+    verified = re.search(r"verified\s*│\s*ok\s*│.*?([\d,]+) checked\s*│\s*0 wrong", output)
+    assert verified is not None, output
+    # Every byte of the four CP ranks' pools: 3 slots of 4 local tokens x 4 layers x 32 x 2 bytes.
+    assert int(verified.group(1).replace(",", "")) == 4 * 3 * 4 * 4 * 32 * 2

@@ -8,7 +8,9 @@ receiver holding a cached prefix would: ranges that start and end mid-block), ve
 in the receivers and prints a summary. Exits 1 if any byte is wrong or a job failed.
 ``--model llama`` (``demo_workers``) is a dense model with an Eagle draft whose prompt moves in
 chunks; ``--model hybrid`` (``demo_hybrid``) a Nemotron-H-like model whose Mamba2 state and
-attention KV share one pool, one job per request with its state slots.
+attention KV share one pool, one job per request with its state slots; ``--model mla-cp``
+(``demo_mla``) a DeepSeek-like MLA model, context TP4 to generation TP1 x CP4 (decode context
+parallel, interleave 1) with other block sizes.
 """
 
 from __future__ import annotations
@@ -91,17 +93,14 @@ class Workers:
         self.commands: dict[tuple[str, int], Any] = {}
         self.processes: list[Any] = []
         tag = uuid.uuid4().hex[:8]
-        for role, instance, tp in (
-            ("context", "ctx0", model.context_tp),
-            ("generation", "gen0", model.generation_tp),
-        ):
-            for rank in range(tp):
+        for role, instance in (("context", "ctx0"), ("generation", "gen0")):
+            for rank in range(model.ranks(role)):
                 spec = demo.WorkerSpec(
                     url,
                     token,
                     role,
                     instance,
-                    tp,
+                    model.tp(role),
                     rank,
                     model,
                     f"kvroute-demo-{tag}-{instance}-{rank}",
@@ -172,7 +171,7 @@ def run_jobs(
             demo.DEPLOYMENT,
             sender="ctx0",
             receiver="gen0",
-            receiver_ranks=list(range(model.generation_tp)),
+            receiver_ranks=list(range(model.ranks("generation"))),
             **request,
         )
         statuses.append(client.wait_transfer(submitted.id, limit_s=REPLY_WAIT_S))
@@ -182,8 +181,8 @@ def run_jobs(
 
 def plan_table(plans: list[Any], model: Any) -> Table:
     table = Table(
-        title=f"plans (context ctx0 TP4, {model.tokens('context')} tokens/block -> generation gen0 "
-        f"TP2, {model.tokens('generation')} tokens/block)"
+        title=f"plans (context ctx0 {model.label('context')}, {model.tokens('context')} tokens/block "
+        f"-> generation gen0 {model.label('generation')}, {model.tokens('generation')} tokens/block)"
     )
     state = any(plan.state_bytes for plan in plans)
     columns = ["rank", "hears from", "writers", "frags/block", "bytes/block"]
@@ -251,7 +250,7 @@ def summary_table(
 def _model(args: argparse.Namespace) -> tuple[ModuleType, Any, list[dict[str, Any]]]:
     """The worker module, the model and its transfer requests; torch is imported only here."""
     try:
-        from kvroute.cli import demo_hybrid, demo_workers
+        from kvroute.cli import demo_hybrid, demo_mla, demo_workers
     except ModuleNotFoundError as missing:
         if missing.name != "torch":
             raise
@@ -259,6 +258,9 @@ def _model(args: argparse.Namespace) -> tuple[ModuleType, Any, list[dict[str, An
             "kvroute demo moves bytes with torch, which is not installed: "
             "pip install 'kvroute[server,transfer]'"
         ) from None
+    if args.model == "mla-cp":
+        model = replace(demo_mla.SMALL if args.small else demo_mla.FULL, jobs=args.jobs)
+        return demo_mla, model, demo_mla.requests(model, args.jobs)
     if args.model == "hybrid":
         base = demo_hybrid.SMALL if args.small else demo_hybrid.FULL
         model = replace(base, jobs=args.jobs)
@@ -299,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
                 console.print(plan_table(plans, model))
                 with Progress(console=console) as progress:
                     statuses = run_jobs(admin, demo, model, requests, progress)
-                    verified = workers.verify(requests, model.generation_tp, progress)
+                    verified = workers.verify(requests, model.ranks("generation"), progress)
             console.print(summary_table(plans, statuses, requests, verified))
         finally:
             workers.stop()
@@ -315,10 +317,11 @@ def add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     parser.add_argument(
         "--model",
-        choices=["llama", "hybrid"],
+        choices=["llama", "hybrid", "mla-cp"],
         default="llama",
         help="llama: a Llama-3-8B-like model with an Eagle draft; hybrid: a Nemotron-H-like model "
-        "(Mamba2 state and attention KV in one pool per rank)",
+        "(Mamba2 state and attention KV in one pool per rank); mla-cp: a DeepSeek-like MLA model, "
+        "context TP4 -> generation TP1 x CP4 (decode context parallel, interleave 1)",
     )
     parser.add_argument("--small", action="store_true", help="a few layers with small heads")
     parser.add_argument(

@@ -64,6 +64,12 @@ class HybridModel:
     def tp(self, role: str) -> int:
         return self.context_tp if role == "context" else self.generation_tp
 
+    def ranks(self, role: str) -> int:
+        return self.tp(role)
+
+    def label(self, role: str) -> str:
+        return f"TP{self.tp(role)}"
+
     def blocks(self, role: str) -> int:
         """Blocks of one request's prompt on a side."""
         return -(-self.prompt_tokens // self.tokens(role))

@@ -60,6 +60,12 @@ class Model:
     def tp(self, role: str) -> int:
         return self.context_tp if role == "context" else self.generation_tp
 
+    def ranks(self, role: str) -> int:
+        return self.tp(role)
+
+    def label(self, role: str) -> str:
+        return f"TP{self.tp(role)}"
+
     def layouts(self, role: str) -> tuple[KvLayout, KvLayout]:
         tp_size, tokens = self.tp(role), self.tokens(role)
         target = KvLayout(

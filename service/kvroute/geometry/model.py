@@ -268,6 +268,8 @@ class RankRegistration:
     @property
     def spread(self) -> Spread:
         """Which prompt tokens this rank holds, and where (the identity without CP)."""
+        if self.cp_size == 1:
+            return Spread()
         return Spread(self.cp_size, self.cp_rank, self.cp_interleave)
 
     @property

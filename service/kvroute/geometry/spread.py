@@ -39,6 +39,8 @@ class Spread:
 
     def period(self, tokens_per_block: int) -> int:
         """Prompt tokens after which the rank's blocks repeat the same placement."""
+        if self.size == 1:  # one rank holds every token in order, whatever the interleave
+            return tokens_per_block
         return self.size * math.lcm(self.interleave, tokens_per_block)
 
     def holds(self, token: int) -> bool:
