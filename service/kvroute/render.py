@@ -121,8 +121,44 @@ def _table(columns: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
     return lines
 
 
+def is_cp(view: dict[str, Any]) -> bool:
+    """The view pair has context parallelism on a side: its blocks hold a rank's own tokens."""
+    return "src_cp" in view or "dst_cp" in view
+
+
+def held_runs(view: dict[str, Any], side: str) -> list[tuple[int, int]]:
+    """The runs [first, end) of one period's prompt tokens a side's rank holds."""
+    period, cp = view["period_tokens"], view.get(f"{side}_cp")
+    if cp is None:
+        return [(0, period)]
+    size, rank, n = cp["size"], cp["rank"], cp["interleave"]
+    return [(a, a + n) for a in range(rank * n, period, size * n)]
+
+
+def placement(view: dict[str, Any], side: str, limit: int = 6) -> str:
+    """Which prompt tokens of a period a side's rank holds, in words."""
+    cp = view.get(f"{side}_cp")
+    if cp is None:
+        return "every token"
+    runs = held_runs(view, side)
+    shown = " ".join(f"[{a},{b})" for a, b in runs[:limit]) + (" ..." if len(runs) > limit else "")
+    return f"CP rank {cp['rank']} of {cp['size']} (interleave {cp['interleave']}): tokens {shown}"
+
+
 def period_pieces(view: dict[str, Any]) -> list[tuple[int, int, int, int]]:
-    """(sender block, receiver block, first token, end token) of each cut of a view pair's period."""
+    """(sender block, receiver block, first token, end token) of each cut of a view pair's period.
+
+    With context parallelism the pieces are the runs of tokens both ranks hold (from the
+    fragments; blocks are each rank's local blocks)."""
+    if is_cp(view):
+        cuts = sorted({(f[5], f[5] + f[6], f[0], f[2]) for f in view["period_fragments"]})
+        pieces: list[tuple[int, int, int, int]] = []
+        for first, end, src, dst in cuts:
+            if pieces and pieces[-1][:2] == (src, dst) and pieces[-1][3] >= first:
+                pieces[-1] = (src, dst, pieces[-1][2], max(end, pieces[-1][3]))
+            else:
+                pieces.append((src, dst, first, end))
+        return pieces
     period = view["period_tokens"]
     src = period // view["src_blocks_per_period"]
     dst = period // view["dst_blocks_per_period"]
@@ -133,7 +169,12 @@ def period_pieces(view: dict[str, Any]) -> list[tuple[int, int, int, int]]:
 def period_lines(plan: dict[str, Any], limit: int = 12) -> list[str]:
     """One line per receiver view planned by period: which sender block fills which receiver block."""
     lines = []
-    views = {v["dst_view"]: v for p in plan["peers"] for v in p["views"] if "period_tokens" in v}
+    views = {
+        v["dst_view"]: v
+        for p in plan["peers"]
+        for v in p["views"]
+        if "period_tokens" in v and not is_cp(v)
+    }
     for view_id, view in sorted(views.items()):
         period = view["period_tokens"]
         src, dst = view["src_blocks_per_period"], view["dst_blocks_per_period"]
@@ -143,6 +184,24 @@ def period_lines(plan: dict[str, Any], limit: int = 12) -> list[str]:
             f"period view {view_id}: {period} tokens = {src} sender blocks of {period // src} -> "
             f"{dst} receiver blocks of {period // dst}; {shown}"
         )
+    return lines + cp_lines(plan, limit)
+
+
+def cp_lines(plan: dict[str, Any], limit: int = 12) -> list[str]:
+    """One line per context-parallel view pair a sender rank writes: the token split of its period
+    (which prompt tokens each side's rank holds) and the pieces it moves."""
+    lines = []
+    for peer in plan["peers"]:
+        for view in peer["views"]:
+            if "period_tokens" not in view or not is_cp(view) or not view["period_fragments"]:
+                continue
+            pieces = [f"sb{s}->rb{d} [{a},{b})" for s, d, a, b in period_pieces(view)]
+            shown = "  ".join(pieces[:limit]) + ("  ..." if len(pieces) > limit else "")
+            lines.append(
+                f"period view {view['dst_view']} from rank {peer['rank']}: "
+                f"{view['period_tokens']} tokens; sender {placement(view, 'src')}; receiver "
+                f"{placement(view, 'dst')}; {shown}"
+            )
     return lines
 
 

@@ -8,6 +8,8 @@ size or is a multiple of it. Each CP rank's pools hold its own tokens at its own
 list of local blocks, and a token range is moved to every receiver rank. Where a list lacks a token
 some rank needs, the plan must refuse with a gap naming a token that is really missing; otherwise
 every receiver byte of the range is written once with the right content and nothing else is touched.
+Hybrid worlds (``test_plan_ground_truth_hybrid``'s, without sliding windows, which CP refuses) add
+recurrent state split over TP x CP, moved once per job from the CP ranks holding each share.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from functools import partial
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvroute.geometry import TokenGap, TokenRange, build_plan, check_registration
 from tests.executor import Request, execute
 from tests.truth import Truth, background
 from tests.unit.test_plan_ground_truth import BLOCK_TOKENS, classes, side
+from tests.unit.test_plan_ground_truth_hybrid import REQUEST, _state_slot, hybrid_worlds
 from tests.world import Side, ViewClass, instance
 
 EXAMPLES = int(os.environ.get("KVROUTE_CP_PROPERTY_EXAMPLES", "120"))
@@ -99,7 +102,7 @@ class Lists:
 
 
 @st.composite
-def cp_list(draw: st.DrawFn, where: Placement, span: TokenRange) -> Lists:
+def cp_list(draw: st.DrawFn, where: Placement, span: TokenRange, slots: int | None = None) -> Lists:
     side, tokens = where.side, where.side.tokens_per_block
     locals_ = [where.owner[t][1] for t in range(span.start, span.end)]
     need_lo, need_hi = min(locals_) // tokens, max(locals_) // tokens + 1
@@ -113,8 +116,8 @@ def cp_list(draw: st.DrawFn, where: Placement, span: TokenRange) -> Lists:
         # A named first token starts the list at the earliest block any CP rank needs from it on.
         first_block = where.count(side.cp_size - 1, first) // tokens
         last = max(need_hi, first_block + 1) + draw(st.integers(0, 1))
-    slots = draw(st.permutations(range(side.num_slots)))
-    return Lists(slots[: last - first_block], first_block, first)
+    ids = draw(st.permutations(range(side.num_slots if slots is None else slots)))
+    return Lists(ids[: last - first_block], first_block, first)
 
 
 def covered(where: Placement, lists: Lists, token: int) -> bool:
@@ -147,6 +150,7 @@ def missing(where: Placement, lists: Lists, span: TokenRange, cp_ranks: range) -
 @given(world=cp_worlds(), data=st.data())
 def test_cp_plans_write_every_token_once_on_the_rank_holding_it(world, data) -> None:
     cls, ctx_side, gen_side = world
+    event(f"cp {ctx_side.cp_size} -> {gen_side.cp_size}")
     ctx, ctx_layouts = instance(ctx_side, cls, "ctx")
     gen, gen_layouts = instance(gen_side, cls, "gen")
     check_registration(ctx[0], ctx[1:], gen)
@@ -201,4 +205,75 @@ def test_cp_plans_write_every_token_once_on_the_rank_holding_it(world, data) -> 
             np.testing.assert_array_equal(
                 writes[pool], written, err_msg=f"write count, pool {pool}"
             )
+            np.testing.assert_array_equal(out[pool], want, err_msg=f"content, pool {pool}")
+
+
+@st.composite
+def hybrid_cp_worlds(draw: st.DrawFn) -> tuple[list[ViewClass], Side, Side]:
+    cls, ctx, gen = draw(hybrid_worlds())
+    cls = [replace(c, window=None) for c in cls]
+    ssm_heads = next(c.total_heads for c in cls if c.kind == "ssm")
+    sides = []
+    for base in (ctx, gen):
+        # State is split over TP x CP: the SSM heads (and conv channels) must divide by it.
+        cps = [
+            cp
+            for cp in (1, 2, 3, 4)
+            if ssm_heads % (base.tp_per_dp * cp) == 0 and base.ranks * cp <= 32
+        ]
+        if sides and sides[0].cp_size == 1 and len(cps) > 1:
+            cps = cps[1:]  # CP on at least one side where the state allows it
+        sides.append(
+            replace(
+                base,
+                windows=(),
+                cp_size=draw(st.sampled_from(cps)),
+                cp_interleave=draw(st.sampled_from(interleaves(base.tokens_per_block))),
+                num_slots=-(-MAX_PROMPT // base.tokens_per_block) + 2,
+            )
+        )
+    return cls, sides[0], sides[1]
+
+
+@settings(
+    max_examples=max(10, EXAMPLES // 3),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(world=hybrid_cp_worlds(), data=st.data())
+def test_cp_hybrid_plans_move_tokens_and_state_shares_once(world, data) -> None:
+    cls, ctx_side, gen_side = world
+    event(f"cp {ctx_side.cp_size} -> {gen_side.cp_size}")
+    ctx, ctx_layouts = instance(ctx_side, cls, "ctx")
+    gen, gen_layouts = instance(gen_side, cls, "gen")
+    check_registration(ctx[0], ctx[1:], gen)
+    check_registration(gen[-1], gen[:-1], ctx)
+    truth = Truth(cls)
+    sender_dp = data.draw(st.integers(0, ctx_side.dp_size - 1)) if ctx_side.attention_dp else 0
+    start = data.draw(st.integers(0, MAX_PROMPT - 1))
+    span = TokenRange(start, data.draw(st.integers(start + 1, MAX_PROMPT)))
+    # Block lists use every slot but the last, which a state slot sharing their pool takes.
+    src = data.draw(cp_list(Placement(ctx_side), span, ctx_side.num_slots - 1))
+    dst = data.draw(cp_list(Placement(gen_side), span, gen_side.num_slots - 1))
+    state = (_state_slot(data.draw, ctx_side), _state_slot(data.draw, gen_side))
+    ts, td = ctx_side.tokens_per_block, gen_side.tokens_per_block
+    sender_pools = {
+        r: truth.place(ctx_side, layout, r, src.placement(ts), states={state[0]: REQUEST})
+        for r, layout in enumerate(ctx_layouts)
+    }
+    request = Request(src.blocks, dst.blocks, span, (src.first, dst.first), [state])
+    for receiver, layout in zip(gen, gen_layouts, strict=True):
+        plan = build_plan(ctx, receiver, sender_dp_rank=sender_dp).to_json(period=True)
+        assert plan["expected_writers"] == sum(p["sends"] for p in plan["peers"])
+        before = background(layout)
+        out, writes = execute(
+            plan, sender_pools, dict(enumerate(ctx_layouts)), layout, request, into=before
+        )
+        expected = truth.place(
+            gen_side, layout, receiver.rank, dst.placement(td), range(span.start, span.end),
+            before, states={state[1]: REQUEST},
+        )  # fmt: skip
+        for pool, want in expected.items():
+            written = (want != before[pool]).astype(np.int64)
+            np.testing.assert_array_equal(writes[pool], written, err_msg=f"writes, pool {pool}")
             np.testing.assert_array_equal(out[pool], want, err_msg=f"content, pool {pool}")

@@ -3,7 +3,9 @@
 Drawn under a view's title when its plan states a period (the two sides cut tokens into blocks
 of different sizes): one bar of sender blocks and one of receiver blocks over the period's tokens,
 and between them one box per piece (the tokens one sender block and one receiver block share),
-titled with the blocks and tokens it moves.
+titled with the blocks and tokens it moves. With context parallelism a side's bar shows only the
+prompt tokens its rank holds (each run titled with its local block), so the picture shows the
+token split; one strip is drawn per sender rank that writes.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvroute.pictures.svg import LINE, Canvas, colour
-from kvroute.render import period_pieces
+from kvroute.render import held_runs, is_cp, period_pieces
 
 STRIP_WIDTH = 384  # px for one period of tokens
 ROW = 18
@@ -28,6 +30,9 @@ def period_strip(canvas: Canvas, view: dict[str, Any], y: float) -> float:
     )
     for label, row, blocks in rows:
         top, size = y + row * ROW, period // blocks
+        if is_cp(view):
+            _held(canvas, view, label, top, scale)
+            continue
         canvas.text(10, top + 13, f"{label} blocks", size=11)
         for block in range(blocks):
             x = LEFT + block * size * scale
@@ -46,3 +51,18 @@ def period_strip(canvas: Canvas, view: dict[str, Any], y: float) -> float:
     note = f"{period} tokens per period, {view['descriptors_per_period']:,} fragments"
     canvas.text(LEFT, y + 3 * ROW + 12, note, size=11)
     return y + 3 * ROW + LINE + 8
+
+
+def _held(canvas: Canvas, view: dict[str, Any], label: str, top: float, scale: float) -> None:
+    """A context-parallel side's bar: the runs of prompt tokens its rank holds."""
+    side = "src" if label == "sender" else "dst"
+    canvas.text(10, top + 13, f"{label} holds", size=11)
+    for index, (first, end) in enumerate(held_runs(view, side)):
+        canvas.box(
+            LEFT + first * scale,
+            top,
+            max((end - first) * scale - 1, 1),
+            ROW - 2,
+            fill=colour(index),
+            title=f"{label} holds tokens [{first}, {end})",
+        )

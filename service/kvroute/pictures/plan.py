@@ -160,8 +160,14 @@ def _grid(
         title += f" window {sample['window']['tokens']}"
     canvas.text(10, y, title, weight="bold")
     y += 8
-    if "period_tokens" in sample:
+    if "period_tokens" in sample and "src_cp" not in sample and "dst_cp" not in sample:
         y = period_strip(canvas, sample, y)
+    elif "period_tokens" in sample:  # context parallel: each writer moves its own tokens
+        for peer in plan["peers"]:
+            for view in peer["views"]:
+                if view["dst_view"] == view_id and view["period_fragments"]:
+                    canvas.text(10, y + 12, f"from rank {peer['rank']}", size=11)
+                    y = period_strip(canvas, view, y + 16)
     names = ["all" if replicated else f"h{head}" for head in heads]
     return _cells(canvas, heads, names, "head", bands, y)
 

@@ -1,0 +1,161 @@
+"""Context parallelism: the placement rule of the helix / DCP write-ups, written out by hand, and
+what plans, block lists and pictures make of it.
+
+Reference cases: token ``i`` lives on CP rank ``(i / N) mod cp`` (integer division), at local
+position ``(i / (N cp)) N + i mod N``; vLLM's DCP slot mapping with ``dcp_kv_cache_interleave_size``
+N and TensorRT-LLM helix (a rank owns global blocks ``[cp_rank :: cp_size]``, N = tokens per block).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.geometry import (
+    BlockList,
+    GeometryError,
+    Spread,
+    TokenGap,
+    TokenRange,
+    TokenRangeError,
+    build_plan,
+    check_registration,
+    range_copies,
+    resolve_lists,
+)
+from kvroute.pictures import plan_svg
+from kvroute.render import plan_text
+from tests.unit.docs import rank, view
+
+LATENT = 8  # bytes per token of the MLA latent row in these cases
+
+
+@pytest.mark.parametrize(
+    ("cp", "n", "owners"),
+    [
+        (4, 1, [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]),  # DCP interleave 1
+        (2, 4, [0, 0, 0, 0, 1, 1, 1, 1, 0, 0]),  # helix, 4-token blocks
+        (3, 2, [0, 0, 1, 1, 2, 2, 0, 0, 1, 1]),
+    ],
+)
+def test_token_i_lives_on_rank_i_div_n_mod_cp(cp: int, n: int, owners: list[int]) -> None:
+    for token, owner in enumerate(owners):
+        assert [Spread(cp, r, n).holds(token) for r in range(cp)] == [r == owner for r in range(cp)]
+        local = token // (n * cp) * n + token % n
+        assert Spread(cp, owner, n).local(token) == local
+        assert Spread(cp, owner, n).token(local) == token
+
+
+def test_vllm_dcp_virtual_block_is_tpb_times_cp() -> None:
+    # DCP4, interleave 1, 16-token blocks: block j of a request covers prompt tokens
+    # [64 j, 64 (j + 1)) on every rank; token 70 is rank 2's local position 17, block 1 offset 1.
+    spread = Spread(4, 2, 1)
+    assert spread.local(70) == 17
+    assert divmod(spread.local(70), 16) == (1, 1)
+    assert [spread.count(64 * j, 0) // 16 for j in range(4)] == [0, 1, 2, 3]
+
+
+def _mla(role: str, *, tpb: int, cp: int = 1, cp_rank: int = 0, n: int = 1, tp: int = 1, tp_rank=0):
+    latent = view(
+        0, [0, 1], tpb * LATENT, kind="replicated", roles=["latent"], buffers=1, heads=None
+    )
+    return rank(
+        role, tp=tp, tp_rank=tp_rank, heads=1, mla=True, tpb=tpb, views=[latent],
+        cp=cp, cp_rank=cp_rank, interleave=n,
+    )  # fmt: skip
+
+
+def test_tp4_context_to_cp4_generation_moves_each_token_to_its_rank() -> None:
+    ctx = [_mla("context", tpb=8, tp=4, tp_rank=q) for q in range(4)]
+    for c in range(4):
+        gen = _mla("generation", tpb=2, cp=4, cp_rank=c)
+        check_registration(gen, [], ctx)
+        plan = build_plan(ctx, gen).to_json()
+        assert [p["rank"] for p in plan["peers"] if p["sends"]] == [0]  # one elected TP replica
+        (pair,) = plan["peers"][0]["views"]
+        assert pair["dst_cp"] == {"size": 4, "rank": c, "interleave": 1}
+        assert "src_cp" not in pair
+        assert pair["period_tokens"] == 8
+        # One period: the receiver's 2 prompt tokens c and 4 + c, in its local block 0 (2 layers).
+        tokens = sorted({(f[5], f[6]) for f in pair["period_fragments"]})
+        assert tokens == [(c, 1), (4 + c, 1)]
+        # Tokens [3, 13) of a 16-token prompt: context blocks 0-1, the CP ranks' shared list of
+        # local blocks 0-1 (2 tokens each).
+        period = build_plan(ctx, gen).peers[0].views[0].period_map
+        span, src, dst = resolve_lists(
+            [10, 11], [20, 21], 8, 2, tokens=TokenRange(3, 13), dst_spread=gen.spread
+        )
+        copies = range_copies(period, span, src, dst)
+        moved = [t for t in range(3, 13) if t % 4 == c]
+        assert sum(length for *_, length in copies) == 2 * LATENT * len(moved)
+        for t in moved:
+            src_at = (10 + t // 8, (t % 8) * LATENT)
+            dst_at = (20 + t // 8, (t // 4 % 2) * LATENT)
+            assert any((s, so, d, do) == (*src_at, *dst_at) for s, so, d, do, _ in copies), t
+
+
+def test_helix_cp2_receiver_rank1_hears_from_cp4_ranks_1_and_3_by_block() -> None:
+    ctx = [_mla("context", tpb=4, cp=4, cp_rank=c, n=4) for c in range(4)]
+    gen = _mla("generation", tpb=4, cp=2, cp_rank=1, n=4)
+    plan = build_plan(ctx, gen).to_json()
+    sends = {p["rank"]: p["views"][0] for p in plan["peers"] if p["sends"]}
+    assert sorted(sends) == [1, 3]
+    # Global blocks: receiver rank 1 owns 1, 3, 5, 7 (local 0-3); sender 1 owns 1, 5 (local 0, 1),
+    # sender 3 owns 3, 7. One period is 16 tokens: sender local block 0 -> receiver local block 0
+    # (global block 1) from rank 1, -> receiver local block 1 (global block 3) from rank 3.
+    assert sends[1]["period_tokens"] == 16
+    assert {(f[0], f[2], f[5]) for f in sends[1]["period_fragments"]} == {(0, 0, 4)}
+    assert {(f[0], f[2], f[5]) for f in sends[3]["period_fragments"]} == {(0, 1, 12)}
+
+
+def test_shared_list_suffix_rule_and_named_first_token() -> None:
+    spread = Spread(4, 3, 1)
+    # 37 tokens: CP rank 0 holds 10 of them, 3 blocks of 4; five listed blocks start at block -2.
+    assert BlockList.suffix([1, 2, 3], 37, 4, "dst_blocks", spread).first_block == 0
+    assert BlockList.suffix([5, 6], 37, 4, "dst_blocks", spread).first_block == 1
+    # A list named from token 16 starts at local block 1: rank 3's first token there is 19.
+    named = BlockList([7, 8], 16, 4, spread)
+    assert named.first_block == 1
+    assert named.gap(TokenRange(16, 32), "dst_blocks") is None
+    assert named.gap(TokenRange(16, 48), "dst_blocks") is None  # local positions 4-11
+    # Token 51 is rank 3's local position 12: block 3, after the two-block list.
+    gap = named.gap(TokenRange(16, 52), "dst_blocks")
+    assert gap is not None
+    assert gap.token == 51
+    with pytest.raises(TokenRangeError, match="local block -3"):  # too long for its end
+        BlockList.suffix([1, 2, 3, 4], 9, 4, "dst_blocks", Spread(4, 0, 1))
+
+
+def test_a_cp_list_short_of_a_token_raises_a_gap_naming_it() -> None:
+    ctx = [_mla("context", tpb=4)]
+    gen = _mla("generation", tpb=4, cp=2, cp_rank=1)
+    period = build_plan(ctx, gen).peers[0].views[0].period_map
+    span, src, dst = resolve_lists(
+        [0, 1, 2, 3], [9], 4, 4, tokens=TokenRange(0, 16), dst_first_token=0,
+        dst_spread=gen.spread,
+    )  # fmt: skip
+    with pytest.raises(TokenGap) as gap:
+        range_copies(period, span, src, dst)
+    # Rank 1 holds the odd tokens; its 2nd local block starts at local position 4: token 9.
+    assert (gap.value.field, gap.value.token) == ("dst_blocks", 9)
+
+
+def test_windows_with_cp_are_refused_with_both_values() -> None:
+    windowed = view(0, [0, 1], 16 * 64, sliding_window=128)
+    ctx = rank("context", tp=1, heads=1, views=[windowed])
+    gen = rank("generation", tp=1, heads=1, views=[windowed], cp=2)
+    with pytest.raises(GeometryError) as refused:
+        check_registration(gen, [], [ctx])
+    assert refused.value.code == "context_parallel_window_unsupported"
+    assert (refused.value.local, refused.value.peer) == (128, 128)
+
+
+def test_text_and_svg_show_the_token_split() -> None:
+    ctx = [_mla("context", tpb=4, tp=2, tp_rank=q) for q in range(2)]
+    gen = _mla("generation", tpb=2, cp=2, cp_rank=1)
+    plan = build_plan(ctx, gen).to_json()
+    text = plan_text(plan)
+    assert "receiver CP rank 1 of 2 (interleave 1): tokens [1,2) [3,4)" in text
+    assert "sender every token" in text
+    svg = plan_svg(plan)
+    assert "receiver holds tokens [1, 2)" in svg
+    assert "from rank 0" in svg
