@@ -357,3 +357,68 @@ def test_hybrid_descriptors_need_the_state_slots_and_the_prompt(missing: str, me
             sender_pools={r: pools for r in range(4)}, src_blocks=[0, 1, 2], dst_blocks=[2, 0, 1],
             **arguments,
         )  # fmt: skip
+
+
+CP_WORLDS = {
+    "MLA latent TP2 -> TP1 x CP2, 4 -> 2 tokens/block": (
+        [ViewClass(("latent",), "target", "replicated", 1, 1, 3)],
+        Side("context", 2, (2,), tokens_per_block=4, num_slots=7, seed=7),
+        Side("generation", 1, (2,), tokens_per_block=2, num_slots=8, seed=8, cp_size=2),
+    ),
+    "hnd TP2 x CP2 (helix, interleave 4) -> TP2 x CP4 (interleave 1)": (
+        [ViewClass(("key", "value"), "target", "hnd", 4, 2, 2)],
+        Side(
+            "context", 2, (2,), tokens_per_block=4, num_slots=7, seed=9, cp_size=2, cp_interleave=4
+        ),
+        Side("generation", 2, (2,), tokens_per_block=2, num_slots=8, seed=10, cp_size=4),
+    ),
+}
+
+
+def _held(side: Side, end: int) -> int:
+    """Prompt positions before ``end`` CP rank 0 holds (the most any CP rank holds)."""
+    return sum(1 for t in range(end) if t // side.cp_interleave % side.cp_size == 0)
+
+
+@pytest.mark.parametrize("name", list(CP_WORLDS))
+@pytest.mark.parametrize(("start", "end"), [(0, 24), (5, 23)])
+def test_cp_descriptors_pull_each_token_from_the_rank_holding_it(
+    name: str, start: int, end: int
+) -> None:
+    """Context parallel sides: the CP ranks share one list of local blocks from token 0."""
+    classes, ctx_side, gen_side = CP_WORLDS[name]
+    ctx, ctx_layouts = instance(ctx_side, classes, "ctx")
+    gen, gen_layouts = instance(gen_side, classes, "gen")
+    truth, ts, td = Truth(classes), ctx_side.tokens_per_block, gen_side.tokens_per_block
+    src_blocks = list(range(ctx_side.num_slots))[::-1][: -(-_held(ctx_side, end) // ts)]
+    dst_blocks = list(range(gen_side.num_slots))[: -(-_held(gen_side, end) // td)]
+    bases = {rank: (rank + 1) << 32 for rank in range(len(ctx))}
+    senders = {
+        rank: truth.place(ctx_side, layout, rank, {s: i * ts for i, s in enumerate(src_blocks)})
+        for rank, layout in enumerate(ctx_layouts)
+    }
+    for receiver, layout in zip(gen, gen_layouts, strict=True):
+        ((_, stride, slots),) = layout.pools.values()
+        result = plan_descriptors(
+            build_plan(ctx, receiver).to_json(),
+            receiver_pools={0: PoolAddress(0, stride, slots)},
+            sender_pools={
+                rank: {0: PoolAddress(bases[rank], pools[0][1], pools[0][2])}
+                for rank, pools in ((r, lay.pools) for r, lay in enumerate(ctx_layouts))
+            },
+            src_blocks=src_blocks,
+            dst_blocks=dst_blocks,
+            tokens=(start, end),
+            src_first_token=0,
+            dst_first_token=0,
+        )
+        before = background(layout)
+        got = before[0].copy()
+        for descs in result.peers:
+            for (dst, length, _), (src, _, _) in zip(descs.local, descs.remote, strict=True):
+                offset = src - bases[descs.rank]
+                got[dst : dst + length] = senders[descs.rank][0][offset : offset + length]
+        placement = {s: i * td for i, s in enumerate(dst_blocks)}
+        want = truth.place(gen_side, layout, receiver.rank, placement, range(start, end), before)
+        np.testing.assert_array_equal(got, want[0], err_msg=f"{name}: gen rank {receiver.rank}")
+        assert result.bytes == int((want[0] != before[0]).sum())
