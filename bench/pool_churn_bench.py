@@ -8,9 +8,10 @@ re-registered over new pools next round, a new generation) and frees the pools, 
 restarts would. After every round it reads the server's ``/proc/<pid>/fd`` and ``/proc/<pid>/maps``.
 
 Printed: open descriptors and mappings of the server after the first rounds and at the end (total
-and those leading to this run's pools), and the first and last jobs' times (the server's copy time
-and the client's submit-to-final latency, medians of the first and last ``--window`` jobs) with
-their ratio. The machine is shared: absolute times move with its load, the ratio is the measure.
+and those leading to this run's pools), and the jobs' times (the server's copy time and the
+client's submit-to-final latency, medians of ``--window`` jobs): the first and the last jobs of the
+soak, and a control measured right after it on a fresh server, so the last jobs are compared with
+jobs run under the same machine load. Absolute times move with the load; the ratios are the measure.
 
     python bench/pool_churn_bench.py [--rounds 2000] [--window 50]
 """
@@ -163,6 +164,7 @@ def run(
     rounds: int, directory: Path, progress: Callable[[int, Sample], None] | None = None
 ) -> Churn:
     """Starts a server in ``directory`` and runs ``rounds`` rounds; the server is stopped after."""
+    directory.mkdir(parents=True, exist_ok=True)
     server = LiveServer(directory, tokens=(WORKER_TOKEN, ADMIN_TOKEN)).start()
     try:
         churn = Churn(server)
@@ -177,14 +179,14 @@ def run(
         server.stop()
 
 
-def report(churn: Churn, window: int) -> None:
+def _median(samples: list[Sample], field: str) -> float:
+    return statistics.median(getattr(sample, field) for sample in samples)
+
+
+def report(churn: Churn, window: int, control: Churn | None = None) -> None:
     samples = churn.samples
     base = samples[min(BASELINE_ROUND, len(samples) - 1)]
     last = samples[-1]
-    first_copy = statistics.median(s.copy_s for s in samples[:window])
-    last_copy = statistics.median(s.copy_s for s in samples[-window:])
-    first_latency = statistics.median(s.latency_s for s in samples[:window])
-    last_latency = statistics.median(s.latency_s for s in samples[-window:])
     print(f"rounds {len(samples)} (one job each; pools {NUM_BLOCKS} x {LAYOUT.block_bytes} B)")
     print(f"server fds:   round {BASELINE_ROUND} {base.fds}, last {last.fds}, "
           f"max {max(s.fds for s in samples)}")  # fmt: skip
@@ -192,10 +194,16 @@ def report(churn: Churn, window: int) -> None:
           f"max {max(s.maps for s in samples)}")  # fmt: skip
     print(f"pool fds/maps held after a round: max {max(s.pool_fds for s in samples)} / "
           f"{max(s.pool_maps for s in samples)}, last {last.pool_fds} / {last.pool_maps}")  # fmt: skip
-    print(f"job copy (median of {window}):    first {first_copy * 1e3:.2f} ms, last "
-          f"{last_copy * 1e3:.2f} ms, last/first {last_copy / first_copy:.2f}")  # fmt: skip
-    print(f"job latency (median of {window}): first {first_latency * 1e3:.2f} ms, last "
-          f"{last_latency * 1e3:.2f} ms, last/first {last_latency / first_latency:.2f}")  # fmt: skip
+    for field, name in (("copy_s", "job copy"), ("latency_s", "job latency")):
+        first, latest = _median(samples[:window], field), _median(samples[-window:], field)
+        line = (
+            f"{name} (median of {window}): first {first * 1e3:.2f} ms, last "
+            f"{latest * 1e3:.2f} ms, last/first {latest / first:.2f}"
+        )
+        if control is not None:
+            fresh = _median(control.samples, field)
+            line += f"; fresh server now {fresh * 1e3:.2f} ms, last/fresh {latest / fresh:.2f}"
+        print(line)
 
 
 def main() -> None:
@@ -208,9 +216,11 @@ def main() -> None:
         if index % 250 == 0:
             print(f"  round {index}: fds {sample.fds}, maps {sample.maps}", flush=True)
 
+    window = min(args.window, args.rounds)
     with tempfile.TemporaryDirectory() as directory:
-        churn = run(args.rounds, Path(directory), progress)
-    report(churn, min(args.window, len(churn.samples)))
+        churn = run(args.rounds, Path(directory) / "soak", progress)
+        control = run(window, Path(directory) / "control")
+    report(churn, window, control)
 
 
 if __name__ == "__main__":

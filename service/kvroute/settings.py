@@ -13,6 +13,7 @@ a segment: its name starts with ``KVROUTE_SHM_NAME_PREFIX`` (default ``kvroute-`
 ``PostgreSQL.*`` segments and other software's are never candidates), and its owner is one of
 ``KVROUTE_SHM_OWNER_UIDS`` (comma-separated uids; default: the uid kvroute runs as, i.e. workers
 running as the same user). A segment owned by anyone else is refused even when kvroute could open it.
+The same two rules apply to sealed memfd pools (the name the worker gave its memfd).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class Settings(BaseSettings):
         default="kvroute-",
         max_length=128,
         pattern=r"^[A-Za-z0-9._-]*$",
-        description="shm segments are opened only under this name prefix",
+        description="shm segments and memfds are opened only under this name prefix",
     )
     shm_owner_uids: Annotated[tuple[int, ...], NoDecode] = Field(
         default_factory=effective_uid,
