@@ -16,11 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvroute.client import KvrouteClient, KvrouteError
+from kvroute.client import KvrouteClient
 from kvroute.client.nixl_descs import NixlTransfer, PeerDescriptors, PoolAddress, plan_descriptors
 from kvroute.client.nixl_transport import (
     NixlEndpoint,
-    NixlTransferError,
     PendingPull,
     pool_addresses,
 )
@@ -87,7 +86,7 @@ class Pulls:
             producer = self._producer(load.handover.instance)
             transfer = self._descriptors(producer.plan, load)
             pending = self.endpoint.post(transfer, producer.agents, notification=b"")
-        except (KvrouteError, NixlTransferError, ValueError, RuntimeError) as error:
+        except Exception as error:  # kvroute, plan and NIXL errors alike (nixl has its own types)
             self._fail(load, f"could not start: {error}")
             self.producers.pop(load.handover.instance, None)
             return
@@ -149,14 +148,15 @@ class Pulls:
         known = self.producers.get(instance)
         if known is not None:
             return known
-        plan = self.client.get_plan(
+        answer = self.client.get_plan(
             self.deployment,
             sender=instance,
             receiver=self.instance,
             receiver_rank=self.rank,
             period=True,
-        ).document
-        ranks = [summary.rank for summary in self.client.instance(self.deployment, instance).ranks]
+        )
+        plan = answer.document
+        ranks = sorted(answer.sender_generations)  # every producer rank, sending or not
         documents = {r: self.client.get_rank(self.deployment, instance, r).document for r in ranks}
         agents = {}
         for rank, document in documents.items():

@@ -1,0 +1,213 @@
+"""Producer and consumer KvrouteConnectors in separate processes, driven by vLLM's Scheduler.
+
+The producer process prefills requests with vLLM's scheduler and fills the blocks it allocated
+with the pattern (``engine.pattern``); the handover travels in ``kv_transfer_params`` as a proxy
+carries it; the consumer's scheduler asks its connector, the connector's workers pull through
+kvroute's plan over NIXL (UCX on loopback, host memory), and every pulled byte is checked against
+the pattern: TP2 -> TP1 with 16- and 32-token blocks, TP3 -> TP2 with 6 KV heads, a prefix-cache
+hit that moves only the suffix, and a pull from a producer whose NIXL agent is gone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("nixl._api", reason="nixl is not installed")
+
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+
+from kvroute.engines.vllm import RegistrationRefused
+from tests.client.live import WORKER_TOKEN, LiveServer, live_server_in
+from tests.engines import vllm_producer
+from tests.engines.engine import Engine, heads_of, layer_name, pattern
+from tests.engines.vllm_world import allocate, cache_config, model_dir, vllm_config
+
+pytestmark = pytest.mark.slow
+REPLY_S = 240.0  # the producer process imports vLLM first (tens of seconds on a loaded machine)
+LLAMA4 = {"num_key_value_heads": 4, "num_hidden_layers": 2, "head_dim": 32}
+LLAMA6 = {"num_attention_heads": 12, "hidden_size": 384, "num_key_value_heads": 6,
+          "num_hidden_layers": 2, "head_dim": 32}  # fmt: skip
+PRODUCERS = [
+    {"deployment": "llama4", "instance": "p-tp2", "model": LLAMA4, "tp": 2, "heads": 4, "block_size": 16},
+    {"deployment": "llama4", "instance": "p-gone", "model": LLAMA4, "tp": 1, "heads": 4, "block_size": 16},
+    {"deployment": "llama6", "instance": "p-tp3", "model": LLAMA6, "tp": 3, "heads": 6, "block_size": 16},
+]  # fmt: skip
+
+
+class Producers:
+    def __init__(self, commands: Any, replies: Any) -> None:
+        self.commands, self.replies = commands, replies
+
+    def ask(self, *command: Any) -> tuple[Any, ...]:
+        self.commands.put(command)
+        reply = self.replies.get(timeout=REPLY_S)
+        assert reply[0] != "error", reply[1]
+        return reply
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Producers, Path]]:
+    root = tmp_path_factory.mktemp("vllm-pd")
+    server = live_server_in(tmp_path_factory.mktemp("kvroute")).start()
+    context = multiprocessing.get_context("spawn")
+    commands, replies = context.Queue(), context.Queue()
+    process = context.Process(
+        target=vllm_producer.serve,
+        args=(server.url, WORKER_TOKEN, str(root), PRODUCERS, commands, replies),
+        daemon=True,
+    )
+    process.start()
+    try:
+        ready = replies.get(timeout=REPLY_S)
+        assert ready == ("ready", ["p-gone", "p-tp2", "p-tp3"]), ready
+        yield server, Producers(commands, replies), root
+    finally:
+        commands.put(("stop",))
+        process.join(timeout=60)
+        server.stop()
+    assert process.exitcode == 0
+
+
+def consumer(world: Any, deployment: str, instance: str, *, tp: int, heads: int, block_size: int,
+             model: dict[str, Any]) -> Engine:  # fmt: skip
+    server, _, root = world
+    extra = {"url": server.url, "token": WORKER_TOKEN, "deployment": deployment,
+             "instance": instance, "pull_timeout_s": 5}  # fmt: skip
+    directory = model_dir(root, f"{deployment}-consumer", **model)
+    return Engine.start(directory, role="kv_consumer", extra=extra, tp=tp, total_heads=heads,
+                        block_size=block_size)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama4_consumer(world: Any) -> Iterator[Engine]:
+    engine = consumer(world, "llama4", "d-tp1", tp=1, heads=4, block_size=32, model=LLAMA4)
+    yield engine
+    engine.close()
+
+
+def pull(engine: Engine, request_id: str, tokens: list[int], params: dict) -> tuple[Any, set[int]]:
+    """Schedules the handed-over request and polls every worker until its load ended."""
+    request = engine.request(request_id, tokens, params)
+    output = engine.step()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    ended, errors = set(), set()
+    deadline = time.monotonic() + 30
+    while len(ended) < len(engine.workers) and time.monotonic() < deadline:
+        for rank, worker in enumerate(engine.workers):
+            _, received = worker.get_finished(set())
+            errors |= worker.get_block_ids_with_load_errors()
+            if received and request_id in received:
+                ended.add(rank)
+        time.sleep(0.01)
+    assert ended == set(range(len(engine.workers))), "the pull never ended"
+    return output, errors
+
+
+def expect(engine: Engine, request_id: str, positions: range, marker: int = 0) -> None:
+    blocks = engine.block_ids(request_id)
+    tokens = torch.tensor(list(positions))
+    for rank in range(engine.tp):
+        heads = heads_of(rank, engine.tp, engine.total_heads)
+        for layer, got in enumerate(engine.read(rank, blocks, positions)):
+            assert torch.equal(got, pattern(layer, heads, tokens, marker)), (rank, layer)
+
+
+def test_tp2_producer_to_tp1_consumer_with_larger_blocks(
+    world: Any, llama4_consumer: Engine
+) -> None:
+    _, producers, _ = world
+    tokens = list(range(100, 140))
+    tag, _, params = producers.ask("prefill", "p-tp2", "prefill-1", tokens)
+    assert tag == "params"
+    assert params["remote_instance"] == "p-tp2"
+    assert params["prompt_tokens"] == 40
+    assert params["remote_first_token"] == 0
+    assert [len(group) for group in params["remote_block_ids"]] == [3]  # 40 tokens, 16 per block
+    output, errors = pull(llama4_consumer, "decode-1", tokens, params)
+    assert errors == set()
+    expect(llama4_consumer, "decode-1", range(40))
+    assert producers.ask("await_sent", "p-tp2", "prefill-1") == ("sent", "prefill-1", [0, 1])
+    # vLLM takes the load: the request resumes with only its last prompt token to compute.
+    llama4_consumer.scheduler.update_from_output(
+        output,
+        ModelRunnerOutput(
+            req_ids=[], kv_connector_output=KVConnectorOutput(finished_recving={"decode-1"})
+        ),
+    )  # fmt: skip
+    resumed = llama4_consumer.scheduler.schedule()
+    assert resumed.num_scheduled_tokens == {"decode-1": 1}
+    llama4_consumer.finish_prefill(resumed, "decode-1")
+
+
+def test_a_prefix_cache_hit_on_the_consumer_moves_only_the_suffix(
+    world: Any, llama4_consumer: Engine
+) -> None:
+    _, producers, _ = world
+    prefix = list(range(500, 532))  # one consumer block of 32 tokens
+    local = llama4_consumer.request("local-2", [*prefix, 999], None)
+    output = llama4_consumer.step()
+    llama4_consumer.fill(llama4_consumer.block_ids("local-2"), range(33), marker=1)
+    llama4_consumer.finish_prefill(output, "local-2")
+    assert local.status == RequestStatus.FINISHED_LENGTH_CAPPED  # its full block stays cached
+    tokens = [*prefix, *range(600, 616)]
+    _, _, params = producers.ask("prefill", "p-tp2", "prefill-2", tokens)
+    _, errors = pull(llama4_consumer, "decode-2", tokens, params)
+    assert errors == set()
+    expect(llama4_consumer, "decode-2", range(32), marker=1)  # the local hit, untouched
+    expect(llama4_consumer, "decode-2", range(32, 48))  # the suffix, from the producer
+    assert producers.ask("await_sent", "p-tp2", "prefill-2") == ("sent", "prefill-2", [0, 1])
+
+
+def test_tp3_producer_to_tp2_consumer_with_six_kv_heads(world: Any) -> None:
+    _, producers, _ = world
+    engine = consumer(world, "llama6", "d-tp2", tp=2, heads=6, block_size=8, model=LLAMA6)
+    try:
+        tokens = list(range(200, 237))
+        _, _, params = producers.ask("prefill", "p-tp3", "prefill-3", tokens)
+        _, errors = pull(engine, "decode-3", tokens, params)
+        assert errors == set()
+        expect(engine, "decode-3", range(37))  # rank 0 holds heads 0-2, rank 1 heads 3-5
+        assert producers.ask("await_sent", "p-tp3", "prefill-3") == ("sent", "prefill-3", [0, 1, 2])
+    finally:
+        engine.close()
+
+
+def test_a_pull_from_a_producer_that_is_gone_is_a_load_error(
+    world: Any, llama4_consumer: Engine
+) -> None:
+    _, producers, _ = world
+    tokens = list(range(300, 340))
+    _, _, params = producers.ask("prefill", "p-gone", "prefill-4", tokens)
+    assert producers.ask("drop", "p-gone") == ("dropped", "p-gone")
+    _, errors = pull(llama4_consumer, "decode-4", tokens, params)
+    assert errors == set(llama4_consumer.block_ids("decode-4"))  # 40 tokens: both blocks
+    assert len(errors) == 2
+
+
+def test_a_refused_pairing_stops_start_up_with_the_refusal(world: Any) -> None:
+    """A consumer whose KV heads are 64 wide (the producers' are 32) never starts."""
+    server, _, root = world
+    extra = {"url": server.url, "token": WORKER_TOKEN, "deployment": "llama4",
+             "instance": "d-wide"}  # fmt: skip
+    config = vllm_config(model_dir(root, "llama4-wide", **LLAMA4), role="kv_consumer", extra=extra)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=torch.float16)
+    kv_cache_config = cache_config(config, {layer_name(i): spec for i in range(2)}, 12)
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    with pytest.raises(RegistrationRefused) as refused:
+        connector.register_kv_caches(allocate(config, kv_cache_config))
+    error = refused.value.error
+    assert (error.status, error.field) == (409, "attention.head_dim")
+    assert (error.local, error.peer) == (64, 32)
+    assert error.code in str(refused.value)
+    assert "local 64, peer 32" in str(refused.value)

@@ -1,0 +1,94 @@
+"""Producer engines in their own process (multiprocessing "spawn"), driven over queues.
+
+Each instance is an ``engine.Engine`` with role kv_producer: its ranks register with kvroute at
+start-up, a request is prefilled by vLLM's scheduler (the model's output is one sampled token),
+its blocks are filled with the pattern, and the handover (``kv_transfer_params``) goes back to the
+test. The process then reports when every rank has been told the consumer pulled (the blocks are
+freed), or drops an instance's NIXL agents as a crashed engine would lose them.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import traceback
+from multiprocessing.queues import Queue
+from pathlib import Path
+from typing import Any
+
+WAIT_S = 120.0
+
+
+def serve(url: str, token: str, root: str, instances: list[dict[str, Any]], commands: Queue,
+          replies: Queue) -> None:  # fmt: skip
+    engines: dict[str, Any] = {}
+    try:
+        _start(url, token, root, instances, engines)
+        replies.put(("ready", sorted(engines)))
+        while True:
+            command, *args = commands.get(timeout=WAIT_S)
+            if command == "stop":
+                break
+            replies.put(_handle(engines, command, *args))
+    except Exception:  # the test reads the failure instead of waiting out its bound
+        replies.put(("error", traceback.format_exc()))
+        raise
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def _start(url: str, token: str, root: str, instances: list[dict[str, Any]],
+           engines: dict[str, Any]) -> None:  # fmt: skip
+    from tests.engines.engine import Engine
+    from tests.engines.vllm_world import model_dir
+
+    for spec in instances:
+        model = model_dir(Path(root), spec["deployment"], **spec["model"])
+        extra = {"url": url, "token": token, "deployment": spec["deployment"],
+                 "instance": spec["instance"], "send_timeout_s": WAIT_S}  # fmt: skip
+        engines[spec["instance"]] = Engine.start(
+            model, role="kv_producer", extra=extra, tp=spec["tp"],
+            total_heads=spec["heads"], block_size=spec["block_size"],
+        )  # fmt: skip
+
+
+def _handle(engines: dict[str, Any], command: str, *args: Any) -> tuple[Any, ...]:
+    if command == "prefill":
+        instance, request_id, tokens = args
+        return ("params", request_id, _prefill(engines[instance], request_id, tokens))
+    if command == "await_sent":
+        instance, request_id = args
+        return ("sent", request_id, _await_sent(engines[instance], request_id))
+    if command == "drop":
+        for worker in engines[args[0]].workers:
+            # As a crashed engine: the agent and its UCX worker go away with their memory
+            # registrations; kvroute still holds the rank (its lease has not lapsed).
+            endpoint, worker.worker.endpoint = worker.worker.endpoint, None
+            endpoint.close()
+            del endpoint._agent
+        gc.collect()
+        return ("dropped", args[0])
+    raise ValueError(command)
+
+
+def _prefill(engine: Any, request_id: str, tokens: list[int]) -> dict[str, Any]:
+    engine.request(request_id, tokens, {"do_remote_decode": True})
+    output = engine.step()
+    engine.fill(engine.block_ids(request_id), range(len(tokens)))
+    [finished] = engine.finish_prefill(output, request_id)
+    engine.step()  # the step after the request finished tells the workers to hold its blocks
+    return finished.kv_transfer_params
+
+
+def _await_sent(engine: Any, request_id: str) -> list[int]:
+    """Polls every rank until it reports the request sent; answers the ranks that did."""
+    sent: set[int] = set()
+    deadline = time.monotonic() + 60
+    while len(sent) < len(engine.workers) and time.monotonic() < deadline:
+        for rank, worker in enumerate(engine.workers):
+            done, _ = worker.get_finished(set())
+            if done and request_id in done:
+                sent.add(rank)
+        time.sleep(0.01)
+    return sorted(sent)
