@@ -83,7 +83,7 @@ def test_dense_gqa_heads_per_rank_at_each_tp(llama: Path, tp: int, per_rank: int
     assert view["bytes_per_layer"] == page
     assert view["layers"] == [{"layer": 0, "offset": 0}, {"layer": 1, "offset": page}]
     base = caches[attn(0)].data_ptr()
-    assert pool["memory"]["nixl"]["address"] == base
+    assert pool["memory"]["nixl"] == {"address": base, "device": 0, "mem_type": "DRAM"}
     assert caches[attn(1)].data_ptr() == base + page
 
 

@@ -65,6 +65,7 @@ class RankCache:
 
     document: dict[str, Any]
     addresses: dict[int, PoolAddress]
+    mem_type: str = "DRAM"  # NIXL's memory type of this rank's pools (VRAM on a GPU)
     group_views: dict[int, set[int]] = field(default_factory=dict)  # group -> view ids
     state_groups: set[int] = field(default_factory=set)  # groups holding recurrent state
 
@@ -74,6 +75,7 @@ class _Pool:
     base: int
     stride: int
     slots: int
+    device: int
     specs: list[tuple[LayerSpec, int, int]] = field(default_factory=list)  # spec, address, group
     end: int = 0  # bytes used in a slot
 
@@ -110,16 +112,20 @@ def describe(
                 pool.stride,
                 pool.slots,
                 tuple(specs),
-                {"backend": "local", "nixl": nixl_memory(pool.base)},
+                {
+                    "backend": "local",
+                    "nixl": nixl_memory(pool.base, device=pool.device, mem_type=_mem_type(layers)),
+                },
             )
         )
-        addresses[pool_id] = PoolAddress(pool.base, pool.stride, pool.slots)
+        addresses[pool_id] = PoolAddress(pool.base, pool.stride, pool.slots, pool.device)
         for spec, (_, _, group) in zip(specs, pool.specs, strict=True):
             groups[(spec.owner, spec.layer, spec.kind.recurrent, spec.roles)] = group
     views = build_views(spec for pool in descriptions for spec in pool.specs)
     cache = RankCache(
         _document(place, layers, descriptions, views, num_draft_layers, lease_seconds),
         addresses,
+        _mem_type(layers),
     )
     for view in views:
         first = view.layers[0].layer
@@ -128,6 +134,10 @@ def describe(
         if view.kind.recurrent:
             cache.state_groups.add(group)
     return cache
+
+
+def _mem_type(layers: list[Layer]) -> str:
+    return "VRAM" if layers and layers[0].tensor.device.type == "cuda" else "DRAM"
 
 
 def _with_pool(spec: LayerSpec, pool_id: int, offset: int) -> LayerSpec:
@@ -145,7 +155,8 @@ def _place_spec(pools: list[_Pool], layer: Layer, spec: LayerSpec, address: int)
                 raise ValueError(f"layer {layer.name}'s page crosses its block stride")
             break
     else:
-        pool = _Pool(address, stride, layer.tensor.shape[0])
+        device = layer.tensor.device.index if layer.tensor.device.type == "cuda" else 0
+        pool = _Pool(address, stride, layer.tensor.shape[0], device or 0)
         pools.append(pool)
     pool.specs.append((spec, address, layer.group))
     pool.end = max(pool.end, address - pool.base + spec.bytes_per_layer)

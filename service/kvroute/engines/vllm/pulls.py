@@ -76,6 +76,7 @@ class Pulls:
     group_views: dict[int, set[int]]
     state_groups: set[int]
     timeout_s: float
+    mem_type: str = "DRAM"
     producers: dict[str, _Producer] = field(default_factory=dict)
     running: dict[str, _Running] = field(default_factory=dict)
     errors: set[int] = field(default_factory=set)
@@ -85,7 +86,9 @@ class Pulls:
         try:
             producer = self._producer(load.handover.instance)
             transfer = self._descriptors(producer.plan, load)
-            pending = self.endpoint.post(transfer, producer.agents, notification=b"")
+            pending = self.endpoint.post(
+                transfer, producer.agents, notification=b"", mem_type=self.mem_type
+            )
         except Exception as error:  # kvroute, plan and NIXL errors alike (nixl has its own types)
             self._fail(load, f"could not start: {error}")
             self.producers.pop(load.handover.instance, None)

@@ -173,6 +173,7 @@ class Worker:
             cache.group_views,
             cache.state_groups,
             settings.pull_timeout_s,
+            cache.mem_type,
         )
         return cache
 
