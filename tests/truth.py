@@ -22,7 +22,8 @@ def window_starts(
 ) -> dict[int, int]:
     """class -> the first prompt position a windowed class's pair moves, for a prompt of
     ``prompt_tokens``: the pair moves the smaller window ``W``, from the latest block start of
-    either side at or before ``prompt_tokens + 1 - W``; a one-token window moves none."""
+    either side at or before ``prompt_tokens + 1 - W`` (``_block_start``); a one-token window
+    moves none."""
     starts = {}
     for c, cls in enumerate(classes):
         declared = [side_window(side, c, cls) for side in (ctx, gen)]
@@ -33,10 +34,22 @@ def window_starts(
         if first >= prompt_tokens:
             starts[c] = Truth.MAX_POSITIONS  # nothing of the prompt
             continue
-        first = max(0, first)
-        sizes = (ctx.tokens_per_block, gen.tokens_per_block)
-        starts[c] = max(first - first % size for size in sizes)
+        starts[c] = max(_block_start(side, max(0, first), prompt_tokens) for side in (ctx, gen))
     return starts
+
+
+def _block_start(side: Side, first: int, prompt_tokens: int) -> int:
+    """A side's latest block start at or before ``first``: the block holding ``first`` without
+    context parallelism; with it, the first position from which every CP rank's positions lie in
+    the earliest local block any CP rank holds a position from ``first`` on in (by brute force)."""
+    tokens = side.tokens_per_block
+    if side.cp_size == 1:
+        return first - first % tokens
+    bound = prompt_tokens if side.chunked else Truth.MAX_POSITIONS
+    local = {t: side.holder(t)[1] for t in range(bound)}
+    block = min(at for t, at in local.items() if t >= first) // tokens
+    earlier = [t for t, at in local.items() if at < block * tokens]
+    return max(earlier) + 1 if earlier else 0
 
 
 class Truth:
@@ -191,3 +204,17 @@ def state_only(truth: Truth, side: Side, layout: Layout, rank: int, slots: Seque
     """How many bytes of a rank's pools the state of the requests in ``slots`` occupies."""
     placed = truth.place(side, layout, rank, {}, states=dict.fromkeys(slots, 5))
     return sum(int((ids != 0).sum()) for ids in placed.values())
+
+
+def assert_exact(
+    out: Mapping[int, np.ndarray],
+    writes: Mapping[int, np.ndarray],
+    expected: Mapping[int, np.ndarray],
+    before: Mapping[int, np.ndarray],
+) -> None:
+    """Every receiver byte the truth changes was written once with its logical id, and no other
+    byte was written (``before``: the pools before the transfer)."""
+    for pool, want in expected.items():
+        written = (want != before[pool]).astype(np.int64)
+        np.testing.assert_array_equal(writes[pool], written, err_msg=f"writes, pool {pool}")
+        np.testing.assert_array_equal(out[pool], want, err_msg=f"content, pool {pool}")

@@ -56,8 +56,16 @@ def _code(candidate, instance_ranks=(), peers=()) -> GeometryError:
         ),
         ({"mla": True, "heads": 2}, "mla_heads", "attention.num_kv_heads"),
         ({"tp_rank": 2}, "rank_out_of_range", "tp_rank"),
-        ({"cp": 2, "cp_layout": "zigzag"}, "context_parallel_layout_unsupported", "cp_layout"),
-        ({"cp": 2, "cp_layout": "contiguous"}, "context_parallel_layout_unsupported", "cp_layout"),
+        (
+            {"role": "generation", "cp": 2, "cp_layout": "zigzag"},
+            "context_parallel_layout_unsupported",
+            "cp_layout",
+        ),
+        (
+            {"role": "generation", "cp": 2, "cp_layout": "contiguous"},
+            "context_parallel_layout_unsupported",
+            "cp_layout",
+        ),
         ({"cp": 2, "interleave": 3}, "cp_interleave_invalid", "cp_interleave"),
         ({"cp": 2, "cp_rank": 2}, "rank_out_of_range", "cp_rank"),
         ({"stages": (2, 0)}, "layers_per_stage_length", "layers_per_stage"),
@@ -104,6 +112,30 @@ def test_instance_checks_name_the_disagreeing_rank() -> None:
     assert (error.stage, error.peer_instance, error.peer_rank) == ("instance", "ctx", 0)
     error = _code(rank(tp=2, tp_rank=1, views=[view(0, [0, 1], 512, kind="nhd")]), [first])
     assert (error.code, error.field) == ("instance_view_mismatch", "views[0].kind")
+
+
+def test_instance_checks_remember_agreeing_faces_not_refusals() -> None:
+    """Ranks that agree share a face id (their names and rank numbers are not part of it); a pair
+    of faces that agreed once is not compared again, and one that did not is refused every time."""
+    first, second, third = (rank(tp=4, tp_rank=index) for index in range(3))
+    assert first.instance_face_id == second.instance_face_id == third.instance_face_id
+    check_registration(second, [first], [])
+    check_registration(third, [first, second], [])  # the memoized pair answers as before
+    odd = rank(tp=4, tp_rank=3, tpb=32, views=[view(0, [0, 1], 1024)])
+    assert odd.instance_face_id != first.instance_face_id
+    for _ in range(2):
+        error = _code(odd, [first, second, third])
+        assert (error.code, error.field, error.peer_rank) == (
+            "instance_layout_mismatch",
+            "tokens_per_block",
+            0,
+        )
+    error = _code(rank(tp=4, tp_rank=3, views=[view(0, [0, 1], 512, kind="nhd")]), [third])
+    assert (error.code, error.field, error.peer_rank) == (
+        "instance_view_mismatch",
+        "views[0].kind",
+        2,
+    )
 
 
 def test_rank_number_must_follow_pp_and_tp_rank() -> None:

@@ -93,6 +93,14 @@ TWEAKS: list[Callable[[dict[str, Any], random.Random], None]] = [
     lambda doc, rng: doc.update(tp_size=doc["tp_size"] * 2),
     lambda doc, rng: doc.update(attention_dp=True, dp_size=doc["tp_size"]),
     lambda doc, rng: doc.update(layers_per_stage=[*doc["layers_per_stage"][:-1], 99]),
+    # Identity: the first peer stage reads it, so the class must cover it.
+    lambda doc, rng: doc.update(model={"name": "m", "revision": rng.choice(["r1", "r2"])}),
+    lambda doc, rng: doc.update(model={rng.choice(["revision", "tokenizer_digest"]): "x"}),
+    lambda doc, rng: doc.update(
+        kv_quantization=rng.choice(
+            [{"kv_dtype": "fp8"}, {"kv_dtype": "fp8", "scale_layout": "per_tensor"}]
+        )
+    ),
 ]
 
 
@@ -165,6 +173,7 @@ def laid_out(
     return [renamed(reg, rng) for reg in spread]
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     fleet=fleets(), seeds=st.tuples(st.integers(0, 999), st.integers(1000, 1999)), data=st.data()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +40,7 @@ def _outcome(check: object) -> tuple[object, ...] | None:
     return None
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world=worlds(), mutation=st.sampled_from([None, *MUTATIONS]), swap=st.booleans())
 def test_class_verdicts_give_the_answer_of_every_peer(world, mutation, swap) -> None:
@@ -64,6 +66,7 @@ def test_class_verdicts_give_the_answer_of_every_peer(world, mutation, swap) -> 
         assert by_class == direct
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world=worlds())
 def test_position_memory_and_names_are_outside_the_class_and_the_stage_is_inside(world) -> None:

@@ -25,9 +25,6 @@ def _api_example() -> dict:
         "dp_size": 1,
         "dp_rank": 0,
         "cp_size": 1,
-        "cp_rank": 0,
-        "cp_layout": "interleaved",
-        "cp_interleave": 1,
         "layers_per_stage": [32],
         "num_draft_layers": 1,
         "tokens_per_block": 32,
@@ -80,6 +77,17 @@ def test_the_api_example_round_trips_exactly() -> None:
     assert reg.heads(reg.views[0]) == 2
 
 
+def test_cp_members_are_rendered_only_with_context_parallelism() -> None:
+    # Servers from before context parallelism refuse members they do not know, so a rank
+    # without CP must render exactly as it did then; a CP rank round-trips all of them.
+    doc = _api_example()
+    reg = RankRegistration.from_json(doc, deployment="llama", instance="ctx0", rank=1)
+    assert not {"cp_rank", "cp_layout", "cp_interleave"} & reg.to_json().keys()
+    doc.update(cp_size=2, cp_rank=1, cp_layout="interleaved", cp_interleave=32)
+    reg = RankRegistration.from_json(doc, deployment="llama", instance="ctx0", rank=1)
+    assert reg.to_json() == doc
+
+
 def test_optional_members_take_their_documented_defaults() -> None:
     doc = _api_example()
     for key in (
@@ -93,7 +101,7 @@ def test_optional_members_take_their_documented_defaults() -> None:
         "num_draft_layers",
         "lease_seconds",
     ):
-        doc.pop(key)
+        doc.pop(key, None)
     doc["pools"][0].pop("slot_stride")
     del doc["views"][1]
     doc["views"][0].pop("num_kv_heads")

@@ -4,6 +4,9 @@
 ``store -> geometry``; ``client -> geometry``; ``engines -> client, geometry``; ``wire`` (the answers' shapes) is a leaf like
 ``geometry``, read by the store, the api and the client. The api layer runs no SQL (it imports no
 SQLAlchemy), the data plane knows no store, the control layer no HTTP, the geometry core no I/O.
+The api's handlers and its reaper reach the store only through ``control``: of the store the api
+imports the error types its error table maps, the record types and the database's lifetime
+(``API_STORE_IMPORTS``), never a unit of work.
 Imports are read with ``ast`` (function-level ones included, ``TYPE_CHECKING`` blocks excluded),
 so a lazy import cannot hide a dependency.
 """
@@ -35,6 +38,16 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 }
 # geometry and wire may import themselves; the entries above forbid every other kvroute package.
 ALLOWED_SELF = {"geometry": "kvroute.geometry", "wire": "kvroute.wire"}
+# What the api may import of the store (None: any name of that module); everything else it needs
+# of the database (registration, reads, deletions, the reaper's rounds, pings) is a control service.
+API_STORE_IMPORTS: dict[str, frozenset[str] | None] = {
+    "kvroute.store.errors": None,  # the error table maps them
+    "kvroute.store.faults": None,
+    "kvroute.store.records": None,  # plain records (RankName)
+    "kvroute.store.engine": frozenset(
+        {"Engine", "SessionMaker", "create_engine", "make_sessionmaker", "dispose"}
+    ),  # the app opens the database and disposes of it; nothing here reads or writes it
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -50,8 +63,9 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(path: Path, *, top_level_only: bool) -> Iterator[str]:
-    """Every module name an import statement of ``path`` names (TYPE_CHECKING blocks skipped)."""
+def _imports(path: Path) -> Iterator[str]:
+    """Every module name an import statement of ``path`` names, inside functions too
+    (TYPE_CHECKING blocks skipped)."""
 
     def visit(nodes: list[ast.stmt]) -> Iterator[str]:
         for node in nodes:
@@ -63,8 +77,6 @@ def _imports(path: Path, *, top_level_only: bool) -> Iterator[str]:
                 submodules = [f"{node.module}.{alias.name}" for alias in node.names]
                 named = [name for name in submodules if name in MODULES]
                 yield from named or [node.module]
-            if top_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
             for field in ("body", "orelse", "finalbody", "handlers"):
                 children = getattr(node, field, None)
                 if isinstance(children, list) and children and isinstance(children[0], ast.AST):
@@ -79,7 +91,7 @@ def test_layers_import_only_downwards(layer: str) -> None:
     for name, path in MODULES.items():
         if not name.startswith(f"kvroute.{layer}"):
             continue
-        for imported in _imports(path, top_level_only=False):
+        for imported in _imports(path):
             own = ALLOWED_SELF.get(layer)
             if own and _within(imported, own):
                 continue
@@ -88,10 +100,38 @@ def test_layers_import_only_downwards(layer: str) -> None:
     assert offences == []
 
 
+def test_the_api_reaches_the_store_only_through_control() -> None:
+    offences = []
+    for name, path in MODULES.items():
+        if not name.startswith("kvroute.api"):
+            continue
+        for module, imported in _store_imports(path):
+            allowed = API_STORE_IMPORTS.get(module, frozenset())
+            if allowed is not None and imported not in allowed:
+                offences.append(f"{name} imports {module}: {imported}")
+    assert offences == []
+
+
+def _store_imports(path: Path) -> Iterator[tuple[str, str]]:
+    """(store module, name) for every import of the store in ``path``, wherever it sits;
+    ``*`` for a whole module."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _within(alias.name, "kvroute.store"):
+                    yield alias.name, "*"
+        elif isinstance(node, ast.ImportFrom) and _within(node.module or "", "kvroute.store"):
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                yield (submodule, "*") if submodule in MODULES else (node.module, alias.name)
+
+
 def test_no_import_cycles_between_modules() -> None:
+    """Function-level imports count: a lazy import that closes a cycle still ties the modules
+    into one (``geometry.model`` once reached ``document`` and ``classes`` that way, and with them
+    eleven geometry modules)."""
     graph = {
-        name: {imported for imported in _imports(path, top_level_only=True) if imported in MODULES}
-        - {name}
+        name: {imported for imported in _imports(path) if imported in MODULES} - {name}
         for name, path in MODULES.items()
     }
     cycles = _strongly_connected(graph)

@@ -17,15 +17,14 @@ import os
 from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroute.geometry import GeometryError, TokenGap, TokenRange, build_plan, check_registration
 from tests.executor import Request, execute
-from tests.truth import Truth, background
-from tests.world import Side, ViewClass, instance
+from tests.truth import Truth, assert_exact, background
+from tests.world import Side, ViewClass, admitted, instance
 
 EXAMPLES = int(os.environ.get("KVROUTE_PROPERTY_EXAMPLES", "2000"))
 HEAD_TOTALS = [1, 2, 3, 4, 6, 8, 12, 16]
@@ -223,6 +222,12 @@ def expected_gap(span: TokenRange, src: set[int], dst: set[int]) -> tuple[str, i
     return None
 
 
+def sender_groups(ctx: Side) -> st.SearchStrategy[int]:
+    """The attention-DP group of the senders a receiver reads from (0 without attention DP)."""
+    return st.integers(0, ctx.dp_size - 1) if ctx.attention_dp else st.just(0)
+
+
+@pytest.mark.slow
 @settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -230,13 +235,15 @@ def expected_gap(span: TokenRange, src: set[int], dst: set[int]) -> tuple[str, i
 )
 @given(world=worlds(), data=st.data())
 def test_every_destination_byte_written_once_with_the_right_content(world, data) -> None:
+    assert_plans_exact(world, data)
+
+
+def assert_plans_exact(world: tuple[list[ViewClass], Side, Side], data: st.DataObject) -> None:
+    """Admits both instances, then executes every receiver rank's plan on bytes against the truth."""
     cls, ctx_side, gen_side = world
-    ctx, ctx_layouts = instance(ctx_side, cls, "ctx")
-    gen, gen_layouts = instance(gen_side, cls, "gen")
-    check_registration(ctx[0], ctx[1:], gen)
-    check_registration(gen[-1], gen[:-1], ctx)
+    ctx, ctx_layouts, gen, gen_layouts = admitted(cls, ctx_side, gen_side)
     truth = Truth(cls)
-    sender_dp = data.draw(st.integers(0, ctx_side.dp_size - 1)) if ctx_side.attention_dp else 0
+    sender_dp = data.draw(sender_groups(ctx_side))
     span, src, dst = data.draw(transfers(ctx_side, gen_side))
     ts, td = ctx_side.tokens_per_block, gen_side.tokens_per_block
     gap = span and expected_gap(span, src.positions(ts), dst.positions(td))
@@ -270,12 +277,7 @@ def test_every_destination_byte_written_once_with_the_right_content(world, data)
         expected = truth.place(
             gen_side, layout, receiver.rank, dst.placement(td), positions, before
         )
-        for pool, want in expected.items():
-            written = (want != before[pool]).astype(np.int64)
-            np.testing.assert_array_equal(
-                writes[pool], written, err_msg=f"write count, pool {pool}"
-            )
-            np.testing.assert_array_equal(out[pool], want, err_msg=f"content, pool {pool}")
+        assert_exact(out, writes, expected, before)
 
 
 MUTATIONS = [
@@ -289,6 +291,7 @@ MUTATIONS = [
 ]
 
 
+@pytest.mark.slow
 @settings(
     max_examples=max(50, EXAMPLES // 4), deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -18,20 +18,20 @@ import os
 from dataclasses import dataclass, replace
 from functools import partial
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvroute.geometry import TokenGap, TokenRange, build_plan, check_registration
+from kvroute.geometry import TokenGap, TokenRange, build_plan
 from tests.executor import Request, execute
-from tests.truth import Truth, background
-from tests.unit.test_plan_ground_truth import BLOCK_TOKENS, classes, side
+from tests.truth import Truth, assert_exact, background, window_starts
+from tests.unit.test_plan_ground_truth import BLOCK_TOKENS, classes, sender_groups, side
 from tests.unit.test_plan_ground_truth_hybrid import REQUEST, _state_slot, hybrid_worlds
-from tests.world import Side, ViewClass, instance
+from tests.world import Side, ViewClass, admitted
 
 EXAMPLES = int(os.environ.get("KVROUTE_CP_PROPERTY_EXAMPLES", "120"))
 MAX_PROMPT = 24
+CHUNKED = ("contiguous", "zigzag")
 
 
 def interleaves(tokens: int) -> list[int]:
@@ -41,15 +41,28 @@ def interleaves(tokens: int) -> list[int]:
 
 @st.composite
 def cp_side(draw: st.DrawFn, base: Side, force: bool) -> Side:
+    """CP on a side; a context side may split prompts in prefill chunks instead of dealing them
+    (its prompt length is drawn with the job: ``with_prompt``)."""
     limit = max(1, 32 // base.ranks)
     cp = draw(st.integers(2 if force else 1, max(2 if force else 1, min(4, limit))))
     local_blocks = -(-MAX_PROMPT // base.tokens_per_block)
+    layouts = ["interleaved", *CHUNKED] if base.role == "context" and cp > 1 else ["interleaved"]
     return replace(
         base,
         cp_size=cp,
         cp_interleave=draw(st.sampled_from(interleaves(base.tokens_per_block))),
+        cp_layout=draw(st.sampled_from(layouts)),
         num_slots=local_blocks + 2,
     )
+
+
+def with_prompt(draw: st.DrawFn, side: Side, span: TokenRange) -> tuple[Side, int | None]:
+    """The side with the job's prompt length (at or past the range's end) where its chunks need
+    it, and the prompt length the job names (None: the range's end, for dealt tokens)."""
+    if not side.chunked and draw(st.booleans()):
+        return side, None
+    prompt = draw(st.integers(span.end, MAX_PROMPT))
+    return replace(side, prompt_tokens=prompt), prompt
 
 
 @st.composite
@@ -72,20 +85,27 @@ def cp_worlds(draw: st.DrawFn) -> tuple[list[ViewClass], Side, Side]:
 
 
 class Placement:
-    """Where each prompt position lives on one side, by brute force over the CP ranks' deals."""
+    """Where each prompt position lives on one side, by brute force over the CP ranks' deals (or
+    chunks: then the prompt's positions only)."""
 
     def __init__(self, side: Side) -> None:
         self.side = side
         self.owner: dict[int, tuple[int, int]] = {}  # position -> (cp rank, local position)
         for cp_rank in range(side.cp_size):
             for local in range(4 * MAX_PROMPT):
-                self.owner[side.prompt_position(cp_rank, local)] = (cp_rank, local)
+                position = side.prompt_position(cp_rank, local)
+                if not side.chunked or position < side.prompt_tokens:
+                    self.owner[position] = (cp_rank, local)
 
     def held(self, cp_rank: int, span: TokenRange) -> list[int]:
         return [t for t in range(span.start, span.end) if self.owner[t][0] == cp_rank]
 
     def count(self, cp_rank: int, end: int) -> int:
         return sum(1 for t in range(end) if self.owner[t][0] == cp_rank)
+
+    def first_needed(self, first: int) -> int:
+        """The earliest local position any CP rank holds a position from ``first`` on at."""
+        return min(local for t, (_, local) in self.owner.items() if t >= first)
 
 
 @dataclass(frozen=True)
@@ -102,19 +122,31 @@ class Lists:
 
 
 @st.composite
-def cp_list(draw: st.DrawFn, where: Placement, span: TokenRange, slots: int | None = None) -> Lists:
+def cp_list(
+    draw: st.DrawFn,
+    where: Placement,
+    span: TokenRange,
+    slots: int | None = None,
+    whole: bool = False,
+) -> Lists:
+    """A list that holds every token of the span on its owner, but for a suffix list that may
+    start too late (a chunk of another CP rank sits before its first block) unless ``whole``."""
     side, tokens = where.side, where.side.tokens_per_block
     locals_ = [where.owner[t][1] for t in range(span.start, span.end)]
     need_lo, need_hi = min(locals_) // tokens, max(locals_) // tokens + 1
     if draw(st.booleans()):
-        # Suffix rule: the list ends with the block CP rank 0 (which holds most) needs last.
-        last = -(-where.count(0, span.end) // tokens)
-        first_block = draw(st.integers(0, need_lo))
+        # Suffix rule: the list ends with the last block the CP rank holding most needs.
+        most = max(where.count(c, span.end) for c in range(side.cp_size))
+        last = -(-most // tokens)
+        # The list's first token follows every token at an earlier local position on any CP
+        # rank, so only a start at or before the earliest position holding the span covers it.
+        latest = where.first_needed(span.start) // tokens if whole else need_lo
+        first_block = draw(st.integers(0, latest))
         first = None
     else:
         first = draw(st.integers(0, span.start))
         # A named first token starts the list at the earliest block any CP rank needs from it on.
-        first_block = where.count(side.cp_size - 1, first) // tokens
+        first_block = where.first_needed(first) // tokens
         last = max(need_hi, first_block + 1) + draw(st.integers(0, 1))
     ids = draw(st.permutations(range(side.num_slots if slots is None else slots)))
     return Lists(ids[: last - first_block], first_block, first)
@@ -142,6 +174,7 @@ def missing(where: Placement, lists: Lists, span: TokenRange, cp_ranks: range) -
     }
 
 
+@pytest.mark.slow
 @settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -151,14 +184,13 @@ def missing(where: Placement, lists: Lists, span: TokenRange, cp_ranks: range) -
 def test_cp_plans_write_every_token_once_on_the_rank_holding_it(world, data) -> None:
     cls, ctx_side, gen_side = world
     event(f"cp {ctx_side.cp_size} -> {gen_side.cp_size}")
-    ctx, ctx_layouts = instance(ctx_side, cls, "ctx")
-    gen, gen_layouts = instance(gen_side, cls, "gen")
-    check_registration(ctx[0], ctx[1:], gen)
-    check_registration(gen[-1], gen[:-1], ctx)
+    ctx, ctx_layouts, gen, gen_layouts = admitted(cls, ctx_side, gen_side)
     truth = Truth(cls)
-    sender_dp = data.draw(st.integers(0, ctx_side.dp_size - 1)) if ctx_side.attention_dp else 0
+    sender_dp = data.draw(sender_groups(ctx_side))
     start = data.draw(st.integers(0, MAX_PROMPT - 1))
     span = TokenRange(start, data.draw(st.integers(start + 1, MAX_PROMPT)))
+    ctx_side, prompt = with_prompt(data.draw, ctx_side, span)
+    event(f"context {ctx_side.cp_layout}")
     senders, receivers = Placement(ctx_side), Placement(gen_side)
     src = data.draw(cp_list(senders, span))
     dst = data.draw(cp_list(receivers, span))
@@ -177,10 +209,11 @@ def test_cp_plans_write_every_token_once_on_the_rank_holding_it(world, data) -> 
     sender_pools = {
         r: truth.place(ctx_side, ctx_layouts[r], r, src.placement(ts)) for r in range(len(ctx))
     }
-    request = Request(src.blocks, dst.blocks, span, (src.first, dst.first))
+    request = Request(src.blocks, dst.blocks, span, (src.first, dst.first), prompt_tokens=prompt)
     src_missing = missing(senders, src, span, range(ctx_side.cp_size))
     for receiver, layout in zip(gen, gen_layouts, strict=True):
-        plan = build_plan(ctx, receiver, sender_dp_rank=sender_dp).to_json()
+        built = build_plan(ctx, receiver, sender_dp_rank=sender_dp, prompt_tokens=prompt)
+        plan = built.to_json()
         views = [view for peer in plan["peers"] for view in peer["views"]]
         assert all("period_fragments" in v and "fragments" not in v for v in views)
         assert plan["fanin_bounce_safe"] is False
@@ -200,18 +233,12 @@ def test_cp_plans_write_every_token_once_on_the_rank_holding_it(world, data) -> 
         expected = truth.place(
             gen_side, layout, receiver.rank, dst.placement(td), positions, before
         )
-        for pool, want in expected.items():
-            written = (want != before[pool]).astype(np.int64)
-            np.testing.assert_array_equal(
-                writes[pool], written, err_msg=f"write count, pool {pool}"
-            )
-            np.testing.assert_array_equal(out[pool], want, err_msg=f"content, pool {pool}")
+        assert_exact(out, writes, expected, before)
 
 
 @st.composite
 def hybrid_cp_worlds(draw: st.DrawFn) -> tuple[list[ViewClass], Side, Side]:
     cls, ctx, gen = draw(hybrid_worlds())
-    cls = [replace(c, window=None) for c in cls]
     ssm_heads = next(c.total_heads for c in cls if c.kind == "ssm")
     sides = []
     for base in (ctx, gen):
@@ -223,18 +250,23 @@ def hybrid_cp_worlds(draw: st.DrawFn) -> tuple[list[ViewClass], Side, Side]:
         ]
         if sides and sides[0].cp_size == 1 and len(cps) > 1:
             cps = cps[1:]  # CP on at least one side where the state allows it
+        cp = draw(st.sampled_from(cps))
+        chunked = base.role == "context" and cp > 1
         sides.append(
             replace(
                 base,
-                windows=(),
-                cp_size=draw(st.sampled_from(cps)),
+                cp_size=cp,
                 cp_interleave=draw(st.sampled_from(interleaves(base.tokens_per_block))),
+                cp_layout=draw(
+                    st.sampled_from(["interleaved", *CHUNKED] if chunked else ["interleaved"])
+                ),
                 num_slots=-(-MAX_PROMPT // base.tokens_per_block) + 2,
             )
         )
     return cls, sides[0], sides[1]
 
 
+@pytest.mark.slow
 @settings(
     max_examples=max(10, EXAMPLES // 3),
     deadline=None,
@@ -244,26 +276,27 @@ def hybrid_cp_worlds(draw: st.DrawFn) -> tuple[list[ViewClass], Side, Side]:
 def test_cp_hybrid_plans_move_tokens_and_state_shares_once(world, data) -> None:
     cls, ctx_side, gen_side = world
     event(f"cp {ctx_side.cp_size} -> {gen_side.cp_size}")
-    ctx, ctx_layouts = instance(ctx_side, cls, "ctx")
-    gen, gen_layouts = instance(gen_side, cls, "gen")
-    check_registration(ctx[0], ctx[1:], gen)
-    check_registration(gen[-1], gen[:-1], ctx)
+    ctx, ctx_layouts, gen, gen_layouts = admitted(cls, ctx_side, gen_side)
     truth = Truth(cls)
-    sender_dp = data.draw(st.integers(0, ctx_side.dp_size - 1)) if ctx_side.attention_dp else 0
+    sender_dp = data.draw(sender_groups(ctx_side))
     start = data.draw(st.integers(0, MAX_PROMPT - 1))
     span = TokenRange(start, data.draw(st.integers(start + 1, MAX_PROMPT)))
+    ctx_side, prompt = with_prompt(data.draw, ctx_side, span)
+    event(f"context {ctx_side.cp_layout}")
     # Block lists use every slot but the last, which a state slot sharing their pool takes.
-    src = data.draw(cp_list(Placement(ctx_side), span, ctx_side.num_slots - 1))
-    dst = data.draw(cp_list(Placement(gen_side), span, gen_side.num_slots - 1))
+    src = data.draw(cp_list(Placement(ctx_side), span, ctx_side.num_slots - 1, whole=True))
+    dst = data.draw(cp_list(Placement(gen_side), span, gen_side.num_slots - 1, whole=True))
     state = (_state_slot(data.draw, ctx_side), _state_slot(data.draw, gen_side))
     ts, td = ctx_side.tokens_per_block, gen_side.tokens_per_block
     sender_pools = {
         r: truth.place(ctx_side, layout, r, src.placement(ts), states={state[0]: REQUEST})
         for r, layout in enumerate(ctx_layouts)
     }
-    request = Request(src.blocks, dst.blocks, span, (src.first, dst.first), [state])
+    request = Request(src.blocks, dst.blocks, span, (src.first, dst.first), [state], prompt)
+    starts = window_starts(ctx_side, gen_side, cls, span.end if prompt is None else prompt)
     for receiver, layout in zip(gen, gen_layouts, strict=True):
-        plan = build_plan(ctx, receiver, sender_dp_rank=sender_dp).to_json(period=True)
+        built = build_plan(ctx, receiver, sender_dp_rank=sender_dp, prompt_tokens=prompt)
+        plan = built.to_json(period=True)
         assert plan["expected_writers"] == sum(p["sends"] for p in plan["peers"])
         before = background(layout)
         out, writes = execute(
@@ -271,9 +304,6 @@ def test_cp_hybrid_plans_move_tokens_and_state_shares_once(world, data) -> None:
         )
         expected = truth.place(
             gen_side, layout, receiver.rank, dst.placement(td), range(span.start, span.end),
-            before, states={state[1]: REQUEST},
+            before, starts=starts, states={state[1]: REQUEST},
         )  # fmt: skip
-        for pool, want in expected.items():
-            written = (want != before[pool]).astype(np.int64)
-            np.testing.assert_array_equal(writes[pool], written, err_msg=f"writes, pool {pool}")
-            np.testing.assert_array_equal(out[pool], want, err_msg=f"content, pool {pool}")
+        assert_exact(out, writes, expected, before)

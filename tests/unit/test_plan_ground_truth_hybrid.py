@@ -16,23 +16,23 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroute.geometry import GeometryError, TokenRange, build_plan, check_registration
 from tests.executor import Request, execute
-from tests.truth import Truth, background, window_starts
+from tests.truth import Truth, assert_exact, background, window_starts
 from tests.unit.test_plan_ground_truth import (
     BLOCK_TOKENS,
     HEAD_TOTALS,
     MAX_PROMPT,
     Lists,
+    sender_groups,
     splits,
     transfers,
 )
-from tests.world import Layout, Side, ViewClass, instance
+from tests.world import Layout, Side, ViewClass, admitted, instance
 
 EXAMPLES = int(os.environ.get("KVROUTE_PROPERTY_EXAMPLES", "2000")) // 5
 REQUEST = 5  # the request whose state the state slots hold
@@ -185,6 +185,7 @@ def jobs(draw: st.DrawFn, ctx: Side, gen: Side) -> Job:
     return Job(span, src, dst, prompt, state)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -193,12 +194,9 @@ def jobs(draw: st.DrawFn, ctx: Side, gen: Side) -> Job:
 @given(world=hybrid_worlds(), data=st.data())
 def test_hybrid_plans_write_the_window_s_tokens_and_state_once(world, data) -> None:
     cls, ctx_side, gen_side = world
-    ctx, ctx_layouts = instance(ctx_side, cls, "ctx")
-    gen, gen_layouts = instance(gen_side, cls, "gen")
-    check_registration(ctx[0], ctx[1:], gen)
-    check_registration(gen[-1], gen[:-1], ctx)
+    ctx, ctx_layouts, gen, gen_layouts = admitted(cls, ctx_side, gen_side)
     truth = Truth(cls)
-    sender_dp = data.draw(st.integers(0, ctx_side.dp_size - 1)) if ctx_side.attention_dp else 0
+    sender_dp = data.draw(sender_groups(ctx_side))
     job = data.draw(jobs(ctx_side, gen_side))
     ts, td = ctx_side.tokens_per_block, gen_side.tokens_per_block
     sender_pools = {
@@ -219,10 +217,7 @@ def test_hybrid_plans_write_the_window_s_tokens_and_state_once(world, data) -> N
             gen_side, layout, receiver.rank, job.dst.placement(td), positions, before,
             starts=starts, states={job.state[1]: REQUEST},
         )  # fmt: skip
-        for pool, want in expected.items():
-            written = (want != before[pool]).astype(np.int64)
-            np.testing.assert_array_equal(writes[pool], written, err_msg=f"writes, pool {pool}")
-            np.testing.assert_array_equal(out[pool], want, err_msg=f"content, pool {pool}")
+        assert_exact(out, writes, expected, before)
         _check_accounting(plan, truth, gen_side, layout, receiver.rank)
 
 
@@ -239,6 +234,7 @@ def _check_accounting(plan: dict, truth: Truth, gen_side: Side, layout: Layout, 
 MUTATIONS = ["draft_first", "ssm_head", "ssm_heads", "conv_count", "conv_size", "window", "missing"]
 
 
+@pytest.mark.slow
 @settings(
     max_examples=max(50, EXAMPLES // 4), deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -13,6 +13,7 @@ import pytest
 from kvroute.geometry import (
     BlockList,
     GeometryError,
+    RankRegistration,
     Spread,
     TokenGap,
     TokenRange,
@@ -21,6 +22,7 @@ from kvroute.geometry import (
     check_registration,
     range_copies,
     resolve_lists,
+    window_start,
 )
 from kvroute.pictures import plan_svg
 from kvroute.render import plan_text
@@ -139,14 +141,116 @@ def test_a_cp_list_short_of_a_token_raises_a_gap_naming_it() -> None:
     assert (gap.value.field, gap.value.token) == ("dst_blocks", 9)
 
 
-def test_windows_with_cp_are_refused_with_both_values() -> None:
+def test_windows_with_cp_move_the_window_from_each_side_s_block_start() -> None:
+    # A 128-token window on 16-token blocks, generation CP2 interleave 1, prompt of 300 tokens:
+    # the first in-window token is 173; CP rank 1 holds it at local 86 (local block 5, from local
+    # 80 on); rank 0's local 80 is token 160, rank 1's is 161, so every CP rank's tokens lie in
+    # local block 5 on from token 160 (the context side's block start is 160 too).
     windowed = view(0, [0, 1], 16 * 64, sliding_window=128)
     ctx = rank("context", tp=1, heads=1, views=[windowed])
     gen = rank("generation", tp=1, heads=1, views=[windowed], cp=2)
+    check_registration(gen, [], [ctx])
+    pair = build_plan([ctx], gen).peers[0].views[0]
+    assert pair.window is not None
+    assert pair.window.first_token(300, (Spread(), gen.spread)) == 160
+    assert window_start(128, 300, 16, 16, (Spread(), Spread(2, 0, 16))) == 160  # helix: blocks
+    assert window_start(128, 300, 16, 16) == 160  # without CP: floor(173 / 16) * 16
+
+
+@pytest.mark.parametrize(
+    ("layout", "cp", "prompt", "ranks"),
+    [
+        # Megatron / TransformerEngine zig-zag, 8 tokens over CP2: rank 0 holds chunks 0 and 3.
+        ("zigzag", 2, 8, [[0, 1, 6, 7], [2, 3, 4, 5]]),
+        # 10 tokens in 4 chunks: the first 10 % 4 = 2 chunks hold one more (numpy array_split).
+        ("zigzag", 2, 10, [[0, 1, 2, 8, 9], [3, 4, 5, 6, 7]]),
+        ("contiguous", 4, 10, [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]),
+        ("contiguous", 4, 3, [[0], [1], [2], []]),  # a prompt shorter than CP: rank 3 holds none
+        ("zigzag", 3, 7, [[0, 1, 6], [2, 5], [3, 4]]),  # chunks of 2, 1, 1, 1, 1, 1
+    ],
+)
+def test_chunk_boundaries_and_local_positions(
+    layout: str, cp: int, prompt: int, ranks: list[list[int]]
+) -> None:
+    for r, tokens in enumerate(ranks):
+        spread = Spread(cp, r, 1, layout, prompt)
+        assert [t for t in range(prompt) if spread.holds(t)] == tokens
+        assert [spread.local(t) for t in tokens] == list(range(len(tokens)))  # back to back
+        assert [spread.token(at) for at in range(len(tokens))] == tokens
+
+
+def _chunked_mla(layout: str, cp_rank: int, *, cp: int = 2, tpb: int = 4) -> RankRegistration:
+    latent = view(
+        0, [0, 1], tpb * LATENT, kind="replicated", roles=["latent"], buffers=1, heads=None
+    )
+    return rank(
+        "context", tp=1, heads=1, mla=True, tpb=tpb, views=[latent], cp=cp, cp_rank=cp_rank,
+        cp_layout=layout,
+    )  # fmt: skip
+
+
+def test_zigzag_context_to_cp2_interleaved_generation_for_one_prompt() -> None:
+    ctx = [_chunked_mla("zigzag", c) for c in range(2)]
+    gen = _mla("generation", tpb=2, cp=2, cp_rank=1)
+    check_registration(ctx[0], ctx[1:], [gen])
+    check_registration(gen, [], ctx)
+    plan = build_plan(ctx, gen, prompt_tokens=10)
+    doc = plan.to_json()
+    assert doc["prompt_tokens"] == 10
+    # Receiver rank 1 holds the odd tokens; zig-zag rank 0 holds 0-2 and 8-9, rank 1 holds 3-7.
+    sends = {p["rank"]: p["views"][0] for p in doc["peers"] if p["sends"]}
+    assert sends[0]["src_cp"] == {"size": 2, "rank": 0, "layout": "zigzag", "prompt_tokens": 10}
+    tokens = {r: sorted({(f[5], f[6]) for f in v["period_fragments"]}) for r, v in sends.items()}
+    assert tokens == {0: [(1, 1), (9, 1)], 1: [(3, 1), (5, 1), (7, 1)]}
+    # Token 9: sender rank 0's local 4 (block 1, position 0) -> receiver local 4 (block 2, 0).
+    assert any(f[:4] == [1, 0, 2, 0] and f[5] == 9 for f in sends[0]["period_fragments"])
+    # Tokens [2, 10) of the 10-token prompt, moved with each side's shared list.
+    period = plan.peers[0].views[0].period_map
+    span, src, dst = resolve_lists(
+        [10, 11], [20, 21, 22], 4, 2, tokens=TokenRange(2, 10), prompt_tokens=10,
+        src_spread=period.src_spread, dst_spread=period.dst_spread,
+    )  # fmt: skip
+    assert (src.first_block, dst.first_block) == (0, 0)
+    copies = range_copies(period, span, src, dst)
+    # Token 9 in both layers (regions of 4 and 2 latent rows a block).
+    assert sorted(copies) == [(11, 0, 22, 0, LATENT), (11, 4 * LATENT, 22, 2 * LATENT, LATENT)]
+    text = plan_text(doc)
+    assert "CP rank 0 of 2 (zigzag chunks of a 10-token prompt): tokens [0,3) [8,10)" in text
+    assert "CP rank 1 of 2 (zigzag chunks of a 10-token prompt): tokens [3,8)" in text
+    assert "sender holds tokens [8, 10)" in plan_svg(doc)
+
+
+def test_chunked_plans_and_jobs_need_their_prompt_length() -> None:
+    ctx = [_chunked_mla("contiguous", c) for c in range(2)]
+    gen = _mla("generation", tpb=4)
     with pytest.raises(GeometryError) as refused:
-        check_registration(gen, [], [ctx])
-    assert refused.value.code == "context_parallel_window_unsupported"
-    assert (refused.value.local, refused.value.peer) == (128, 128)
+        build_plan(ctx, gen)
+    assert refused.value.code == "prompt_tokens_required"
+    assert (refused.value.field, refused.value.local, refused.value.peer) == (
+        "prompt_tokens",
+        None,
+        "contiguous",
+    )
+    period = build_plan(ctx, gen, prompt_tokens=12).peers[0].views[0].period_map
+    with pytest.raises(TokenRangeError) as mismatch:
+        resolve_lists(
+            [1, 2], [3, 4], 4, 4, tokens=TokenRange(0, 8), prompt_tokens=9,
+            src_spread=period.src_spread,
+        )  # fmt: skip
+    assert mismatch.value.code == "prompt_tokens_mismatch"
+    assert (mismatch.value.extras["local"], mismatch.value.extras["peer"]) == (9, 12)
+
+
+def test_generation_ranks_cannot_hold_prefill_chunks() -> None:
+    gen = rank("generation", tp=1, heads=1, cp=2, cp_layout="zigzag")
+    with pytest.raises(GeometryError) as refused:
+        check_registration(gen, [], [])
+    assert refused.value.code == "context_parallel_layout_unsupported"
+    assert (refused.value.field, refused.value.local, refused.value.peer) == (
+        "cp_layout",
+        "zigzag",
+        "interleaved",
+    )
 
 
 def test_text_and_svg_show_the_token_split() -> None:

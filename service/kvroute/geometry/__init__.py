@@ -12,6 +12,7 @@ builder (views for workers). Nothing here does I/O or imports aiohttp, SQLAlchem
 
 from kvroute.geometry.compat import check_peers, check_registration
 from kvroute.geometry.errors import GeometryError
+from kvroute.geometry.instance import missing_ranks
 from kvroute.geometry.model import (
     DTYPE_BITS,
     Attention,
@@ -74,6 +75,7 @@ __all__ = [
     "check_registration",
     "first_gap",
     "full_periods",
+    "missing_ranks",
     "periods_inside",
     "prompt_length",
     "range_copies",

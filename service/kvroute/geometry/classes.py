@@ -18,11 +18,15 @@ whose verdict is that stage, and re-running the check on it alone yields the ide
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping, Sequence
+from typing import TYPE_CHECKING
 
 from kvroute.geometry.compat import PEER_STAGES, check_peers
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.faces import face_digest, rank_face
-from kvroute.geometry.model import RankRegistration
+
+if TYPE_CHECKING:
+    from kvroute.geometry.model import RankRegistration
+
 
 Verdict = int | None  # index of the first peer stage the pair fails, None when compatible
 VerdictMemo = MutableMapping[tuple[str, str], Verdict]

@@ -1,7 +1,7 @@
 """Peer compatibility and the full registration check (DESIGN.md "Rejected at the boundary").
 
-Checks run stage by stage across all peers (rank-wide fields, then view matching, then per-pair
-geometry: KV heads and sliding windows of block views, SSM heads, TP-aggregated bytes and conv
+Checks run stage by stage across all peers (model identity and KV quantization, rank-wide fields,
+then view matching, then per-pair geometry: KV heads and sliding windows of block views, SSM heads, TP-aggregated bytes and conv
 sections of state views), so a draft-layer mismatch is always reported as such, never as the
 geometry error it would otherwise surface as on the draft views.
 """
@@ -9,16 +9,22 @@ geometry error it would otherwise surface as on the draft views.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvroute.geometry.errors import GeometryError
+from kvroute.geometry.identity import check_identity
 from kvroute.geometry.instance import check_instance
 from kvroute.geometry.matching import match_view
-from kvroute.geometry.model import DTYPE_BITS, RankRegistration, View
 from kvroute.geometry.pairs import PairGeometry, pair_geometry
+from kvroute.geometry.parts import DTYPE_BITS, View
 from kvroute.geometry.state import StateGeometry, state_geometry
 from kvroute.geometry.validate import check_self
 
-MatchedPair = tuple[RankRegistration, View, RankRegistration, View]
+if TYPE_CHECKING:
+    from kvroute.geometry.model import RankRegistration
+
+
+MatchedPair = tuple["RankRegistration", View, "RankRegistration", View]
 
 
 def _rank_fields(reg: RankRegistration) -> list[tuple[str, str, object]]:
@@ -92,6 +98,7 @@ def matched_geometries(
 
 # The peer checks in order; each raises the pair's first failure at its stage.
 PEER_STAGES: tuple[Callable[[RankRegistration, RankRegistration], object], ...] = (
+    check_identity,  # another model or KV format: its geometry is not worth comparing
     check_rank_fields,
     matched_pairs,
     matched_geometries,

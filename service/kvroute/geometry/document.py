@@ -3,22 +3,20 @@
 The HTTP layer validates documents against the OpenAPI schema first; this parser still checks every
 type and range itself, because the geometry library is also used directly (CLI, workers, tests) and a
 malformed document must become a named ``invalid_document`` refusal, never a KeyError or TypeError.
+It reads the registration's parts only: ``RankRegistration.from_json`` (above) passes its class in.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvroute.geometry.domains import parse_topology, render_topology
 from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.limits import (
-    ARRAY_BOUNDS,
-    INTEGER_BOUNDS,
-    MAX_LAYER_SLOTS,
-    STRING_BOUNDS,
-)
-from kvroute.geometry.model import (
+from kvroute.geometry.identity import parse_identity, render_identity
+from kvroute.geometry.limits import ARRAY_BOUNDS, INTEGER_BOUNDS, MAX_LAYER_SLOTS, STRING_BOUNDS
+from kvroute.geometry.parts import (
     DTYPE_BITS,
     Attention,
     CpLayout,
@@ -26,16 +24,19 @@ from kvroute.geometry.model import (
     LayerSlot,
     Owner,
     Pool,
-    RankRegistration,
     Role,
     View,
 )
+
+if TYPE_CHECKING:
+    from kvroute.geometry.model import RankRegistration
 
 # Matched whole (``fullmatch``): a trailing newline is part of the value, never an alias of it.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", re.ASCII)
 ROLE_NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,62}", re.ASCII)
 
 E = TypeVar("E")
+R = TypeVar("R", bound="RankRegistration")
 
 
 def _invalid(field: str, detail: str, value: Any = None) -> GeometryError:
@@ -149,11 +150,8 @@ def _short(value: Any) -> Any:
     if isinstance(value, list | dict) and len(value) > 8:
         return f"<{type(value).__name__} of {len(value)} items>"  # never repr a huge container
     text = repr(value)
-    return (
-        value
-        if len(text) <= 80 and isinstance(value, int | float | str | bool | None)
-        else text[:80]
-    )
+    plain = len(text) <= 80 and isinstance(value, int | float | str | bool | None)
+    return value if plain else text[:80]
 
 
 def _parse_pool(r: _Reader) -> Pool:
@@ -277,9 +275,9 @@ def _parse_views(r: _Reader) -> tuple[View, ...]:
 
 
 def parse_registration(
-    doc: Mapping[str, Any], *, deployment: str, instance: str, rank: int
-) -> RankRegistration:
-    """Builds a RankRegistration from an API.md document; raises ``invalid_document`` on bad input."""
+    cls: type[R], doc: Mapping[str, Any], *, deployment: str, instance: str, rank: int
+) -> R:
+    """Builds a ``cls`` from an API.md document; raises ``invalid_document`` on bad input."""
     for field, name in (("deployment", deployment), ("instance", instance)):
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise _invalid(field, f"is not a valid name: {_short(name)}", _short(name))
@@ -288,7 +286,7 @@ def parse_registration(
     low, high = INTEGER_BOUNDS["RegistrationDocument.layers_per_stage[]"]
     for index, count in enumerate(stages):
         _bounded_int(f"layers_per_stage[{index}]", count, low, high)
-    return RankRegistration(
+    return cls(
         deployment=deployment,
         instance=instance,
         rank=rank,
@@ -313,6 +311,8 @@ def parse_registration(
         lease_seconds=r.int("lease_seconds", default=30),
         endpoint=r.opt_str("endpoint"),
         nixl_agent_metadata=r.opt_str("nixl_agent_metadata"),
+        **parse_identity(r),
+        **parse_topology(r),
     )
 
 
@@ -368,9 +368,6 @@ def render_registration(reg: RankRegistration, *, geometry_only: bool = False) -
         "dp_size": reg.dp_size,
         "dp_rank": reg.dp_rank,
         "cp_size": reg.cp_size,
-        "cp_rank": reg.cp_rank,
-        "cp_layout": reg.cp_layout.value,
-        "cp_interleave": reg.cp_interleave,
         "layers_per_stage": list(reg.layers_per_stage),
         "num_draft_layers": reg.num_draft_layers,
         "tokens_per_block": reg.tokens_per_block,
@@ -383,6 +380,13 @@ def render_registration(reg: RankRegistration, *, geometry_only: bool = False) -
         "pools": [render_pool(pool) for pool in reg.pools],
         "views": [render_view(view) for view in reg.views],
     }
+    if reg.cp_size > 1:
+        # Only with CP: a document without CP stays byte-identical to what servers before CP
+        # accept (they refuse unknown members) and keeps its canonical digest.
+        doc.update(
+            cp_rank=reg.cp_rank, cp_layout=reg.cp_layout.value, cp_interleave=reg.cp_interleave
+        )
+    doc.update(render_identity(reg))  # likewise only members that are set
     if geometry_only:
         for pool in doc["pools"]:
             pool.pop("memory", None)
@@ -392,4 +396,4 @@ def render_registration(reg: RankRegistration, *, geometry_only: bool = False) -
         doc["endpoint"] = reg.endpoint
     if reg.nixl_agent_metadata is not None:
         doc["nixl_agent_metadata"] = reg.nixl_agent_metadata
-    return doc
+    return doc | render_topology(reg)  # where it runs: pairing, never a plan

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-Stage = Literal["schema", "self", "instance", "peer", "plan"]
+Stage = Literal["schema", "self", "instance", "peer", "plan", "plan_document", "request"]
 
 _TITLES: dict[Stage, str] = {
     "schema": "Malformed registration document",
@@ -16,6 +16,8 @@ _TITLES: dict[Stage, str] = {
     "instance": "Rank disagrees with its instance",
     "peer": "Incompatible with a peer rank",
     "plan": "No transfer plan possible",
+    "plan_document": "Malformed plan document",
+    "request": "The request lacks what this geometry needs",
 }
 
 
@@ -43,12 +45,6 @@ class GeometryError(ValueError):
         self.stage: Stage = stage
         self.peer_instance = peer_instance
         self.peer_rank = peer_rank
-
-    def with_peer(self, instance: str, rank: int) -> GeometryError:
-        """Names the rank the refusal was found against (the caller knows it, the check may not)."""
-        if self.peer_instance is None:
-            self.peer_instance, self.peer_rank = instance, rank
-        return self
 
     def to_problem(self) -> dict[str, Any]:
         """The RFC 9457 members of this refusal; the HTTP layer adds ``status``."""

@@ -1,6 +1,6 @@
 """A rank's *face*: everything a peer check may read of it, and nothing else.
 
-Peer verdicts (``compat.PEER_STAGES``: rank fields, view matching, pair geometry, windows, state)
+Peer verdicts (``compat.PEER_STAGES``: model identity, rank fields, view matching, pair geometry, windows, state)
 depend on which layers a rank holds and on each view's kind, roles, owner, heads, bytes, block
 size, window, dtype and state shape; never on where a layer's region sits in the slot (offsets,
 gaps, slot size and stride, pools), on view or pool ids, nor on the rank's TP position. A
@@ -22,14 +22,21 @@ import hashlib
 import json
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvroute.geometry.model import Axis, Kind, Owner, RankRegistration, Role, View
+from kvroute.geometry.identity import KvQuantization, ModelIdentity
+from kvroute.geometry.parts import Axis, Kind, Owner, Role, View
+
+if TYPE_CHECKING:
+    from kvroute.geometry.model import RankRegistration
 
 # Field metadata: ``NAME`` fields label messages and are not geometry; ``UNORDERED`` sequences are
 # digested as multisets (a stage fails when any view fails, whatever the order of the views).
 NAME = {"name": True}
 UNORDERED = {"unordered": True}
+# ``OPTIONAL`` fields are left out of the digest while None, so ranks that do not declare them keep
+# the class digest they had before the field existed (stored classes stay valid).
+OPTIONAL = {"optional": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +90,8 @@ class RankFace:
     target_layers: frozenset[int]  # RankRegistration.held_layers(TARGET): its PP stage
     draft_layers: frozenset[int]
     views: tuple[ViewFace, ...] = field(metadata=UNORDERED)
+    model: ModelIdentity | None = field(metadata=OPTIONAL)  # identity checks (``identity``)
+    kv_quantization: KvQuantization | None = field(metadata=OPTIONAL)
     instance: str = field(metadata=NAME)
     rank: int = field(metadata=NAME)
 
@@ -116,6 +125,8 @@ def rank_face(reg: RankRegistration) -> RankFace:
         target_layers=reg.held_layers(Owner.TARGET),
         draft_layers=reg.held_layers(Owner.DRAFT),
         views=tuple(_view_face(reg, view) for view in reg.views),
+        model=reg.model,
+        kv_quantization=reg.kv_quantization,
         instance=reg.instance,
         rank=reg.rank,
     )
@@ -154,6 +165,7 @@ def _plain(value: Any) -> Any:
             item.name: _member(item.metadata, getattr(value, item.name))
             for item in fields(value)
             if not item.metadata.get("name")
+            and not (item.metadata.get("optional") and getattr(value, item.name) is None)
         }
     if isinstance(value, Enum):
         return value.value

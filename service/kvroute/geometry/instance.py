@@ -8,10 +8,17 @@ sliding windows alike. The first disagreement is raised, in the order of ``_INST
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import itertools
+from collections.abc import Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.model import RankRegistration, View
+from kvroute.geometry.identity import differences
+from kvroute.geometry.parts import View
+
+if TYPE_CHECKING:
+    from kvroute.geometry.model import RankRegistration
+
 
 # Fields every rank of an instance must agree on, in the order they are compared.
 _INSTANCE_FIELDS: tuple[str, ...] = (
@@ -29,6 +36,20 @@ _INSTANCE_FIELDS: tuple[str, ...] = (
 )
 _ATTENTION_FIELDS: tuple[str, ...] = ("num_kv_heads", "head_dim", "dtype", "is_mla")
 
+# Pairs of faces (``face_id``) whose ranks were compared and agreed: a fleet's instances have a
+# handful of faces, so a rank joining an instance of 32 compares with its members once per pair of
+# faces, not 31 times. Bounded; ids never repeat, so clearing only forgets.
+_MEMO_SIZE = 4_096
+_face_ids: dict[Hashable, int] = {}
+_agreed: set[tuple[int, int]] = set()
+_next_id = itertools.count()
+
+
+def missing_ranks(expected: int, present: Iterable[int]) -> list[int]:
+    """The rank numbers of an instance of ``expected`` ranks that ``present`` lacks, in order (a
+    plan needs every sender rank, a plan set every receiver rank, a matrix pair both instances)."""
+    return sorted(set(range(expected)).difference(present))
+
 
 def check_instance(reg: RankRegistration, others: Iterable[RankRegistration]) -> None:
     """The rank agrees with its instance's layout (fixed by its first rank) and its rank number."""
@@ -45,8 +66,42 @@ def check_instance(reg: RankRegistration, others: Iterable[RankRegistration]) ->
             stage="instance",
         )
     for other in sorted(others, key=lambda o: o.rank):
-        if other.rank != reg.rank:
+        if other.rank == reg.rank:
+            continue
+        pair = (reg.instance_face_id, other.instance_face_id)
+        if pair not in _agreed:
             _compare_instance_ranks(reg, other)
+            if len(_agreed) >= _MEMO_SIZE:
+                _agreed.clear()
+            _agreed.add(pair)
+
+
+def face_id(reg: RankRegistration) -> int:
+    """A number for everything ``_compare_instance_ranks`` reads of a rank but its name (which only
+    its refusals quote): two ranks with the ids of two that agreed agree too."""
+    views = tuple(
+        (
+            view.owner,
+            view.roles,
+            view.axis,
+            view.layer_ids,
+            *(mine for _, mine, _ in _view_signature(reg, view, reg, view)),
+        )
+        for view in reg.views
+    )
+    face = (
+        tuple(getattr(reg, f) for f in _INSTANCE_FIELDS),
+        tuple(getattr(reg.attention, f) for f in _ATTENTION_FIELDS),
+        reg.model,
+        reg.kv_quantization,
+        views,
+    )
+    if (known := _face_ids.get(face)) is not None:
+        return known
+    if len(_face_ids) >= _MEMO_SIZE:
+        _face_ids.clear()
+        _agreed.clear()
+    return _face_ids.setdefault(face, next(_next_id))
 
 
 def _compare_instance_ranks(reg: RankRegistration, other: RankRegistration) -> None:
@@ -55,6 +110,8 @@ def _compare_instance_ranks(reg: RankRegistration, other: RankRegistration) -> N
         (f"attention.{f}", getattr(reg.attention, f), getattr(other.attention, f))
         for f in _ATTENTION_FIELDS
     ]
+    # One engine serves one model: its ranks name the same identity, absent members included.
+    pairs += [(field, a, b) for _, field, a, b in differences(reg, other, strict=True)]
     for field, mine, theirs in pairs:
         if mine != theirs:
             mine, theirs = _jsonable(mine), _jsonable(theirs)

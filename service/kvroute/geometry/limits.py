@@ -41,6 +41,9 @@ MAX_ENDPOINT_LENGTH = 512
 MAX_NIXL_METADATA_LENGTH = 1 << 20
 MAX_CONV_SECTIONS = 16
 MAX_SLIDING_WINDOW = 2**30
+MAX_IDENTITY_LENGTH = 256  # model ids, revisions, "sha256:<64 hex>" digests
+MAX_FORMAT_LENGTH = 32  # KV and scale format names
+MAX_DOMAINS = 8  # topology domains per rank (zone, rack, NVLink domain, ...)
 
 # "Schema.property" (``[]`` for an array's items) -> inclusive (minimum, maximum).
 INTEGER_BOUNDS: dict[str, tuple[int, int]] = {
@@ -75,6 +78,7 @@ INTEGER_BOUNDS: dict[str, tuple[int, int]] = {
     "View.sliding_window": (1, MAX_SLIDING_WINDOW),
     "View.layers[].layer": (0, MAX_LAYERS - 1),
     "View.layers[].offset": (0, MAX_BYTES),
+    "KvQuantization.scale_block": (1, MAX_HEAD_DIM),
 }
 
 # "Schema.property" -> inclusive (minItems, maxItems) of an array.
@@ -92,4 +96,10 @@ ARRAY_BOUNDS: dict[str, tuple[int, int]] = {
 STRING_BOUNDS: dict[str, tuple[int, int]] = {
     "RegistrationDocument.endpoint": (1, MAX_ENDPOINT_LENGTH),
     "RegistrationDocument.nixl_agent_metadata": (0, MAX_NIXL_METADATA_LENGTH),
+    **{
+        f"ModelIdentity.{key}": (1, MAX_IDENTITY_LENGTH)
+        for key in ("name", "revision", "weights_digest", "tokenizer_digest")
+    },
+    "KvQuantization.kv_dtype": (1, MAX_FORMAT_LENGTH),
+    "KvQuantization.scale_dtype": (1, MAX_FORMAT_LENGTH),
 }

@@ -10,8 +10,13 @@ views"), misplaced, or of another mapper kind.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.model import RankRegistration, View
+from kvroute.geometry.parts import View
+
+if TYPE_CHECKING:
+    from kvroute.geometry.model import RankRegistration
 
 
 def match_view(view: View, owner_rank: RankRegistration, peer: RankRegistration) -> View | None:

@@ -10,11 +10,15 @@ a block of either side is then just a cut of the same token rows (see ``periods`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.heads import pair_total
-from kvroute.geometry.model import Kind, RankRegistration, View
+from kvroute.geometry.parts import Kind, View
 from kvroute.geometry.window import Window, pair_window
+
+if TYPE_CHECKING:
+    from kvroute.geometry.model import RankRegistration
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,16 +75,6 @@ def pair_geometry(
     tokens, peer_tokens = local.tokens(view), peer.tokens(theirs)
     window = pair_window(local, view, peer, theirs)
     cp = local.cp_size > 1 or peer.cp_size > 1
-    if cp and window is not None:
-        raise fail(
-            "context_parallel_window_unsupported",
-            "sliding_window",
-            view.sliding_window,
-            theirs.sliding_window,
-            reason=f"a sliding window (local={view.sliding_window}, peer={theirs.sliding_window}) "
-            f"with context parallelism (cp_size local={local.cp_size}, peer={peer.cp_size}) is not "
-            "planned: the window's first block is not one block on every CP rank",
-        )
     if view.kind is Kind.REPLICATED:
         token_unit = _token_units(
             fail, view, 1, tokens, theirs, 1, peer_tokens, same_heads=True, recut=cp

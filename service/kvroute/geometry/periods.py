@@ -348,8 +348,10 @@ def token_axis(
     dst: View,
     geometry: PairGeometry,
     layers: Iterable[int],
+    prompt_tokens: int | None = None,
 ) -> TokenAxis:
-    """The token layout of ``layers`` of a matched pair, sender to receiver (planner orientation)."""
+    """The token layout of ``layers`` of a matched pair, sender to receiver (planner orientation),
+    for a prompt of ``prompt_tokens`` where a side's CP chunks depend on it."""
     if geometry.mapper == "replicated":
         held, first, moved, head_major = (1, 1), (0, 0), 1, True
     else:
@@ -372,6 +374,6 @@ def token_axis(
         src_first=first[0],
         dst_first=first[1],
         moved=moved,
-        src_spread=sender.spread,
-        dst_spread=receiver.spread,
+        src_spread=sender.placement(prompt_tokens),
+        dst_spread=receiver.placement(prompt_tokens),
     )

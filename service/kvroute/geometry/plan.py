@@ -13,6 +13,12 @@ names its ``window``: it moves a job's tokens from the window's first token on (
 
 Recurrent-state pairs (a peer's ``states``) move bytes of a request's one state slot on each side,
 once per job, whatever the block sizes or the token range.
+
+``Plan.from_json`` reads a plan document back into these types, strictly (``reading``): members of
+the wrong type, periods that do not cut both sides' blocks and derived members (bytes, descriptors,
+writers) that contradict the fragments are refused as ``invalid_plan`` naming the member. A plan
+read back carries its period form (``ViewTransfer.period``) where the planner's carries a token
+axis, and the generations it was served with.
 """
 
 from __future__ import annotations
@@ -21,135 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvroute.geometry.mappers import Fragment
-from kvroute.geometry.periods import PeriodMap, TokenAxis
-from kvroute.geometry.window import Window
+from kvroute.geometry.plan_pairs import StateTransfer, ViewTransfer
+from kvroute.geometry.reading import Members, invalid, is_int
 
-
-@dataclass(frozen=True, slots=True)
-class ViewTransfer:
-    """One matched view pair as sent by one sender rank."""
-
-    src_view: int
-    dst_view: int
-    src_pool: int
-    dst_pool: int
-    mapper: str
-    duplicate_head_factor: int
-    peer_duplicate_head_factor: int
-    fragments: tuple[Fragment, ...]
-    layers: tuple[int, ...]
-    owner: str
-    roles: tuple[str, ...]
-    total_heads: int
-    src_heads: tuple[int, int]  # global head range the sender holds (under total_heads)
-    dst_heads: tuple[int, int]  # global head range this pair writes on the receiver
-    axis: TokenAxis | None = field(default=None, compare=False, repr=False)
-    window: Window | None = None  # sliding window: only the tokens in it move
-
-    @property
-    def periodic(self) -> bool:
-        """The two sides' blocks differ in size: the pair moves by period, not by block pair."""
-        return self.axis is not None and self.axis.periodic
-
-    @property
-    def period_map(self) -> PeriodMap:
-        """The pair's period form (computed on first use where block sizes are equal)."""
-        if self.axis is None:
-            raise ValueError(f"view pair {self.src_view}->{self.dst_view} has no token layout")
-        return self.axis.period_map
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes per receiver block."""
-        if self.periodic:
-            return self.period_map.bytes_per_dst_block
-        return sum(length for _, _, length in self.fragments)
-
-    @property
-    def descriptors_per_block(self) -> int:
-        """Fragments per receiver block (where blocks differ, the most any receiver block needs)."""
-        return self.period_map.descriptors_per_dst_block if self.periodic else len(self.fragments)
-
-    def to_json(self, *, period: bool = False) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            **_pair_members(self),
-            "heads": {
-                "total": self.total_heads,
-                "src": list(self.src_heads),
-                "dst": list(self.dst_heads),
-            },
-            "bytes_per_block": self.bytes_per_block,
-        }
-        if self.window is not None:
-            doc["window"] = self.window.to_json()
-        if self.periodic or (period and self.axis is not None):
-            return doc | self.period_map.to_json()
-        return doc | {
-            "descriptors_per_block": len(self.fragments),
-            "fragments": [list(fragment) for fragment in self.fragments],
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class StateTransfer:
-    """One matched recurrent-state view pair as sent by one sender rank.
-
-    Fragments are relative to a request's state slot on each side (not to a block), and are
-    copied once per request, from the sender's state slot to the receiver's.
-    """
-
-    src_view: int
-    dst_view: int
-    src_pool: int
-    dst_pool: int
-    mapper: str  # "ssm" | "conv" | "replicated"
-    duplicate_head_factor: int
-    peer_duplicate_head_factor: int
-    fragments: tuple[Fragment, ...]
-    layers: tuple[int, ...]
-    owner: str
-    roles: tuple[str, ...]
-    mamba_tp: tuple[tuple[int, int], tuple[int, int]]  # (tp, rank) of the sender, the receiver
-    shard_unit: str  # "head" (ssm), "part" (conv: lcm of the TPs), "whole" (replicated)
-    shard_total: int
-    src_shard: tuple[int, int]  # positions of every section the sender holds
-    dst_shard: tuple[int, int]  # positions this pair writes on the receiver
-
-    @property
-    def nbytes(self) -> int:
-        return sum(length for _, _, length in self.fragments)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **_pair_members(self),
-            "mamba_tp": {"src": list(self.mamba_tp[0]), "dst": list(self.mamba_tp[1])},
-            "shard": {
-                "unit": self.shard_unit,
-                "total": self.shard_total,
-                "src": list(self.src_shard),
-                "dst": list(self.dst_shard),
-            },
-            "bytes": self.nbytes,
-            "descriptors": len(self.fragments),
-            "fragments": [list(fragment) for fragment in self.fragments],
-        }
-
-
-def _pair_members(pair: ViewTransfer | StateTransfer) -> dict[str, Any]:
-    """The members every matched view pair states, block or state."""
-    return {
-        "src_view": pair.src_view,
-        "dst_view": pair.dst_view,
-        "src_pool": pair.src_pool,
-        "dst_pool": pair.dst_pool,
-        "mapper": pair.mapper,
-        "duplicate_head_factor": pair.duplicate_head_factor,
-        "peer_duplicate_head_factor": pair.peer_duplicate_head_factor,
-        "owner": pair.owner,
-        "roles": list(pair.roles),
-        "layers": list(pair.layers),
-    }
+__all__ = ["PeerPlan", "Plan", "StateTransfer", "ViewTransfer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +78,22 @@ class PeerPlan:
             doc["states"] = [state.to_json() for state in self.states]
         return doc
 
+    @classmethod
+    def from_json(cls, doc: Any, path: str) -> PeerPlan:
+        m = Members(doc, path)
+        peer = cls(
+            rank=m.int("rank"),
+            pp_rank=m.int("pp_rank"),
+            tp_rank=m.int("tp_rank"),
+            views=tuple(ViewTransfer.from_json(v.doc, v.path) for v in m.items("views")),
+            states=tuple(
+                StateTransfer.from_json(s.doc, s.path) for s in m.items("states", optional=True)
+            ),
+        )
+        for key in ("sends", "bytes_per_block", "descriptors_per_block", "state_bytes"):
+            m.derived(key, getattr(peer, key))
+        return peer
+
 
 @dataclass(frozen=True, slots=True)
 class Plan:
@@ -212,6 +109,10 @@ class Plan:
     sender_parallel: tuple[int, int]  # (tp_size, pp_size) of the sender instance
     receiver_parallel: tuple[int, int]  # (tp_size, pp_size) of the receiver instance
     warnings: tuple[str, ...] = ()
+    # The generations it was served with (``to_json``'s defaults); none for a plan built here.
+    sender_generations: Mapping[int, int | None] = field(default_factory=dict, compare=False)
+    receiver_generation: int | None = field(default=None, compare=False)
+    prompt_tokens: int | None = None  # the prompt a chunked (prefill CP) sender's plan is for
 
     @property
     def expected_writers(self) -> int:
@@ -246,7 +147,9 @@ class Plan:
         period: bool = False,
     ) -> dict[str, Any]:
         """The API.md document; ``period`` writes every view pair in the period form."""
-        generations = sender_generations or {}
+        generations = sender_generations or self.sender_generations
+        if receiver_generation is None:
+            receiver_generation = self.receiver_generation
         peers = [peer.to_json(period=period) for peer in self.peers]
         doc: dict[str, Any] = {
             "deployment": self.deployment,
@@ -275,4 +178,39 @@ class Plan:
         if self.has_state:
             doc["state_bytes"] = self.state_bytes
             doc["state_fragments"] = self.state_fragments
+        if self.prompt_tokens is not None:
+            doc["prompt_tokens"] = self.prompt_tokens
         return doc
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Plan:
+        """A plan document read back (a server's answer, a file); ``GeometryError`` with code
+        ``invalid_plan`` names the first member that is missing, of the wrong type or
+        inconsistent with the rest."""
+        m = Members(doc, "plan")
+        sender, receiver = m.child("sender"), m.child("receiver")
+        generations = sender.child("generations")
+        for rank, generation in generations.doc.items():
+            if not rank.isdigit() or not (generation is None or is_int(generation)):
+                raise invalid(generations.at(rank), "must map a rank to its generation", generation)
+        plan = cls(
+            deployment=m.str("deployment"),
+            sender_instance=sender.str("instance"),
+            sender_ranks=tuple(int(rank) for rank in generations.doc),
+            sender_dp_rank=sender.int("dp_rank"),
+            receiver_instance=receiver.str("instance"),
+            receiver_rank=receiver.int("rank"),
+            peers=tuple(PeerPlan.from_json(p.doc, p.path) for p in m.items("peers")),
+            fingerprint=m.str("fingerprint"),
+            fanin_bounce_safe=m.bool("fanin_bounce_safe"),
+            sender_parallel=(sender.int("tp_size", 1), sender.int("pp_size", 1)),
+            receiver_parallel=(receiver.int("tp_size", 1), receiver.int("pp_size", 1)),
+            warnings=m.strs("warnings") if m.has("warnings") else (),
+            sender_generations={int(rank): gen for rank, gen in generations.doc.items()},
+            receiver_generation=receiver.opt_int("generation"),
+            prompt_tokens=m.opt_int("prompt_tokens"),
+        )
+        derived = ("expected_writers", "bytes_per_block", "fragments_per_block")
+        for key in derived + (("state_bytes", "state_fragments") if plan.has_state else ()):
+            m.derived(key, getattr(plan, key))
+        return plan

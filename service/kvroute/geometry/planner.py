@@ -44,13 +44,22 @@ class _Source:
 
 
 def build_plan(
-    senders: Sequence[RankRegistration], receiver: RankRegistration, *, sender_dp_rank: int = 0
+    senders: Sequence[RankRegistration],
+    receiver: RankRegistration,
+    *,
+    sender_dp_rank: int = 0,
+    prompt_tokens: int | None = None,
 ) -> Plan:
-    """Plans the transfer from the ``senders`` (all ranks of one context instance) to ``receiver``."""
+    """Plans the transfer from the ``senders`` (all ranks of one context instance) to ``receiver``.
+
+    A sender instance whose CP ranks hold prefill chunks (``spread``) is planned for one prompt
+    length, ``prompt_tokens``, which it then needs; other plans ignore it (they serve any prompt).
+    """
     _check_roles(senders, receiver)
     check_peers(receiver, senders)
+    prompt = _prompt_for(senders, prompt_tokens)
     candidates = candidate_senders(senders, receiver, sender_dp_rank)
-    planned = _Planned()
+    planned = _Planned(prompt)
     for view in sorted(receiver.views, key=lambda v: v.view_id):
         if view.is_state:
             planned.add_state(*plan_state_view(view, candidates, receiver))
@@ -75,18 +84,39 @@ def build_plan(
         receiver_instance=receiver.instance,
         receiver_rank=receiver.rank,
         peers=peers,
-        fingerprint=plan_fingerprint(senders, receiver, sender_dp_rank),
+        fingerprint=plan_fingerprint(senders, receiver, sender_dp_rank, prompt),
         sender_parallel=(senders[0].tp_size, senders[0].pp_size),
         receiver_parallel=(receiver.tp_size, receiver.pp_size),
         fanin_bounce_safe=_bounce_safe(peers),
         warnings=tuple(dict.fromkeys(planned.warnings)),
+        prompt_tokens=prompt,
     )
+
+
+def _prompt_for(senders: Sequence[RankRegistration], prompt_tokens: int | None) -> int | None:
+    """The prompt length a plan is built for: only chunked senders' placements depend on it."""
+    if not senders[0].chunked:
+        return None
+    senders[0].placement(prompt_tokens)  # refuses a missing prompt length, naming the layout
+    if prompt_tokens is not None and prompt_tokens < 1:
+        raise GeometryError(
+            "prompt_tokens_invalid",
+            f"prompt_tokens={prompt_tokens}: a prompt split in {senders[0].cp_layout.value} "
+            "chunks has at least one token",
+            field="prompt_tokens",
+            local=prompt_tokens,
+            peer=1,
+            stage="request",
+        )
+    return prompt_tokens
 
 
 @dataclass
 class _Planned:
-    """What the receiver's views collect, per sender rank."""
+    """What the receiver's views collect, per sender rank (for one prompt length where the
+    sender's CP chunks depend on it)."""
 
+    prompt_tokens: int | None = None
     transfers: dict[int, list[ViewTransfer]] = field(default_factory=lambda: defaultdict(list))
     states: dict[int, list[StateTransfer]] = field(default_factory=lambda: defaultdict(list))
     heard: set[int] = field(default_factory=set)
@@ -97,7 +127,7 @@ class _Planned:
         for source in sources:
             self.heard.add(source.sender.rank)
             if source.assigned:
-                transfer = _transfer(source, view, receiver)
+                transfer = _transfer(source, view, receiver, self.prompt_tokens)
                 self.transfers[source.sender.rank].append(transfer)
                 self.warnings.extend(_warnings(source, transfer))
 
@@ -181,9 +211,11 @@ def _assign_layers(view: View, sources: Sequence[_Source], receiver: RankRegistr
             next(s for s in group if s.sender is winner).assigned.append(layer)
 
 
-def _transfer(source: _Source, view: View, receiver: RankRegistration) -> ViewTransfer:
+def _transfer(
+    source: _Source, view: View, receiver: RankRegistration, prompt_tokens: int | None
+) -> ViewTransfer:
     sender, theirs, geometry = source.sender, source.view, source.geometry
-    axis = token_axis(sender, theirs, receiver, view, geometry, source.assigned)
+    axis = token_axis(sender, theirs, receiver, view, geometry, source.assigned, prompt_tokens)
     fragments = (
         []
         if geometry.reblocks
@@ -235,9 +267,15 @@ def _warnings(source: _Source, transfer: ViewTransfer) -> list[str]:
 
 
 def plan_fingerprint(
-    senders: Sequence[RankRegistration], receiver: RankRegistration, sender_dp_rank: int
+    senders: Sequence[RankRegistration],
+    receiver: RankRegistration,
+    sender_dp_rank: int,
+    prompt_tokens: int | None = None,
 ) -> str:
-    """sha256 over the geometry of every input rank: equal fingerprints mean equal plans."""
+    """sha256 over the geometry of every input rank (and the prompt length a chunked sender's
+    plan is built for): equal fingerprints mean equal plans."""
     parts = [s.geometry_digest for s in sorted(senders, key=lambda s: s.rank)]
     parts += [receiver.geometry_digest, str(sender_dp_rank)]
+    if prompt_tokens is not None:
+        parts.append(f"prompt={prompt_tokens}")
     return "sha256:" + hashlib.sha256("|".join(parts).encode()).hexdigest()

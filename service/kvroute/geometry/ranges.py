@@ -13,6 +13,9 @@ would contradict each other. Without a range, a prompt length places the lists a
 blocks (the suffix rule against it, issue 12's block lists) and the range is the tokens both hold, up
 to the prompt's last token (``resolve_lists``).
 
+A plan of prefill CP chunks (``spread``) is built for one prompt length: a request that names
+another (or none) is refused (``prompt_tokens_mismatch``).
+
 With context parallelism a side's CP ranks share one list of *local* blocks (``spread``): block
 ``b`` of it holds local positions ``[b x tpb, (b + 1) x tpb)`` on every CP rank. The list then starts
 at the first local block any CP rank needs from ``first_token`` on, the suffix rule counts the
@@ -81,6 +84,22 @@ class PromptContradiction(TokenRangeError):
         )
 
 
+class ChunkPromptMismatch(TokenRangeError):
+    """A request for a plan of prefill CP chunks that names another prompt length (or none)."""
+
+    code = "prompt_tokens_mismatch"
+
+    def __init__(self, side: str, spread: Spread, prompt_tokens: int | None) -> None:
+        super().__init__(
+            "prompt_tokens",
+            f"the plan places {side}' tokens in {spread.layout} chunks of a prompt of "
+            f"{spread.prompt} tokens over {spread.size} CP ranks, but the request names "
+            f"prompt_tokens={prompt_tokens}; chunks of another prompt length hold other tokens",
+            local=prompt_tokens,
+            peer=spread.prompt,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class TokenRange:
     """The half-open range of prompt positions to move."""
@@ -103,6 +122,10 @@ class BlockList:
     first_token: int
     tokens_per_block: int
     spread: Spread = IDENTITY  # the side's CP placement (the rank's own, for coverage)
+    # The local block of ``blocks[0]`` where the suffix rule placed it; else derived from
+    # ``first_token`` (the same block for any placement but prefill chunks, whose ranks may hold
+    # no token from the list's first token on).
+    start_block: int | None = None
 
     @classmethod
     def suffix(
@@ -126,13 +149,14 @@ class BlockList:
                 f"{len(blocks)} blocks of {tokens_per_block} tokens ending at token {end} would "
                 f"start at {where}; name the first token or send fewer blocks",
             )
-        return cls(
-            blocks, spread.first_token(first_block, tokens_per_block), tokens_per_block, spread
-        )
+        first = spread.first_token(first_block, tokens_per_block)
+        return cls(blocks, first, tokens_per_block, spread, first_block)
 
     @property
     def first_block(self) -> int:
         """The absolute (local) block number of ``blocks[0]``: token // tokens_per_block without CP."""
+        if self.start_block is not None:
+            return self.start_block
         return self.spread.first_block(self.first_token, self.tokens_per_block)
 
     @property
@@ -203,6 +227,9 @@ def resolve_lists(
     whole blocks block pairs move.
     """
     prompt_length(tokens, prompt_tokens)
+    for field, spread in (("src_blocks", src_spread), ("dst_blocks", dst_spread)):
+        if spread.chunked and prompt_tokens != spread.prompt:
+            raise ChunkPromptMismatch(field, spread, prompt_tokens)
     end = tokens.end if tokens is not None else prompt_tokens
     sides = []
     for blocks, first, size, field, spread in (

@@ -23,9 +23,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvroute.geometry.model import Kind, RankRegistration, View
 from kvroute.geometry.pairs import PairFailer
+from kvroute.geometry.parts import Kind, View
+
+if TYPE_CHECKING:
+    from kvroute.geometry.model import RankRegistration
+
 
 Fragment = tuple[int, int, int]  # (src_offset, dst_offset, length)
 

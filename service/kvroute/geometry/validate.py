@@ -8,10 +8,15 @@ document always gets the same answer.
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.heads import declared_total_problem
-from kvroute.geometry.model import CpLayout, Kind, Owner, RankRegistration, View
+from kvroute.geometry.identity import check_scale_views
+from kvroute.geometry.parts import CpLayout, Kind, Owner, Role, View
+
+if TYPE_CHECKING:
+    from kvroute.geometry.model import RankRegistration
 
 
 def _self_error(
@@ -27,6 +32,7 @@ def check_self(reg: RankRegistration) -> None:
     for index, view in enumerate(reg.views):
         _check_view(reg, index, view)
     _check_no_overlap(reg)
+    check_scale_views(reg)
 
 
 def _check_layout(reg: RankRegistration) -> None:
@@ -67,19 +73,24 @@ def _check_layout(reg: RankRegistration) -> None:
 
 def _check_context_parallel(reg: RankRegistration) -> None:
     """Context parallelism kvroute plans: prompt tokens interleaved over the CP ranks, by a
-    number of tokens that divides every block size of the rank or is a multiple of it."""
+    number of tokens that divides every block size of the rank or is a multiple of it, or split
+    in prefill chunks on a context rank (a generation rank must place the tokens it generates,
+    which chunks of the prompt have no place for)."""
     if reg.cp_size == 1:
         return
-    if reg.cp_layout is not CpLayout.INTERLEAVED:
-        raise _self_error(
-            "context_parallel_layout_unsupported",
-            f"cp_layout={reg.cp_layout.value} with cp_size={reg.cp_size}: contiguous and zig-zag "
-            "prefill chunks depend on each request's prompt length and are not planned yet; "
-            "kvroute plans cp_layout=interleaved",
-            "cp_layout",
-            reg.cp_layout.value,
-            CpLayout.INTERLEAVED.value,
-        )
+    if reg.chunked:
+        if reg.role is Role.GENERATION:
+            raise _self_error(
+                "context_parallel_layout_unsupported",
+                f"cp_layout={reg.cp_layout.value} on a generation rank: contiguous and zig-zag "
+                "chunks split a prompt for prefill ring attention and place no token generated "
+                "after it; decode context parallelism deals tokens round robin "
+                "(cp_layout=interleaved)",
+                "cp_layout",
+                reg.cp_layout.value,
+                CpLayout.INTERLEAVED.value,
+            )
+        return  # chunks are cut by prompt tokens, whatever the block size: no interleave to check
     n = reg.cp_interleave
     for index, view in enumerate(reg.views):
         tokens = reg.tokens(view)

@@ -12,6 +12,10 @@ Decisions where the reference is silent or loose, in the terms users see:
   with different sizes the block holding that token on each side is one the side keeps (a windowed
   sender keeps every block from its own window's first on, and its window is at least the pair's),
   and the stale tokens moved before ``L + 1 - W`` are fewer than a block of either side.
+- With context parallelism a side's blocks cut local positions, so its "block start" is the first
+  token from which every CP rank's tokens lie in the local block holding the earliest in-window
+  token any of them holds (the shared list's first block, ``ranges``); every CP rank keeps that
+  block on. The pair moves every token from the later of the two sides' starts, as without CP.
 - A window of one token (the next token attends to itself only) needs no prompt token at all,
   where the reference would still send a partial last block.
 - A pair moves the smaller window. A receiver with a larger window than its sender gets its extra
@@ -27,10 +31,15 @@ Decisions where the reference is silent or loose, in the terms users see:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.model import RankRegistration, Role, View
+from kvroute.geometry.parts import Role, View
 from kvroute.geometry.ranges import TokenRange
+from kvroute.geometry.spread import IDENTITY, Spread
+
+if TYPE_CHECKING:
+    from kvroute.geometry.model import RankRegistration
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +62,17 @@ class Window:
             "dst_tokens_per_block": self.dst_tokens_per_block,
         }
 
-    def first_token(self, prompt_tokens: int) -> int | None:
-        """The first token the pair moves for a prompt of ``prompt_tokens``; None: no token."""
+    def first_token(
+        self, prompt_tokens: int, spreads: tuple[Spread, Spread] = (IDENTITY, IDENTITY)
+    ) -> int | None:
+        """The first token the pair moves for a prompt of ``prompt_tokens`` (each side's CP
+        placement, ``spreads``, sender first); None: no token."""
         return window_start(
-            self.tokens, prompt_tokens, self.src_tokens_per_block, self.dst_tokens_per_block
+            self.tokens,
+            prompt_tokens,
+            self.src_tokens_per_block,
+            self.dst_tokens_per_block,
+            spreads,
         )
 
 
@@ -92,15 +108,24 @@ def pair_window(
 
 
 def window_start(
-    window: int, prompt_tokens: int, src_tokens_per_block: int, dst_tokens_per_block: int
+    window: int,
+    prompt_tokens: int,
+    src_tokens_per_block: int,
+    dst_tokens_per_block: int,
+    spreads: tuple[Spread, Spread] = (IDENTITY, IDENTITY),
 ) -> int | None:
     """The first token a window of ``window`` tokens moves (see the module docstring); None when
-    the next token attends to no prompt token."""
+    the next token attends to no prompt token. A side's block start is, under context
+    parallelism, the first token from which every CP rank's tokens lie in the local block its
+    earliest in-window token lies in (``Spread.first_token``): without CP, that block's start."""
     first = prompt_tokens + 1 - window
     if first >= prompt_tokens:
         return None
     first = max(0, first)
-    return max(first // size * size for size in (src_tokens_per_block, dst_tokens_per_block))
+    return max(
+        spread.first_token(spread.first_block(first, size), size)
+        for spread, size in zip(spreads, (src_tokens_per_block, dst_tokens_per_block), strict=True)
+    )
 
 
 def windowed_range(tokens: TokenRange, start: int | None) -> TokenRange | None:
