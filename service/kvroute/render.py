@@ -1,7 +1,8 @@
 """Plans for people as a text table: one row per (sender rank, view pair), under a header.
 
-Works on the plan JSON document (API.md shape), so the service, the CLI and a worker holding a
-fetched plan render the same thing. Nothing here knows how plans are built. A new plan member
+Works on the typed plan (``geometry.Plan``: built here, or a document read back by
+``Plan.from_json``, which the functions do for a document they are given), so the service, the CLI
+and a worker holding a fetched plan render the same thing. Nothing here knows how plans are built. A new plan member
 shows up as one more header line in ``plan_text`` or one more column (``COLUMNS`` and a cell in
 ``plan_rows``). View pairs planned by period and windowed ones add a line each; recurrent state adds a second table (one row
 per sender rank and state view pair, per request slot). The pictures (SVG) live in
@@ -10,9 +11,11 @@ per sender rank and state view pair, per request slot). The pictures (SVG) live 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from typing import Any
+
+from kvroute.geometry import Plan, Spread, StateTransfer, ViewTransfer, Window
 
 STATE_COLUMNS = (
     "sender",
@@ -40,10 +43,15 @@ COLUMNS = (
 )
 
 
-def _heads(view: dict[str, Any]) -> str:
-    if view["mapper"] == "replicated":
+def as_plan(plan: Plan | Mapping[str, Any]) -> Plan:
+    """The typed plan of a plan or of its document (read strictly, ``Plan.from_json``)."""
+    return plan if isinstance(plan, Plan) else Plan.from_json(plan)
+
+
+def _heads(view: ViewTransfer) -> str:
+    if view.mapper == "replicated":
         return "all"
-    lo, hi = view["heads"]["dst"]
+    lo, hi = view.dst_heads
     return f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}"
 
 
@@ -56,52 +64,55 @@ def _layers(layers: Sequence[int]) -> str:
     return ",".join(map(str, ordered))
 
 
-def plan_rows(plan: dict[str, Any]) -> list[tuple[str, ...]]:
+def plan_rows(plan: Plan | Mapping[str, Any]) -> list[tuple[str, ...]]:
     rows = []
-    for peer in plan["peers"]:
-        if not peer["views"]:
-            rows.append((str(peer["rank"]), "no", "-", "-", "-", "-", "-", "-", "0", "0"))
-        for view in peer["views"]:
+    for peer in as_plan(plan).peers:
+        if not peer.views:
+            rows.append((str(peer.rank), "no", "-", "-", "-", "-", "-", "-", "0", "0"))
+        for view in peer.views:
             rows.append(
                 (
-                    str(peer["rank"]),
-                    "yes" if peer["sends"] else "no",
-                    f"{view['src_view']}->{view['dst_view']}",
-                    view["owner"],
-                    "+".join(view["roles"]),
-                    view["mapper"],
+                    str(peer.rank),
+                    "yes" if peer.sends else "no",
+                    f"{view.src_view}->{view.dst_view}",
+                    view.owner,
+                    "+".join(view.roles),
+                    view.mapper,
                     _heads(view),
-                    _layers(view["layers"]),
-                    str(view["bytes_per_block"]),
-                    str(view["descriptors_per_block"]),
+                    _layers(view.layers),
+                    str(view.bytes_per_block),
+                    str(view.descriptors_per_block),
                 )
             )
     return rows
 
 
-def plan_text(plan: dict[str, Any]) -> str:
+def plan_text(plan: Plan | Mapping[str, Any]) -> str:
     """A fixed-width table with a header naming the pair, the generations and the bounce verdict."""
-    sender, receiver = plan["sender"], plan["receiver"]
-    generations = ", ".join(f"{rank}:{gen}" for rank, gen in sender["generations"].items())
+    plan = as_plan(plan)
+    generations = ", ".join(
+        f"{rank}:{plan.sender_generations.get(rank)}" for rank in plan.sender_ranks
+    )
     lines = [
-        f"plan {plan['deployment']}: {sender['instance']} (dp group {sender['dp_rank']}) -> "
-        f"{receiver['instance']} rank {receiver['rank']} (generation {receiver['generation']})",
-        f"sender generations {{{generations}}}  fingerprint {plan['fingerprint']}",
-        f"expected writers {plan['expected_writers']}  fan-in bounce safe {plan['fanin_bounce_safe']}  "
-        f"bytes/block {plan['bytes_per_block']}  fragments/block {plan['fragments_per_block']}",
+        f"plan {plan.deployment}: {plan.sender_instance} (dp group {plan.sender_dp_rank}) -> "
+        f"{plan.receiver_instance} rank {plan.receiver_rank} "
+        f"(generation {plan.receiver_generation})",
+        f"sender generations {{{generations}}}  fingerprint {plan.fingerprint}",
+        f"expected writers {plan.expected_writers}  fan-in bounce safe {plan.fanin_bounce_safe}  "
+        f"bytes/block {plan.bytes_per_block}  fragments/block {plan.fragments_per_block}",
         "",
     ]
     lines += _table(COLUMNS, plan_rows(plan))
     lines += period_lines(plan)
     lines += window_lines(plan)
-    if "state_bytes" in plan:
+    if plan.has_state:
         lines += [
             "",
-            f"recurrent state, once per request slot: {plan['state_bytes']} bytes/request, "
-            f"{plan['state_fragments']} fragments",
+            f"recurrent state, once per request slot: {plan.state_bytes} bytes/request, "
+            f"{plan.state_fragments} fragments",
             *_table(STATE_COLUMNS, state_rows(plan)),
         ]
-    lines += [f"warning: {w}" for w in plan.get("warnings", [])]
+    lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines) + "\n"
 
 
@@ -121,37 +132,51 @@ def _table(columns: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
     return lines
 
 
-def is_cp(view: dict[str, Any]) -> bool:
+def is_cp(view: ViewTransfer) -> bool:
     """The view pair has context parallelism on a side: its blocks hold a rank's own tokens."""
-    return "src_cp" in view or "dst_cp" in view
+    return view.period_map.context_parallel
 
 
-def held_runs(view: dict[str, Any], side: str) -> list[tuple[int, int]]:
+def _spread(view: ViewTransfer, side: str) -> Spread | None:
+    period = view.period_map
+    spread = period.src_spread if side == "src" else period.dst_spread
+    return None if spread.trivial else spread
+
+
+def held_runs(view: ViewTransfer, side: str) -> list[tuple[int, int]]:
     """The runs [first, end) of one period's prompt tokens a side's rank holds."""
-    period, cp = view["period_tokens"], view.get(f"{side}_cp")
+    period, cp = view.period_map.period_tokens, _spread(view, side)
     if cp is None:
         return [(0, period)]
-    size, rank, n = cp["size"], cp["rank"], cp["interleave"]
+    if cp.chunked:  # prefill chunks of one prompt: the rank's chunks, in token order
+        return [(first, end) for first, end, _ in cp.runs()]
+    size, rank, n = cp.size, cp.rank, cp.interleave
     return [(a, a + n) for a in range(rank * n, period, size * n)]
 
 
-def placement(view: dict[str, Any], side: str, limit: int = 6) -> str:
+def placement(view: ViewTransfer, side: str, limit: int = 6) -> str:
     """Which prompt tokens of a period a side's rank holds, in words."""
-    cp = view.get(f"{side}_cp")
+    cp = _spread(view, side)
     if cp is None:
         return "every token"
     runs = held_runs(view, side)
     shown = " ".join(f"[{a},{b})" for a, b in runs[:limit]) + (" ..." if len(runs) > limit else "")
-    return f"CP rank {cp['rank']} of {cp['size']} (interleave {cp['interleave']}): tokens {shown}"
+    deal = (
+        f"{cp.layout} chunks of a {cp.prompt}-token prompt"
+        if cp.chunked
+        else f"interleave {cp.interleave}"
+    )
+    return f"CP rank {cp.rank} of {cp.size} ({deal}): tokens {shown}"
 
 
-def period_pieces(view: dict[str, Any]) -> list[tuple[int, int, int, int]]:
+def period_pieces(view: ViewTransfer) -> list[tuple[int, int, int, int]]:
     """(sender block, receiver block, first token, end token) of each cut of a view pair's period.
 
     With context parallelism the pieces are the runs of tokens both ranks hold (from the
     fragments; blocks are each rank's local blocks)."""
+    period = view.period_map
     if is_cp(view):
-        cuts = sorted({(f[5], f[5] + f[6], f[0], f[2]) for f in view["period_fragments"]})
+        cuts = sorted({(f[5], f[5] + f[6], f[0], f[2]) for f in period.spans})
         pieces: list[tuple[int, int, int, int]] = []
         for first, end, src, dst in cuts:
             if pieces and pieces[-1][:2] == (src, dst) and pieces[-1][3] >= first:
@@ -159,25 +184,20 @@ def period_pieces(view: dict[str, Any]) -> list[tuple[int, int, int, int]]:
             else:
                 pieces.append((src, dst, first, end))
         return pieces
-    period = view["period_tokens"]
-    src = period // view["src_blocks_per_period"]
-    dst = period // view["dst_blocks_per_period"]
-    cuts = sorted({*range(0, period, src), *range(0, period, dst), period})
+    tokens = period.period_tokens
+    src = tokens // period.src_blocks_per_period
+    dst = tokens // period.dst_blocks_per_period
+    cuts = sorted({*range(0, tokens, src), *range(0, tokens, dst), tokens})
     return [(a // src, a // dst, a, b) for a, b in pairwise(cuts)]
 
 
-def period_lines(plan: dict[str, Any], limit: int = 12) -> list[str]:
+def period_lines(plan: Plan, limit: int = 12) -> list[str]:
     """One line per receiver view planned by period: which sender block fills which receiver block."""
     lines = []
-    views = {
-        v["dst_view"]: v
-        for p in plan["peers"]
-        for v in p["views"]
-        if "period_tokens" in v and not is_cp(v)
-    }
+    views = {v.dst_view: v for p in plan.peers for v in p.views if v.periodic and not is_cp(v)}
     for view_id, view in sorted(views.items()):
-        period = view["period_tokens"]
-        src, dst = view["src_blocks_per_period"], view["dst_blocks_per_period"]
+        period = view.period_map.period_tokens
+        src, dst = view.period_map.src_blocks_per_period, view.period_map.dst_blocks_per_period
         pieces = [f"sb{s}->rb{d} [{a},{b})" for s, d, a, b in period_pieces(view)]
         shown = "  ".join(pieces[:limit]) + ("  ..." if len(pieces) > limit else "")
         lines.append(
@@ -187,43 +207,38 @@ def period_lines(plan: dict[str, Any], limit: int = 12) -> list[str]:
     return lines + cp_lines(plan, limit)
 
 
-def cp_lines(plan: dict[str, Any], limit: int = 12) -> list[str]:
+def cp_lines(plan: Plan, limit: int = 12) -> list[str]:
     """One line per context-parallel view pair a sender rank writes: the token split of its period
     (which prompt tokens each side's rank holds) and the pieces it moves."""
     lines = []
-    for peer in plan["peers"]:
-        for view in peer["views"]:
-            if "period_tokens" not in view or not is_cp(view) or not view["period_fragments"]:
+    for peer in plan.peers:
+        for view in peer.views:
+            if not view.periodic or not is_cp(view) or not view.period_map.spans:
                 continue
             pieces = [f"sb{s}->rb{d} [{a},{b})" for s, d, a, b in period_pieces(view)]
             shown = "  ".join(pieces[:limit]) + ("  ..." if len(pieces) > limit else "")
             lines.append(
-                f"period view {view['dst_view']} from rank {peer['rank']}: "
-                f"{view['period_tokens']} tokens; sender {placement(view, 'src')}; receiver "
-                f"{placement(view, 'dst')}; {shown}"
+                f"period view {view.dst_view} from rank {peer.rank}: "
+                f"{view.period_map.period_tokens} tokens; sender {placement(view, 'src')}; "
+                f"receiver {placement(view, 'dst')}; {shown}"
             )
     return lines
 
 
-def window_lines(plan: dict[str, Any]) -> list[str]:
+def window_lines(plan: Plan) -> list[str]:
     """One line per windowed view pair: the window it moves and the first block that is sent."""
-    windows = {
-        (v["src_view"], v["dst_view"]): v["window"]
-        for p in plan["peers"]
-        for v in p["views"]
-        if "window" in v
-    }
+    windows = {(v.src_view, v.dst_view): v.window for p in plan.peers for v in p.views if v.window}
     return [
-        f"window {src}->{dst}: last {w['tokens']} tokens (sender {_tokens(w['sender'])}, "
-        f"receiver {_tokens(w['receiver'])}); {_window_start(w)}"
+        f"window {src}->{dst}: last {w.tokens} tokens (sender {_tokens(w.sender)}, "
+        f"receiver {_tokens(w.receiver)}); {_window_start(w)}"
         for (src, dst), w in sorted(windows.items())
     ]
 
 
-def _window_start(window: dict[str, Any]) -> str:
+def _window_start(window: Window) -> str:
     """Where a windowed pair starts moving, in the prompt length's terms (``geometry.window``)."""
-    first = f"prompt_tokens + 1 - {window['tokens']}"
-    src, dst = window["src_tokens_per_block"], window["dst_tokens_per_block"]
+    first = f"prompt_tokens + 1 - {window.tokens}"
+    src, dst = window.src_tokens_per_block, window.dst_tokens_per_block
     if src == dst:
         return f"request blocks from floor(({first}) / {src}) are sent"
     return (
@@ -236,34 +251,33 @@ def _tokens(window: int | None) -> str:
     return "full" if window is None else str(window)
 
 
-def state_rows(plan: dict[str, Any]) -> list[tuple[str, ...]]:
+def state_rows(plan: Plan) -> list[tuple[str, ...]]:
     """One row per (sender rank, state view pair): what it writes of the request's state slot."""
     rows = []
-    for peer in plan["peers"]:
-        for state in peer.get("states", []):
-            (s_tp, s_rank), (r_tp, r_rank) = state["mamba_tp"]["src"], state["mamba_tp"]["dst"]
+    for peer in plan.peers:
+        for state in peer.states:
+            (s_tp, s_rank), (r_tp, r_rank) = state.mamba_tp
             rows.append(
                 (
-                    str(peer["rank"]),
-                    f"{state['src_view']}->{state['dst_view']}",
-                    state["owner"],
-                    "+".join(state["roles"]),
-                    state["mapper"],
+                    str(peer.rank),
+                    f"{state.src_view}->{state.dst_view}",
+                    state.owner,
+                    "+".join(state.roles),
+                    state.mapper,
                     f"{s_rank}/{s_tp}->{r_rank}/{r_tp}",
                     state_shard(state),
-                    _layers(state["layers"]),
-                    str(state["bytes"]),
-                    str(state["descriptors"]),
+                    _layers(state.layers),
+                    str(state.nbytes),
+                    str(len(state.fragments)),
                 )
             )
     return rows
 
 
-def state_shard(state: dict[str, Any]) -> str:
+def state_shard(state: StateTransfer) -> str:
     """What part of every section a state transfer writes: SSM heads, parts of lcm(TPs), all."""
-    shard = state["shard"]
-    if shard["unit"] == "whole":
+    if state.shard_unit == "whole":
         return "all"
-    lo, hi = shard["dst"]
-    unit = "heads" if shard["unit"] == "head" else f"parts of {shard['total']}"
+    lo, hi = state.dst_shard
+    unit = "heads" if state.shard_unit == "head" else f"parts of {state.shard_total}"
     return f"{unit} {lo}" if hi - lo == 1 else f"{unit} {lo}-{hi - 1}"

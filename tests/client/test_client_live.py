@@ -39,6 +39,26 @@ def test_sync_register_heartbeat_read_deregister(live_server: LiveServer) -> Non
     assert (missing.value.status, missing.value.code) == (404, "not_found")
 
 
+def test_a_zigzag_sender_s_plans_name_their_prompt_length(live_server: LiveServer) -> None:
+    with KvrouteClient(live_server.url, token=WORKER_TOKEN) as worker:
+        for cp_rank in range(2):
+            document = rank_document()
+            document.update(cp_size=2, cp_rank=cp_rank, cp_layout="zigzag")
+            worker.register("zigzag", "ctx0", cp_rank, document)
+        worker.register("zigzag", "gen0", 0, rank_document(role="generation"))
+        with pytest.raises(KvrouteError) as missing:
+            worker.get_plan("zigzag", sender="ctx0", receiver="gen0", receiver_rank=0)
+        plan = worker.get_plan(
+            "zigzag", sender="ctx0", receiver="gen0", receiver_rank=0, prompt_tokens=9
+        )
+        [listed] = worker.get_plans("zigzag", sender="ctx0", receiver="gen0", prompt_tokens=9)
+    assert (missing.value.status, missing.value.code) == (422, "prompt_tokens_required")
+    assert plan.plan.prompt_tokens == listed.plan.prompt_tokens == 9
+    with KvrouteClient(live_server.url, token=ADMIN_TOKEN) as admin:
+        cp_sizes = {i.name: i.cp_size for i in admin.instances("zigzag")}
+    assert cp_sizes == {"ctx0": 2, "gen0": 1}
+
+
 async def test_async_refusal_carries_problem_members(live_server: LiveServer) -> None:
     async with AsyncKvrouteClient(live_server.url, token=WORKER_TOKEN) as worker:
         await worker.register("refuse", "ctx0", 0, rank_document(num_draft_layers=1))

@@ -57,7 +57,10 @@ async def test_keeper_survives_restart_on_same_db_without_reregistering(
 ) -> None:
     async with (
         AsyncKvrouteClient(restartable_server.url, token=WORKER_TOKEN, retry=PATIENT) as client,
-        LeaseKeeper(client, "lease", "ctx0", 0, rank_document(), interval=0.2) as keeper,
+        # A lease longer than a restart takes on the loaded machine (imports alone took 30 s).
+        LeaseKeeper(
+            client, "lease", "ctx0", 0, rank_document(lease_seconds=600), interval=0.2
+        ) as keeper,
     ):
         await asyncio.to_thread(restartable_server.restart, fresh_db=False)
         before = keeper.heartbeats
@@ -81,3 +84,45 @@ def test_sync_lease_reregisters_after_an_admin_delete(live_server: LiveServer) -
             assert admin.get_rank("synclease", "gen0", 0).state == "live"
             assert lease.keeper.running
         assert not lease.keeper.running  # leaving the block stopped the heartbeat task
+
+
+def test_sync_engine_lease_keeps_ranks_until_stopped(live_server: LiveServer) -> None:
+    documents = {("ctx0", rank): rank_document(tp_size=2, tp_rank=rank) for rank in (0, 1)}
+    with KvrouteClient(live_server.url, token=WORKER_TOKEN) as client:
+        with client.keep_engine_lease("syncengine", documents, interval=0.1) as kept:
+            lease_id = kept.keeper.lease_id
+            assert lease_id is not None
+            lease = client.get_lease("syncengine", lease_id)
+            assert [(rank.instance, rank.rank) for rank in lease.ranks] == [
+                ("ctx0", 0),
+                ("ctx0", 1),
+            ]
+            renewed = client.renew_lease("syncengine", lease_id)
+            assert len(renewed.ranks) == 2
+            assert kept.keeper.running
+        assert not kept.keeper.running  # leaving the block stopped the renewals
+
+
+async def test_engine_keeper_keeps_many_ranks_under_one_lease(live_server: LiveServer) -> None:
+    documents = {("ctx0", rank): rank_document(tp_size=2, tp_rank=rank) for rank in (0, 1)}
+    async with (
+        AsyncKvrouteClient(live_server.url, token=WORKER_TOKEN, retry=PATIENT) as client,
+        AsyncKvrouteClient(live_server.url, token=ADMIN_TOKEN) as admin,
+        client.keep_engine_lease("engine", documents, interval=0.2) as keeper,
+    ):
+        assert keeper.lease_id is not None
+        lease = await client.get_lease("engine", keeper.lease_id)
+        assert [(kept.instance, kept.rank) for kept in lease.ranks] == [("ctx0", 0), ("ctx0", 1)]
+        await wait_for(lambda: keeper.heartbeats >= 2)
+        before = keeper.reregistrations
+        await admin.deregister("engine", "ctx0", 1)
+        await keeper.wait_reregistered(limit_s=10, since=before)
+        lease = await client.get_lease("engine", keeper.lease_id)
+        assert len(lease.ranks) == 2  # registered again, with the same lease
+    async with AsyncKvrouteClient(live_server.url, token=WORKER_TOKEN) as client:
+        keeper = client.keep_lease(
+            "engine", "gen0", 0, rank_document(role="generation"), interval=0.2, per_rank=True
+        )
+        async with keeper:
+            assert keeper.lease_id is None
+            await wait_for(lambda: keeper.heartbeats >= 1)

@@ -206,3 +206,23 @@ def test_cuda_ipc_descriptor_locates_the_tensor() -> None:
     assert descriptor["device"] == backing.device.index
     assert descriptor["size"] - descriptor["offset"] >= view.numel()
     assert len(__import__("base64").b64decode(descriptor["handle"])) == 64
+
+
+def test_identity_and_topology_are_written_only_when_given() -> None:
+    tensor = torch.empty(3, 4, 2, 2, 4, 8, dtype=torch.bfloat16)
+    pool = describe_tensor(tensor, kind=Kind.HND, total_kv_heads=2)
+    target = KvLayout.from_tensor(tensor, kind=Kind.HND, total_kv_heads=2)
+    plain = rank_document(role="context", target=target, pools=[pool])
+    assert not {"model", "kv_quantization", "topology"} & set(plain)
+    named = rank_document(
+        role="context",
+        target=target,
+        pools=[pool],
+        model={"name": "llama", "revision": "r1"},
+        kv_quantization={"kv_dtype": "bf16"},
+        topology={"zone": "a"},
+    )
+    reg = registration(named)
+    assert (reg.model.revision, reg.kv_quantization.kv_dtype) == ("r1", "bf16")  # type: ignore[union-attr]
+    assert reg.topology == (("zone", "a"),)
+    assert {key: named[key] for key in plain} == plain

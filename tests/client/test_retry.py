@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
@@ -91,12 +92,12 @@ async def test_refused_connection_is_retried_until_the_server_appears() -> None:
     port = free_port()
     app, arrivals = scripted([(200, {})])
     server = TestServer(app, host="127.0.0.1", port=port)
-    policy = RetryPolicy(attempts=30, base_delay=0.05, max_delay=0.1)
+    refused = asyncio.Event()
+    policy = _noting(refused, after=3, attempts=30, base_delay=0.05, max_delay=0.1)
     async with AsyncKvrouteClient(f"http://127.0.0.1:{port}", retry=policy) as client:
-        import asyncio
-
         call = asyncio.create_task(client.heartbeat("d", "i", 0))
-        await asyncio.sleep(0.3)
+        async with asyncio.timeout(10):
+            await refused.wait()  # three attempts met the closed port; the client backs off
         assert not call.done()  # still retrying against a closed port
         await server.start_server()
         try:
@@ -105,6 +106,21 @@ async def test_refused_connection_is_retried_until_the_server_appears() -> None:
             await server.close()
     assert len(arrivals) == 1
     assert lease.lease_expires_at.year == 2030
+
+
+def _noting(event: asyncio.Event, *, after: int, **policy: Any) -> RetryPolicy:
+    """A policy that sets ``event`` when the client asks for its delay before retry ``after``:
+    the test then knows, without timing, that as many attempts failed and the client retries on."""
+
+    class Noting(RetryPolicy):
+        def delay(
+            self, retry: int, retry_after: float | None = None, rng: random.Random | None = None
+        ) -> float:
+            if retry + 1 >= after:
+                event.set()
+            return RetryPolicy.delay(self, retry, retry_after, rng)
+
+    return Noting(**policy)
 
 
 def test_backoff_grows_exponentially_within_jitter() -> None:

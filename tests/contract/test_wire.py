@@ -1,5 +1,6 @@
-"""One description of the wire shapes: every ``kvroute.wire`` model the server renders is valid
-against its schema in ``api_spec/openapi.yaml`` and parses back, through the client, to itself.
+"""One description of the wire shapes: every ``kvroute.wire`` model the server renders (and the
+transfer request the client renders) is valid against its schema in ``api_spec/openapi.yaml`` and
+parses back to itself.
 
 Hypothesis draws each model from its fields (names, timestamps, enums and counts within the
 spec's ranges), renders it as the server does (``wire.to_json``), validates the JSON against the
@@ -29,6 +30,9 @@ SPEC = yaml.safe_load(
 MODELS = [
     wire.Registered,
     wire.LeaseRenewed,
+    wire.LeasedRank,
+    wire.EngineLease,
+    wire.Event,
     wire.Rank,
     wire.RankSummary,
     wire.InstanceSummary,
@@ -41,7 +45,13 @@ MODELS = [
     wire.CompatibilityInstance,
     wire.CompatibilityPair,
     wire.Compatibility,
+    wire.Pairing,
+    wire.PairChoice,
+    wire.PairExclusion,
+    wire.GenerationPairs,
+    wire.Pairs,
 ]
+REQUESTS = [wire.TransferRequest]  # bodies the client renders and the server parses
 
 names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,12}", fullmatch=True)
 counts = st.integers(0, 10_000)
@@ -79,12 +89,29 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "blocks": st.integers(1, 1000),
     "expected_ranks": st.integers(1, 64),
     "lease_seconds": st.integers(1, 3600),
+    "lease_id": st.from_regex(r"[0-9a-f]{32}", fullmatch=True),
+    "revision": st.integers(1, 2**40),
+    "kind": st.sampled_from(
+        ["rank_registered", "rank_expired", "rank_deleted", "plans_invalidated"]
+    ),
+    "data": st.none() | st.just({"reason": "deleted"}),
     "missing_ranks": st.lists(ranks, max_size=4).map(tuple),
     "plan_fingerprints": st.lists(st.just("sha256:ab"), min_size=1, max_size=2).map(tuple),
     "duration_seconds": st.none() | st.floats(0, 1e4),
     "end": st.integers(1, 10_000),
     "tokens": st.none() | st.builds(wire.TokenRange, counts, st.integers(1, 10_000)),
     "prompt_tokens": st.none() | st.integers(1, 10_000),
+    "require": st.lists(st.sampled_from(["zone", "rack"]), max_size=2, unique=True).map(tuple),
+    "prefer": st.lists(st.sampled_from(["nvlink_domain"]), max_size=1).map(tuple),
+    "preference": st.integers(1, 100),
+    "shared_domains": st.lists(st.sampled_from(["zone", "rack"]), max_size=2).map(tuple),
+    "domains": st.dictionaries(
+        st.sampled_from(["zone", "rack"]),
+        st.none() | st.sampled_from(["a", "b"]) | st.lists(st.sampled_from(["a", "b"])),
+    ),
+    "src_blocks": st.lists(counts, min_size=1, max_size=4).map(tuple),
+    "dst_blocks": st.lists(counts, min_size=1, max_size=4, unique=True).map(tuple),
+    "sender_dp_rank": st.integers(0, 1023),
 }
 STATES = {
     wire.Rank: st.sampled_from(["live", "expired"]),
@@ -109,12 +136,17 @@ def _field(model: type, name: str, hint: Any) -> st.SearchStrategy[Any]:
     special = _pair_field(name) if model is wire.CompatibilityPair else None
     if special is not None:
         return special
+    if model is wire.TransferRequest and name == "receiver_ranks":
+        return st.lists(ranks, min_size=1, max_size=4, unique=True).map(tuple)
     if model is wire.CompatibilityInstance and name == "live_ranks":
         return st.lists(ranks, max_size=4).map(tuple)
     args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
     optional = type(None) in typing.get_args(hint)
     if typing.get_origin(hint) is tuple and dataclasses.is_dataclass(args[0]):
         return st.lists(_strategy(args[0]), max_size=2).map(tuple)
+    nested = args[0] if optional else hint
+    if dataclasses.is_dataclass(nested):  # a model inside a model (a deployment's pairing)
+        return st.none() | _strategy(nested) if optional else _strategy(nested)
     if name in FIELDS:
         return FIELDS[name]
     base = args[0] if optional else hint
@@ -129,6 +161,10 @@ def _pair_field(name: str) -> st.SearchStrategy[Any] | None:
         "compatible": st.none() | st.booleans(),
         "refusal": st.none() | refusals,
         "missing_ranks": st.none() | st.dictionaries(names, st.lists(ranks, max_size=3)),
+        "pairing": st.none()
+        | st.fixed_dictionaries(
+            {"allowed": st.booleans(), "shared_domains": st.lists(st.just("zone"), max_size=1)}
+        ),
     }.get(name)
 
 
@@ -137,7 +173,7 @@ def _validator(name: str) -> Any:
     return jsonschema_rs.Draft202012Validator(root, validate_formats=True)
 
 
-@pytest.mark.parametrize("model", MODELS, ids=lambda model: model.__name__)
+@pytest.mark.parametrize("model", MODELS + REQUESTS, ids=lambda model: model.__name__)
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_every_model_renders_to_its_schema_and_parses_back(model: type, data: st.DataObject):
@@ -150,9 +186,10 @@ def test_every_model_renders_to_its_schema_and_parses_back(model: type, data: st
 
 def test_every_response_schema_has_a_model_and_the_client_reads_those_models():
     answers = {
-        "Registered", "LeaseRenewed", "Rank", "RankSummary", "InstanceSummary", "Instance",
+        "Registered", "LeaseRenewed", "LeasedRank", "EngineLease", "Event", "Rank", "RankSummary", "InstanceSummary", "Instance",
         "DeploymentSummary", "Deployment", "Rejection", "TokenRange", "TransferJob",
         "CompatibilityInstance", "CompatibilityPair", "Compatibility",
+        "Pairing", "PairChoice", "PairExclusion", "GenerationPairs", "Pairs",
     }  # fmt: skip
     assert {model.__name__ for model in MODELS} == answers <= set(SPEC["components"]["schemas"])
     assert client.RankInfo is wire.Rank
@@ -165,3 +202,32 @@ def test_a_missing_member_is_named() -> None:
     del body["lease_expires_at"]
     with pytest.raises(wire.WireError, match="lease_expires_at"):
         wire.from_json(wire.LeaseRenewed, body)
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "member"),
+    [
+        (wire.TokenRange, {"start": "3", "end": 7}, "start"),  # a string is not a number
+        (wire.TokenRange, {"start": 3, "end": 7.9}, "end"),  # nor a float an integer
+        (wire.TokenRange, {"start": True, "end": 7}, "start"),  # nor a boolean an integer
+        (wire.TokenRange, {"start": "3", "end": 7.9}, "start"),
+    ],
+)
+def test_a_member_of_the_wrong_type_is_refused_not_coerced(
+    model: type, body: dict[str, Any], member: str
+) -> None:
+    with pytest.raises(wire.WireError, match=rf"{model.__name__}\.{member}: expected"):
+        wire.from_json(model, body)
+
+
+def test_a_role_must_be_a_string_and_a_flag_a_boolean() -> None:
+    stamp = datetime(2026, 1, 1, tzinfo=UTC)
+    summary = wire.RankSummary(0, "context", 1, "live", stamp, stamp)
+    body = wire.to_json(summary)
+    assert wire.from_json(wire.RankSummary, body) == summary
+    with pytest.raises(wire.WireError, match=r"RankSummary\.role: expected a string, got 5"):
+        wire.from_json(wire.RankSummary, body | {"role": 5})
+    with pytest.raises(wire.WireError, match=r"RankSummary\.generation: expected an integer"):
+        wire.from_json(wire.RankSummary, body | {"generation": False})
+    with pytest.raises(wire.WireError, match=r"RankSummary\.registered_at: expected an ISO"):
+        wire.from_json(wire.RankSummary, body | {"registered_at": 1767225600})

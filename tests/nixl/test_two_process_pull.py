@@ -73,7 +73,7 @@ def test_receiver_pulls_a_plan_from_two_sender_processes(live_server: LiveServer
             commands.put(("await", 1))
         report = pull_plan(
             receiver,
-            plan.document,
+            plan.plan,
             senders,
             receiver_pools={0: PoolAddress(flat.data_ptr(), pool.slot_stride, world.BLOCKS)},
             src_blocks=src_blocks,

@@ -1,7 +1,8 @@
 """The NIXL test deployment: context TP2 -> generation TP1, target + draft in one pool per rank.
 
-Every rank's pool is filled from one logical KV tensor (seeded), sharded by heads as DESIGN.md rule 1
-says, so the receiver can check the bytes it pulled against the logical tensor, not against the plan.
+Every rank's pool is filled from one logical KV tensor (seeded), sharded by heads by rule 1 as the
+planner tests' ground truth writes it (``tests.world.true_heads``), so the receiver can check the
+bytes it pulled against the logical tensor, not against the plan.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 
 from kvroute.client.pools import KvLayout, Parallel, SharedKvPool
 from kvroute.geometry import Kind, Owner
+from tests.world import true_heads
 
 DEPLOYMENT = "nixl"
 TARGET_HEADS, DRAFT_HEADS = 4, 1
@@ -53,7 +55,7 @@ def parallel(tp_size: int, tp_rank: int) -> Parallel:
 
 
 def fill_sender(pool: SharedKvPool, tp_size: int, tp_rank: int) -> None:
+    """The rank's heads of the logical tensors, by the planner tests' rule 1 (``true_heads``)."""
     target, draft = logical()
-    per_rank = TARGET_HEADS // tp_size
-    pool.tensors[0].copy_(target[:, :, :, tp_rank * per_rank : (tp_rank + 1) * per_rank])
-    pool.tensors[1].copy_(draft)
+    pool.tensors[0].copy_(target[:, :, :, true_heads(TARGET_HEADS, tp_size, tp_rank)])
+    pool.tensors[1].copy_(draft[:, :, :, true_heads(DRAFT_HEADS, tp_size, tp_rank)])

@@ -1,4 +1,5 @@
-"""Fixtures: shared-memory segments owned by separate worker processes, and the transfer scenarios.
+"""Fixtures: shared-memory segments owned by separate worker processes, and the transfer scenarios
+(worlds of the shared ground truth, ``tests/transfer/pools.py``).
 
 Each simulated worker (two context ranks and one generation rank) is a real process started with
 multiprocessing "spawn" that creates its segments; the test process plays kvroute and only attaches.
@@ -10,15 +11,16 @@ import multiprocessing
 import os
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from kvroute.geometry import Pool
-from kvroute.transfer import CopyPlan, PoolMemory, PoolMemoryCache, ShmBackend, TransferLeg
+from kvroute.transfer import PoolMemory, PoolMemoryCache, ShmBackend, TransferLeg
 from tests.transfer import shm_owner
-from tests.transfer.layouts import HeadCopy, ViewLayout, plan_document, seeded_bytes
+from tests.transfer.pools import Scenario
+from tests.transfer.shm_owner import seeded_bytes
+from tests.world import Side, ViewClass
 
 REPLY_TIMEOUT_S = 30.0
 
@@ -42,9 +44,10 @@ class Owners:
         commands.put(command)
         return replies.get(timeout=REPLY_TIMEOUT_S)
 
-    def create(self, owner: str, size: int, seed: int) -> str:
+    def create(self, owner: str, size: int, seed: int, content: bytes | None = None) -> str:
+        """A segment of ``size`` seeded bytes (``content`` instead, where given)."""
         name = f"kvroute-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        assert self._call(owner, "create", name, size, seed) == ("created", name)
+        assert self._call(owner, "create", name, size, seed, content) == ("created", name)
         return name
 
     def digest(self, owner: str, name: str) -> str:
@@ -94,107 +97,45 @@ def owners() -> Iterator[Owners]:
     started.stop()
 
 
-@dataclass
-class Scenario:
-    """Senders (pool 0 of each rank) copy ``copies`` into receiver pool 0."""
-
-    name: str
-    src_slot_bytes: int
-    dst_slot_bytes: int
-    copies: dict[int, list[HeadCopy]]
-    silent: tuple[int, ...] = ()
-    offset: int = 0  # byte offset of slot 0 inside every segment
-    src_slots: int = 24
-    dst_slots: int = 20
-    src_stride: int = field(init=False)
-    dst_stride: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        # strides above slot_bytes: the padding between slots must stay untouched too
-        self.src_stride = self.src_slot_bytes + 64
-        self.dst_stride = self.dst_slot_bytes + 32
-
-    def plan(self) -> CopyPlan:
-        peers = {rank: [(0, 0, copy) for copy in copies] for rank, copies in self.copies.items()}
-        return CopyPlan.from_json(plan_document(self.name, peers, self.silent))
-
-    @property
-    def src_pool(self) -> Pool:
-        return Pool(0, self.src_slot_bytes, self.src_stride, self.src_slots)
-
-    @property
-    def dst_pool(self) -> Pool:
-        return Pool(0, self.dst_slot_bytes, self.dst_stride, self.dst_slots)
-
-    def bytes_per_block(self) -> int:
-        return self.plan().bytes_per_block
+def _kv(kind: str, heads: int, owner: str = "target") -> ViewClass:
+    return ViewClass(("key", "value"), owner, kind, total_heads=heads, buffers=2, unit=16)
 
 
-def _hnd_pair(kind: str) -> Scenario:
-    src, dst = ViewLayout(kind, 4, 8), ViewLayout(kind, 4, 4)
-    # generation TP2 rank 1 holds heads 4..7 of context TP1's 8
-    return Scenario(f"{kind}-head-slice", src.end, dst.end, {0: [HeadCopy(src, dst, 4, 0, 4)]})
+def _sides(
+    ctx_tp: int, gen_tp: int, ctx_stages: tuple[int, ...] = (4,), draft: int = 0
+) -> tuple[Side, Side]:
+    """4 layers, 8 tokens per block; 24 sender and 20 receiver slots."""
+    ctx = Side("context", ctx_tp, ctx_stages, tokens_per_block=8, num_slots=24, seed=1,
+               num_draft_layers=draft)  # fmt: skip
+    gen = Side("generation", gen_tp, (4,), tokens_per_block=8, num_slots=20, seed=2,
+               num_draft_layers=draft)  # fmt: skip
+    return ctx, gen
 
 
-def _replicated() -> Scenario:
-    latent = ViewLayout("hnd", 4, 1, buffers=1, head_bytes=64)
-    return Scenario(
-        "replicated",
-        latent.end,
-        latent.end,
-        {0: [HeadCopy(latent, latent, 0, 0, 1)]},
-        silent=(1,),
-        offset=4096,
-    )
-
-
-def _target_and_draft() -> Scenario:
-    src_target, dst_target = ViewLayout("hnd", 4, 4), ViewLayout("hnd", 4, 8)
-    src_draft = ViewLayout("hnd", 1, 1, offset=src_target.end)
-    dst_draft = ViewLayout("hnd", 1, 1, offset=dst_target.end)
-    return Scenario(
-        "target-and-draft",
-        src_draft.end,
-        dst_draft.end,
-        {
-            0: [HeadCopy(src_target, dst_target, 0, 0, 4), HeadCopy(src_draft, dst_draft, 0, 0, 1)],
-            1: [HeadCopy(src_target, dst_target, 0, 4, 4)],  # its draft replica is not elected
-        },
-    )
-
-
-def _pp_fan_in() -> Scenario:
-    stage, whole = ViewLayout("nhd", 2, 8), ViewLayout("nhd", 4, 8)
-    return Scenario(
-        "pp-fan-in",
-        stage.end,
-        whole.end,
-        {
-            0: [HeadCopy(stage, whole, 0, 0, 8, dst_layer=0)],
-            1: [HeadCopy(stage, whole, 0, 0, 8, dst_layer=2)],
-        },
-    )
-
-
+LATENT = ViewClass(("latent",), "target", "replicated", total_heads=1, buffers=1, unit=64)
 SCENARIOS = {
     scenario.name: scenario
     for scenario in (
-        _hnd_pair("hnd"),
-        _hnd_pair("nhd"),
-        _replicated(),
-        _target_and_draft(),
-        _pp_fan_in(),
+        # generation TP2 rank 1 holds heads 4..7 of context TP1's 8
+        Scenario("hnd-head-slice", [_kv("hnd", 8)], *_sides(1, 2), receiver=1),
+        Scenario("nhd-head-slice", [_kv("nhd", 8)], *_sides(1, 2), receiver=1),
+        # one of the two context replicas sends; the segments start 4096 bytes in
+        Scenario("replicated", [LATENT], *_sides(2, 1), offset=4096),
+        # the draft's one head is on both context ranks: one replica is elected
+        Scenario(
+            "target-and-draft", [_kv("hnd", 8), _kv("hnd", 1, "draft")], *_sides(2, 1, draft=1)
+        ),
+        Scenario("pp-fan-in", [_kv("nhd", 8)], *_sides(1, 1, ctx_stages=(2, 2))),
     )
 }
 
 
 @dataclass
 class Staged:
-    """A scenario's segments, opened as kvroute would, plus what the ground truth needs."""
+    """A scenario's segments, opened as kvroute would, plus the receiver's contents before."""
 
     scenario: Scenario
     leg: TransferLeg
-    senders: dict[int, np.ndarray]  # seeded contents, regenerated independently of the segments
     receiver_before: np.ndarray
     receiver: PoolMemory
     receiver_segment: str  # owned by the "gen0" process
@@ -206,23 +147,25 @@ def stage(owners: Owners) -> Iterator[object]:
     cache = PoolMemoryCache([ShmBackend()])
 
     def make(scenario: Scenario, seed: int = 0) -> Staged:
-        plan = scenario.plan()
-        src_pools, senders = {}, {}
-        for rank in (*scenario.copies, *scenario.silent):
-            size = scenario.offset + scenario.src_pool.size_bytes
-            name = owners.create(f"ctx{rank}", size, seed + rank)
+        """Sender segments holding the truth's bytes over seeded filler, a seeded receiver."""
+        plan, offset = scenario.plan(), scenario.offset
+        src_pools = {}
+        for rank in scenario.sender_ranks:
+            pool = scenario.src_pool(rank)
+            content = seeded_bytes(seed + rank, offset + pool.size_bytes)
+            content[offset:] = scenario.sender_bytes(rank, content[offset:])
+            name = owners.create(f"ctx{rank}", len(content), seed + rank, content.tobytes())
             created.append((f"ctx{rank}", name))
-            descriptor = {"backend": "shm", "name": name, "offset": scenario.offset}
-            src_pools[(rank, 0)] = cache.open_pool(descriptor, scenario.src_pool)
-            senders[rank] = seeded_bytes(seed + rank, size)[scenario.offset :]
-        size = scenario.offset + scenario.dst_pool.size_bytes
+            descriptor = {"backend": "shm", "name": name, "offset": offset}
+            src_pools[(rank, pool.pool_id)] = cache.open_pool(descriptor, pool)
+        size = offset + scenario.dst_pool.size_bytes
         name = owners.create("gen0", size, seed + 100)
         created.append(("gen0", name))
-        descriptor = {"backend": "shm", "name": name, "offset": scenario.offset}
+        descriptor = {"backend": "shm", "name": name, "offset": offset}
         receiver = cache.open_pool(descriptor, scenario.dst_pool)
-        before = seeded_bytes(seed + 100, size)[scenario.offset :]
-        leg = TransferLeg(plan, src_pools, {0: receiver})
-        return Staged(scenario, leg, senders, before, receiver, name)
+        before = seeded_bytes(seed + 100, size)[offset:]
+        leg = TransferLeg(plan, src_pools, {scenario.dst_pool.pool_id: receiver})
+        return Staged(scenario, leg, before, receiver, name)
 
     yield make
     cache.close()

@@ -7,7 +7,7 @@ from multiprocessing.queues import Queue
 
 import torch
 
-from tests.transfer.layouts import seeded_bytes
+from tests.transfer.shm_owner import seeded_bytes
 
 
 def serve(size: int, seed: int, replies: Queue, done: Queue) -> None:

@@ -15,7 +15,12 @@ import os
 from multiprocessing.queues import Queue
 from multiprocessing.shared_memory import SharedMemory
 
-from tests.transfer.layouts import seeded_bytes
+import numpy as np
+
+
+def seeded_bytes(seed: int, size: int) -> np.ndarray:
+    """The bytes an owner process writes into a segment; the test regenerates them to compare."""
+    return np.random.default_rng(seed).integers(0, 256, size=size, dtype=np.uint8)
 
 
 def serve(commands: Queue, replies: Queue) -> None:
@@ -24,9 +29,11 @@ def serve(commands: Queue, replies: Queue) -> None:
     while True:
         command, *args = commands.get()
         if command == "create":
-            name, size, seed = args
+            name, size, seed, content = args  # content: the bytes to hold instead of seeded ones
             segment = SharedMemory(name=name, create=True, size=size)
-            segment.buf[:size] = seeded_bytes(seed, size).tobytes()
+            segment.buf[:size] = (
+                content if content is not None else seeded_bytes(seed, size).tobytes()
+            )
             owned[name] = segment
             replies.put(("created", name))
         elif command == "digest":

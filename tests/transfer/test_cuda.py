@@ -23,8 +23,9 @@ from kvroute.transfer import (
     WorkerPool,
 )
 from tests.transfer import cuda_owner
-from tests.transfer.conftest import SCENARIOS, Scenario
-from tests.transfer.layouts import expected_receiver, seeded_bytes
+from tests.transfer.conftest import SCENARIOS
+from tests.transfer.pools import Scenario
+from tests.transfer.shm_owner import seeded_bytes
 
 pytestmark = [
     pytest.mark.cuda,
@@ -32,33 +33,27 @@ pytestmark = [
 ]
 
 
-def cuda_leg(scenario: Scenario, device: str = "cuda:0") -> tuple[TransferLeg, dict, np.ndarray]:
+def cuda_leg(scenario: Scenario, device: str = "cuda:0") -> tuple[TransferLeg, np.ndarray]:
+    """Sender pools holding the truth's bytes over seeded filler, a seeded receiver, on ``device``."""
     backend = LocalBackend()
-    senders = {}
-    for rank in (*scenario.copies, *scenario.silent):
-        senders[rank] = seeded_bytes(rank, scenario.src_pool.size_bytes)
-        backend.register(f"src{rank}", torch.from_numpy(senders[rank]).to(device))
+    cache = PoolMemoryCache([backend])
+    src = {}
+    for rank in scenario.sender_ranks:
+        pool = scenario.src_pool(rank)
+        content = scenario.sender_bytes(rank, seeded_bytes(rank, pool.size_bytes))
+        backend.register(f"src{rank}", torch.from_numpy(content).to(device))
+        src[(rank, 0)] = cache.open_pool({"backend": "local", "name": f"src{rank}"}, pool)
     before = seeded_bytes(100, scenario.dst_pool.size_bytes)
     backend.register("dst", torch.from_numpy(before).to(device))
-    cache = PoolMemoryCache([backend])
-    src = {
-        (rank, 0): cache.open_pool({"backend": "local", "name": f"src{rank}"}, scenario.src_pool)
-        for rank in senders
-    }
     dst = {0: cache.open_pool({"backend": "local", "name": "dst"}, scenario.dst_pool)}
-    return TransferLeg(scenario.plan(), src, dst), senders, before
-
-
-def expected(scenario: Scenario, senders: dict, before: np.ndarray, blocks: tuple) -> np.ndarray:
-    strides = {"src": scenario.src_stride, "dst": scenario.dst_stride}
-    return expected_receiver(before, senders, scenario.copies, strides, blocks)
+    return TransferLeg(scenario.plan(), src, dst), before
 
 
 @pytest.mark.parametrize("strategy", list(Strategy))
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_cuda_copies_match_ground_truth(name: str, strategy: Strategy) -> None:
     scenario = SCENARIOS[name]
-    leg, senders, before = cuda_leg(scenario)
+    leg, before = cuda_leg(scenario)
     rng = np.random.default_rng(1)
     blocks = (
         rng.choice(scenario.src_slots, 10, replace=False),
@@ -69,12 +64,12 @@ def test_cuda_copies_match_ground_truth(name: str, strategy: Strategy) -> None:
     torch.cuda.synchronize()
 
     actual = leg.dst_pools[0].tensor.cpu().numpy()
-    np.testing.assert_array_equal(actual, expected(scenario, senders, before, blocks))
+    np.testing.assert_array_equal(actual, scenario.expected(before, blocks))
 
 
 async def test_worker_pool_completes_cuda_jobs_on_its_streams() -> None:
     scenario = SCENARIOS["target-and-draft"]
-    leg, senders, before = cuda_leg(scenario)
+    leg, before = cuda_leg(scenario)
     blocks = (np.array([1, 5, 7]), np.array([0, 3, 2]))
     pool = WorkerPool(workers=2, queue_size=4)
     await pool.start()
@@ -83,7 +78,7 @@ async def test_worker_pool_completes_cuda_jobs_on_its_streams() -> None:
 
     assert status.state is JobState.SUCCEEDED, status.error
     actual = leg.dst_pools[0].tensor.cpu().numpy()
-    np.testing.assert_array_equal(actual, expected(scenario, senders, before, blocks))
+    np.testing.assert_array_equal(actual, scenario.expected(before, blocks))
     assert (await pool.drain(5.0)).clean
 
 

@@ -1,4 +1,5 @@
-"""The copy engine against an independent numpy ground truth, for every strategy and layout."""
+"""The copy engine against the shared ground truth (``tests/truth.py``), for every strategy and
+layout."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from kvroute.geometry import Pool
 from kvroute.transfer import CopyEngine, Strategy, TransferJob, TransferValidationError
 from kvroute.transfer.engine import block_spans
 from tests.transfer.conftest import SCENARIOS, Staged
-from tests.transfer.layouts import expected_receiver
 
 Stage = Callable[..., Staged]
 
@@ -25,14 +26,7 @@ def random_blocks(staged: Staged, count: int, seed: int) -> tuple[np.ndarray, np
 
 
 def check_receiver(staged: Staged, blocks: tuple[np.ndarray, np.ndarray]) -> None:
-    scenario = staged.scenario
-    expected = expected_receiver(
-        staged.receiver_before,
-        staged.senders,
-        scenario.copies,
-        {"src": scenario.src_stride, "dst": scenario.dst_stride},
-        blocks,
-    )
+    expected = staged.scenario.expected(staged.receiver_before, blocks)
     actual = staged.receiver.tensor.numpy()
     wrong = np.flatnonzero(actual != expected)
     assert len(wrong) == 0, f"{len(wrong)} receiver bytes differ, first at {wrong[:5]}"
@@ -106,10 +100,11 @@ def test_block_lists_must_pair_up(stage: Stage) -> None:
 
 
 def test_fragment_beyond_slot_bytes_is_refused(stage: Stage) -> None:
-    scenario = SCENARIOS["hnd-head-slice"]
-    staged = stage(scenario)
-    small = type(scenario.src_pool)(0, scenario.src_slot_bytes - 1, scenario.src_stride, 24)
+    staged = stage(SCENARIOS["hnd-head-slice"])
     memory = staged.leg.src_pools[(0, 0)]
+    # one byte short of the furthest byte rank 0's fragments read in a slot
+    reach = max(copy.extent[0] for copy in staged.leg.plan.peers[0].copies)
+    small = Pool(0, reach - 1, memory.pool.slot_stride, 24)
     shrunk = type(memory)(small, memory.backend, memory.tensor)
     leg = type(staged.leg)(staged.leg.plan, {(0, 0): shrunk}, staged.leg.dst_pools)
 

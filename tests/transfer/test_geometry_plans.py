@@ -2,7 +2,8 @@
 
 The synthetic world of ``tests/world.py`` lays out every rank from first principles and knows the
 receiver's expected bytes independently of the planner; here the engine, not a numpy loop, runs the
-plans (low byte of each logical id, so misplaced bytes show up as mismatches).
+plans (each logical id as one byte, ``tests.transfer.pools.as_bytes``, so misplaced bytes show up
+as mismatches).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvroute.transfer import (
     TransferJob,
     TransferLeg,
 )
+from tests.transfer.pools import as_bytes
 from tests.truth import Truth
 from tests.world import Side, ViewClass, instance
 
@@ -56,7 +58,7 @@ def test_geometry_plans_copy_the_right_bytes(world: str, strategy: Strategy) -> 
         pools = {}
         for pool_id, (slot_bytes, stride, slots) in layout.pools.items():
             name = f"{side.role}-{rank}-{pool_id}"
-            backend.register(name, torch.from_numpy(arrays[pool_id].astype(np.uint8)))
+            backend.register(name, torch.from_numpy(as_bytes(arrays[pool_id])))
             pool = Pool(pool_id, slot_bytes, stride, slots)
             pools[pool_id] = cache.open_pool({"backend": "local", "name": name}, pool)
         return pools
@@ -79,7 +81,7 @@ def test_geometry_plans_copy_the_right_bytes(world: str, strategy: Strategy) -> 
         )
         want = truth.fill(gen_side, layout, receiver.rank, dst_blocks, src_blocks)
         for pool_id, memory in dst_pools.items():
-            expected = want[pool_id].astype(np.uint8)
+            expected = as_bytes(want[pool_id])
             assert (want[pool_id] != 0).any()
             np.testing.assert_array_equal(
                 memory.tensor.numpy(), expected, err_msg=f"pool {pool_id}"

@@ -29,6 +29,7 @@ from kvroute.transfer import (
     TransferValidationError,
 )
 from tests.hybrid import HYBRID, MAMBA
+from tests.transfer.pools import as_bytes
 from tests.truth import Truth, window_starts
 from tests.world import Layout, Side, ViewClass, instance
 
@@ -72,12 +73,6 @@ BLOCK_WORLDS = {
 }  # fmt: skip
 
 
-def _bytes(ids: np.ndarray) -> np.ndarray:
-    """A byte per logical id that changes with every bit of it; 0 stays 0 (unwritten)."""
-    mixed = ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    return np.where(ids == 0, 0, (mixed >> np.uint64(56)) | np.uint64(1)).astype(np.uint8)
-
-
 @dataclass
 class Opened:
     cache: PoolMemoryCache
@@ -89,7 +84,7 @@ class Opened:
         opened = {}
         for pool_id, (slot_bytes, stride, slots) in layout.pools.items():
             key = f"{name}-{pool_id}"
-            self.backend.register(key, torch.from_numpy(_bytes(arrays[pool_id])))
+            self.backend.register(key, torch.from_numpy(as_bytes(arrays[pool_id])))
             pool = Pool(pool_id, slot_bytes, stride, slots)
             opened[pool_id] = self.cache.open_pool({"backend": "local", "name": key}, pool)
         return opened
@@ -154,7 +149,7 @@ def _check_copied(copied, plan, want, dst_pools, truth, side, layout, dst_slot) 
     assert plan.state_bytes == sum(int((ids != 0).sum()) for ids in state.values())
     for pool_id, memory in dst_pools.items():
         np.testing.assert_array_equal(
-            memory.tensor.numpy(), _bytes(want[pool_id]), err_msg=f"rank {rank} pool {pool_id}"
+            memory.tensor.numpy(), as_bytes(want[pool_id]), err_msg=f"rank {rank} pool {pool_id}"
         )
 
 

@@ -18,7 +18,7 @@ from kvroute.client.memory import ShmPool
 from kvroute.geometry import Pool
 from kvroute.transfer import MemfdBackend, PoolMemoryCache, PoolMemoryError
 from tests.transfer.conftest import Owners
-from tests.transfer.layouts import seeded_bytes
+from tests.transfer.shm_owner import seeded_bytes
 
 POOL = Pool(pool_id=2, slot_bytes=96, slot_stride=128, num_slots=8)  # 1024 bytes
 

@@ -30,6 +30,7 @@ from kvroute.transfer import (
 )
 from kvroute.transfer.jobs import TokenWindow
 from tests.executor import Request, execute
+from tests.transfer.pools import as_bytes
 from tests.truth import Truth, background
 from tests.world import Side, ViewClass, instance
 
@@ -86,7 +87,7 @@ def _open(b: Bench, cache, name: str, layout, arrays: dict[int, np.ndarray]) -> 
     """Registers ``arrays`` (low byte of each id) as pools on the bench's device; opens them."""
     pools = {}
     for pool_id, (slot_bytes, stride, slots) in layout.pools.items():
-        tensor = torch.from_numpy(arrays[pool_id].astype(np.uint8)).to(b.device)
+        tensor = torch.from_numpy(as_bytes(arrays[pool_id])).to(b.device)
         b.backend.register(f"{name}-{pool_id}", tensor)
         descriptor = {"backend": "local", "name": f"{name}-{pool_id}"}
         pools[pool_id] = cache.open_pool(descriptor, Pool(pool_id, slot_bytes, stride, slots))
@@ -163,7 +164,7 @@ def run_job(
         for pool_id, memory in dst_pools.items():
             np.testing.assert_array_equal(
                 memory.tensor.cpu().numpy(),
-                want[pool_id].astype(np.uint8),
+                as_bytes(want[pool_id]),
                 err_msg=f"pool {pool_id}",
             )
         # the world's own executor of the period form agrees on the int64 ids, byte for byte
@@ -242,7 +243,7 @@ def test_a_gap_is_refused_before_anything_is_copied() -> None:
     assert (error.code, error.field) == ("token_range_not_covered", "src_blocks")
     assert error.extras == {"token": 12, "covered": [4, 12], "tokens": [6, 14]}
     for pool_id, memory in dst_pools.items():
-        assert np.array_equal(memory.tensor.numpy(), before[pool_id].astype(np.uint8))
+        assert np.array_equal(memory.tensor.numpy(), as_bytes(before[pool_id]))
 
 
 def test_a_cut_range_costs_the_fragments_of_its_blocks() -> None:
@@ -284,3 +285,97 @@ def test_a_plan_with_block_fragments_only_cannot_cut_a_range() -> None:
 def test_cuda_pools_move_the_same_ranges(name: str, strategy: Strategy) -> None:
     b = bench(name, "cuda:0")
     run_range(b, TokenRange(5, 23), dst_first=3, strategy=strategy, named_src=False)
+
+
+CHUNKED_WORLDS = {
+    "hnd TP1 x CP2 zig-zag -> TP2 x CP2 (interleave 1), 4 -> 2 tokens/block": (
+        [KV, INDEX],
+        Side(
+            "context",
+            1,
+            (2,),
+            tokens_per_block=4,
+            num_slots=SLOTS,
+            seed=3,
+            cp_size=2,
+            cp_layout="zigzag",
+            prompt_tokens=22,
+        ),
+        Side("generation", 2, (2,), tokens_per_block=2, num_slots=SLOTS, seed=4, cp_size=2),
+    ),
+    "nhd TP2 x CP3 contiguous -> TP1, 4 -> 3 tokens/block": (
+        [KV_NHD],
+        Side(
+            "context",
+            2,
+            (2,),
+            tokens_per_block=4,
+            num_slots=SLOTS,
+            seed=5,
+            cp_size=3,
+            cp_layout="contiguous",
+            prompt_tokens=22,
+        ),
+        Side("generation", 1, (2,), tokens_per_block=3, num_slots=SLOTS, seed=6),
+    ),
+}
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+@pytest.mark.parametrize("name", list(CHUNKED_WORLDS))
+def test_prefill_chunks_arrive_on_the_cp_rank_holding_each_token(
+    name: str, strategy: Strategy
+) -> None:
+    """A context instance holding zig-zag or contiguous chunks of a 22-token prompt (each CP rank
+    its chunks from local block 0, one shared list), a receiver with 5 tokens cached: the copy
+    engine and the world's executor move exactly tokens [5, 22), each from the rank holding it."""
+    classes, ctx_side, gen_side = CHUNKED_WORLDS[name]
+    ctx, ctx_layouts = instance(ctx_side, classes, "ctx")
+    truth, ts, td = Truth(classes), ctx_side.tokens_per_block, gen_side.tokens_per_block
+    order = [int(s) for s in np.random.default_rng(7).permutation(SLOTS)][: -(-12 // ts)]
+    backend = LocalBackend()
+    b = Bench(
+        name, ctx, truth, ctx_side, gen_side, {}, *instance(gen_side, classes, "gen"),
+        ctx_layouts, {}, order, backend, PoolMemoryCache([backend]),
+    )  # fmt: skip
+    for rank, layout in enumerate(ctx_layouts):
+        arrays = truth.place(ctx_side, layout, rank, {s: i * ts for i, s in enumerate(order)})
+        b.sender_arrays[rank] = arrays
+        for pool_id, memory in _open(b, b.cache, f"cctx{next(NAMES)}", layout, arrays).items():
+            b.src_pools[(rank, pool_id)] = memory
+    # The receiver's list starts at the first local block any of its CP ranks needs from token 5
+    # (CP2 rank 1 holds 2 tokens before it) and ends with the last one the rank holding most needs.
+    cp = gen_side.cp_size > 1
+    first_block, held = (2, 11) if cp else (5, 22)
+    first_block //= td
+    dst_blocks = list(range(SLOTS))[::-1][: -(-held // td) - first_block]
+    window = TokenWindow(TokenRange(5, 22), 0, 5, 22)
+    request = Request(order, dst_blocks, TokenRange(5, 22), (0, 5), prompt_tokens=22)
+    run_chunked(b, window, request, first_block * td, strategy)
+
+
+def run_chunked(
+    b: Bench, window: TokenWindow, request: Request, dst_start: int, strategy: Strategy
+) -> None:
+    td = b.gen_side.tokens_per_block
+    for receiver, layout in zip(b.gen, b.gen_layouts, strict=True):
+        before = background(layout)
+        dst_pools = _open(b, b.cache, f"gen{receiver.rank}-{next(NAMES)}", layout, before)
+        plan = build_plan(b.ctx, receiver, prompt_tokens=22)
+        leg = TransferLeg(CopyPlan.from_plan(plan), b.src_pools, dst_pools)
+        job = TransferJob([leg], request.src_blocks, request.dst_blocks, window=window)
+        result = CopyEngine().copy(job, strategy=strategy)
+        placement = {block: dst_start + i * td for i, block in enumerate(request.dst_blocks)}
+        want = b.truth.place(b.gen_side, layout, receiver.rank, placement, range(5, 22), before)
+        assert result.bytes == sum(int((want[p] != before[p]).sum()) for p in want)
+        for pool_id, memory in dst_pools.items():
+            np.testing.assert_array_equal(
+                memory.tensor.cpu().numpy(), as_bytes(want[pool_id]), err_msg=f"{pool_id}"
+            )
+        out, writes = execute(
+            plan.to_json(), b.sender_arrays, dict(enumerate(b.ctx_layouts)), layout, request,
+            into=before,
+        )  # fmt: skip
+        for pool_id in want:
+            np.testing.assert_array_equal(out[pool_id], want[pool_id])
+            assert writes[pool_id].max(initial=0) <= 1

@@ -6,16 +6,15 @@ import asyncio
 import hashlib
 import threading
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvroute.geometry import Pool
 from kvroute.transfer import (
     CopyEngine,
-    CopyPlan,
     JobState,
     JobStatus,
     LocalBackend,
@@ -30,7 +29,8 @@ from kvroute.transfer import (
 )
 from kvroute.transfer.jobs import CopyResult
 from tests.transfer.conftest import SCENARIOS, Owners, Staged
-from tests.transfer.layouts import HeadCopy, ViewLayout, expected_receiver, plan_document
+from tests.transfer.pools import Scenario
+from tests.world import Side, ViewClass
 
 WAIT_S = 10.0
 
@@ -50,15 +50,24 @@ class GatedEngine(CopyEngine):
 
 @pytest.fixture
 def leg() -> TransferLeg:
-    src, dst = ViewLayout("hnd", 2, 4), ViewLayout("hnd", 2, 2)
-    plan = CopyPlan.from_json(plan_document("pool", {0: [(0, 0, HeadCopy(src, dst, 2, 0, 2))]}))
+    """Generation TP2 rank 1 taking heads 2..3 of context TP1's 4, 8 slots a side, on CPU."""
+    kv = ViewClass(("key", "value"), "target", "hnd", total_heads=4, buffers=2, unit=16)
+    scenario = Scenario(
+        "pool",
+        [kv],
+        Side("context", 1, (2,), tokens_per_block=8, num_slots=8, seed=1),
+        Side("generation", 2, (2,), tokens_per_block=8, num_slots=8, seed=2),
+        receiver=1,
+    )
+    src, dst = scenario.src_pool(0), scenario.dst_pool
     backend = LocalBackend()
-    backend.register("src", torch.arange(8 * src.end, dtype=torch.int64).to(torch.uint8))
-    backend.register("dst", torch.zeros(8 * dst.end, dtype=torch.uint8))
+    filler = torch.arange(src.size_bytes, dtype=torch.int64).to(torch.uint8).numpy()
+    backend.register("src", torch.from_numpy(scenario.sender_bytes(0, filler)))
+    backend.register("dst", torch.zeros(dst.size_bytes, dtype=torch.uint8))
     cache = PoolMemoryCache([backend])
-    src_memory = cache.open_pool({"backend": "local", "name": "src"}, Pool(0, src.end, src.end, 8))
-    dst_memory = cache.open_pool({"backend": "local", "name": "dst"}, Pool(0, dst.end, dst.end, 8))
-    return TransferLeg(plan, {(0, 0): src_memory}, {0: dst_memory})
+    src_memory = cache.open_pool({"backend": "local", "name": "src"}, src)
+    dst_memory = cache.open_pool({"backend": "local", "name": "dst"}, dst)
+    return TransferLeg(scenario.plan(), {(0, 0): src_memory}, {0: dst_memory})
 
 
 async def wait_for(predicate: Callable[[], bool], polls: int = 2000) -> None:
@@ -96,6 +105,17 @@ async def test_submitted_job_succeeds_and_is_counted(leg: TransferLeg) -> None:
     assert (await pool.drain(1.0)).clean
 
 
+async def test_job_stamps_come_from_the_pools_clock(leg: TransferLeg) -> None:
+    # The app's clock (``api.clock``): a test that moves time sees it in the job rows too.
+    at = datetime(2030, 1, 1, tzinfo=UTC)
+    pool = WorkerPool(workers=1, queue_size=1, clock=lambda: at)
+    await pool.start()
+    status = await (await pool.submit(TransferJob([leg], [1], [0])))
+    assert status.state is JobState.SUCCEEDED
+    assert status.submitted_at == status.started_at == status.finished_at == at.timestamp()
+    assert (await pool.drain(1.0)).clean
+
+
 async def test_shm_job_through_the_pool_reaches_the_owner_process(
     stage: Callable[..., Staged], owners: Owners
 ) -> None:
@@ -107,11 +127,7 @@ async def test_shm_job_through_the_pool_reaches_the_owner_process(
     status = await (await pool.submit(TransferJob([staged.leg], *blocks)))
 
     assert status.state is JobState.SUCCEEDED, status.error
-    scenario = staged.scenario
-    strides = {"src": scenario.src_stride, "dst": scenario.dst_stride}
-    expected = expected_receiver(
-        staged.receiver_before, staged.senders, scenario.copies, strides, blocks
-    )
+    expected = staged.scenario.expected(staged.receiver_before, blocks)
     digest = owners.digest("gen0", staged.receiver_segment)
     assert digest == hashlib.sha256(expected.tobytes()).hexdigest()
     await pool.drain(1.0)

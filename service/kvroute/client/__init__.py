@@ -12,7 +12,7 @@ them, lazily.
 
 from kvroute.client.aio import AsyncKvrouteClient
 from kvroute.client.errors import KvrouteError
-from kvroute.client.lease import LeaseKeeper
+from kvroute.client.lease import EngineLeaseKeeper, LeaseKeeper
 from kvroute.client.models import (
     TERMINAL_STATES,
     Compatibility,
@@ -37,6 +37,7 @@ __all__ = [
     "Compatibility",
     "CompatibilityPair",
     "DeploymentSummary",
+    "EngineLeaseKeeper",
     "InstanceSummary",
     "KvrouteClient",
     "KvrouteError",

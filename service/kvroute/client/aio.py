@@ -19,10 +19,11 @@ import aiohttp
 
 from kvroute import wire
 from kvroute.client.errors import KvrouteError
-from kvroute.client.lease import LeaseKeeper
+from kvroute.client.lease import EngineLeaseKeeper, LeaseKeeper
 from kvroute.client.models import (
     Compatibility,
     DeploymentSummary,
+    EngineLease,
     Instance,
     InstanceSummary,
     Lease,
@@ -47,6 +48,11 @@ def _seg(value: str | int) -> str:
 
 def rank_path(deployment: str, instance: str, rank: int) -> str:
     return f"/v1/deployments/{_seg(deployment)}/instances/{_seg(instance)}/ranks/{_seg(rank)}"
+
+
+def lease_path(deployment: str, lease_id: str | None = None) -> str:
+    base = f"/v1/deployments/{_seg(deployment)}/leases"
+    return base if lease_id is None else f"{base}/{_seg(lease_id)}"
 
 
 class AsyncKvrouteClient:
@@ -137,10 +143,42 @@ class AsyncKvrouteClient:
     # Registration and leases (worker token).
 
     async def register(
-        self, deployment: str, instance: str, rank: int, document: Mapping[str, Any]
+        self,
+        deployment: str,
+        instance: str,
+        rank: int,
+        document: Mapping[str, Any],
+        *,
+        engine_lease: str | None = None,
     ) -> Registered:
-        status, body = await self._call("PUT", rank_path(deployment, instance, rank), body=document)
+        """Registers the rank, kept by ``engine_lease`` when given (else by its own lease)."""
+        params = {"engine_lease": engine_lease} if engine_lease else None
+        status, body = await self._call(
+            "PUT", rank_path(deployment, instance, rank), body=document, params=params
+        )
         return Registered.from_json(body, created=status == 201)
+
+    async def grant_lease(self, deployment: str, lease_seconds: int) -> EngineLease:
+        """A new engine lease; register ranks with ``engine_lease=lease.lease_id``."""
+        _, body = await self._call(
+            "POST", lease_path(deployment), body={"lease_seconds": lease_seconds}, retry_sent=False
+        )
+        return wire.from_json(EngineLease, body)
+
+    async def renew_lease(self, deployment: str, lease_id: str) -> EngineLease:
+        """Renews the lease and its live ranks (``ranks``: those renewed); 404: grant a new one."""
+        _, body = await self._call(
+            "POST", lease_path(deployment, lease_id) + "/heartbeat", retry_sent=True
+        )
+        return wire.from_json(EngineLease, body)
+
+    async def get_lease(self, deployment: str, lease_id: str) -> EngineLease:
+        _, body = await self._call("GET", lease_path(deployment, lease_id))
+        return wire.from_json(EngineLease, body)
+
+    async def revoke_lease(self, deployment: str, lease_id: str) -> None:
+        """Removes the lease and every rank it keeps (admin token)."""
+        await self._call("DELETE", lease_path(deployment, lease_id))
 
     async def heartbeat(self, deployment: str, instance: str, rank: int) -> Lease:
         """Renews the lease; a 404 means kvroute no longer knows the rank: register again."""
@@ -166,9 +204,24 @@ class AsyncKvrouteClient:
         document: Mapping[str, Any],
         *,
         interval: float | None = None,
+        per_rank: bool = False,
     ) -> LeaseKeeper:
-        """``async with client.keep_lease(...)``: registers, then heartbeats until the block ends."""
-        return LeaseKeeper(self, deployment, instance, rank, document, interval=interval)
+        """``async with client.keep_lease(...)``: registers, then renews until the block ends (an
+        engine lease of the rank's own unless ``per_rank``)."""
+        return LeaseKeeper(
+            self, deployment, instance, rank, document, interval=interval, per_rank=per_rank
+        )
+
+    def keep_engine_lease(
+        self,
+        deployment: str,
+        documents: Mapping[tuple[str, int], Mapping[str, Any]],
+        *,
+        interval: float | None = None,
+    ) -> EngineLeaseKeeper:
+        """``async with client.keep_engine_lease("llama", {("ctx0", 0): doc, ...})``: one engine
+        lease for all the ranks, registered with it, renewed until the block ends."""
+        return EngineLeaseKeeper(self, deployment, documents, interval=interval)
 
     async def get_plan(
         self,
@@ -179,9 +232,11 @@ class AsyncKvrouteClient:
         receiver_rank: int,
         sender_dp_rank: int | None = None,
         period: bool = False,
+        prompt_tokens: int | None = None,
     ) -> PlanDocument:
         """One receiver rank's plan; ``period`` asks for every view pair's period form, from
-        which any token range can be cut (``client.nixl_descs``)."""
+        which any token range can be cut (``client.nixl_descs``); ``prompt_tokens`` is the
+        prompt length a sender holding prefill CP chunks is planned for."""
         params: dict[str, str | int] = {
             "sender": sender,
             "receiver": receiver,
@@ -189,6 +244,8 @@ class AsyncKvrouteClient:
         }
         if sender_dp_rank is not None:
             params["sender_dp_rank"] = sender_dp_rank
+        if prompt_tokens is not None:
+            params["prompt_tokens"] = prompt_tokens
         if period:
             params["fragments"] = "period"
         _, body = await self._call(
@@ -204,11 +261,14 @@ class AsyncKvrouteClient:
         receiver: str,
         sender_dp_rank: int | None = None,
         period: bool = False,
+        prompt_tokens: int | None = None,
     ) -> list[PlanDocument]:
         """Every rank's plan of a receiver instance in one answer, ordered by rank (``plan-sets``)."""
         params: dict[str, str | int] = {"sender": sender, "receiver": receiver}
         if sender_dp_rank is not None:
             params["sender_dp_rank"] = sender_dp_rank
+        if prompt_tokens is not None:
+            params["prompt_tokens"] = prompt_tokens
         if period:
             params["fragments"] = "period"
         path = f"/v1/deployments/{_seg(deployment)}/plan-sets"
@@ -238,26 +298,21 @@ class AsyncKvrouteClient:
         Hybrid models add the request's recurrent-state slot on both sides, and sliding windows
         the prompt's length (default: the range's end; a range past it is 422
         ``prompt_tokens_contradicts_tokens``)."""
-        document: dict[str, Any] = {
-            "sender": sender,
-            "receiver": receiver,
-            "receiver_ranks": list(receiver_ranks),
-            "src_blocks": list(src_blocks),
-            "dst_blocks": list(dst_blocks),
-        }
-        if tokens is not None:
-            document["tokens"] = {"start": tokens[0], "end": tokens[1]}
-        for name, value in (
-            ("src_first_token", src_first_token),
-            ("dst_first_token", dst_first_token),
-            ("src_state_slot", src_state_slot),
-            ("dst_state_slot", dst_state_slot),
-            ("prompt_tokens", prompt_tokens),
-        ):
-            if value is not None:
-                document[name] = value
+        request = wire.TransferRequest(
+            sender=sender,
+            receiver=receiver,
+            receiver_ranks=tuple(receiver_ranks),
+            src_blocks=tuple(src_blocks),
+            dst_blocks=tuple(dst_blocks),
+            tokens=None if tokens is None else wire.TokenRange(*tokens),
+            src_first_token=src_first_token,
+            dst_first_token=dst_first_token,
+            src_state_slot=src_state_slot,
+            dst_state_slot=dst_state_slot,
+            prompt_tokens=prompt_tokens,
+        )
         path = f"/v1/deployments/{_seg(deployment)}/transfers"
-        _, body = await self._call("POST", path, body=document)
+        _, body = await self._call("POST", path, body=wire.to_json(request))
         return wire.from_json(TransferStatus, body)
 
     async def get_transfer(self, job_id: str) -> TransferStatus:
@@ -318,6 +373,14 @@ class AsyncKvrouteClient:
         """The context x generation matrix with the first refusal of each incompatible pair."""
         _, body = await self._call("GET", f"/v1/deployments/{_seg(deployment)}/compatibility")
         return wire.from_json(Compatibility, body)
+
+    async def pairs(self, deployment: str, generation: str | None = None) -> wire.Pairs:
+        """Per generation instance (or ``generation`` alone), the context instances it may pair
+        with, best first, and why each other one may not (routers)."""
+        params = {"generation": generation} if generation is not None else None
+        path = f"/v1/deployments/{_seg(deployment)}/pairs"
+        _, body = await self._call("GET", path, params=params)
+        return wire.from_json(wire.Pairs, body)
 
 
 async def _payload(resp: aiohttp.ClientResponse) -> Any:

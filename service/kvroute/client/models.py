@@ -3,9 +3,9 @@
 The answers' shapes are ``kvroute.wire``'s models, which the server renders too (one description,
 checked against the spec by ``tests/contract/test_wire.py``); they are re-exported here under the
 names workers use. A worker reads ``info.generation`` rather than ``body["generation"]``: a renamed
-member fails at parse time, naming it, instead of as a KeyError deep inside a worker. Plans keep
-their raw JSON (``document``): they are data that other tools (NIXL descriptors, rendering) read
-as such.
+member fails at parse time, naming it, instead of as a KeyError deep inside a worker. Plans are read
+into the geometry core's typed plan (``PlanDocument.plan``, by ``Plan.from_json``) and keep their
+raw JSON (``document``) beside it.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from datetime import datetime
 from typing import Any
 
 from kvroute import wire
+from kvroute.geometry import Plan
 from kvroute.wire import (
     TERMINAL_STATES,
     Compatibility,
     CompatibilityInstance,
     CompatibilityPair,
     DeploymentSummary,
+    EngineLease,
     Instance,
     InstanceSummary,
     RankSummary,
@@ -39,6 +41,7 @@ __all__ = [
     "CompatibilityInstance",
     "CompatibilityPair",
     "DeploymentSummary",
+    "EngineLease",
     "Instance",
     "InstanceSummary",
     "Lease",
@@ -67,7 +70,8 @@ class Registered:
 
 @dataclass(frozen=True, slots=True)
 class PlanDocument:
-    """A plan as served: the generations it was built from, and the API.md JSON (``document``)."""
+    """A plan as served: the typed plan (``plan``, with the generations it was built from) and
+    the API.md JSON (``document``)."""
 
     deployment: str
     sender: str
@@ -79,55 +83,52 @@ class PlanDocument:
     expected_writers: int
     fanin_bounce_safe: bool
     document: dict[str, Any] = field(repr=False)
+    plan: Plan = field(repr=False, compare=False)
 
     @classmethod
     def from_json(cls, body: Json) -> PlanDocument:
-        sender, receiver = body["sender"], body["receiver"]
-        generations = sender.get("generations") or {}
+        """Reads a served plan; ``GeometryError`` (``invalid_plan``) names a member that is not
+        what a plan says."""
+        plan = Plan.from_json(body)
         return cls(
-            deployment=body["deployment"],
-            sender=sender["instance"],
-            sender_generations={int(rank): gen for rank, gen in generations.items()},
-            receiver=receiver["instance"],
-            receiver_rank=int(receiver["rank"]),
-            receiver_generation=receiver.get("generation"),
-            fingerprint=body["fingerprint"],
-            expected_writers=int(body["expected_writers"]),
-            fanin_bounce_safe=bool(body["fanin_bounce_safe"]),
+            deployment=plan.deployment,
+            sender=plan.sender_instance,
+            sender_generations=dict(plan.sender_generations),
+            receiver=plan.receiver_instance,
+            receiver_rank=plan.receiver_rank,
+            receiver_generation=plan.receiver_generation,
+            fingerprint=plan.fingerprint,
+            expected_writers=plan.expected_writers,
+            fanin_bounce_safe=plan.fanin_bounce_safe,
             document=dict(body),
+            plan=plan,
         )
 
     @property
     def sending_ranks(self) -> tuple[int, ...]:
-        return tuple(peer["rank"] for peer in self.document["peers"] if peer["sends"])
+        return tuple(peer.rank for peer in self.plan.peers if peer.sends)
 
     @property
     def fragments_per_block(self) -> int:
         """Fragments per receiver block (where a view pair states a period, the most any receiver
         block of the period needs)."""
-        return sum(
-            int(view.get("descriptors_per_block", len(view.get("fragments", ()))))
-            for peer in self.document["peers"]
-            for view in peer["views"]
-        )
+        return self.plan.fragments_per_block
 
     @property
     def periodic(self) -> bool:
         """Some view pair moves by period: the two sides cut tokens into blocks of other sizes
         (or the plan was fetched with ``period=True``)."""
-        return any(
-            "period_tokens" in view for peer in self.document["peers"] for view in peer["views"]
-        )
+        return any(view.periodic for peer in self.plan.peers for view in peer.views)
 
     @property
     def bytes_per_block(self) -> int:
-        return sum(int(peer["bytes_per_block"]) for peer in self.document["peers"])
+        return self.plan.bytes_per_block
 
     @property
     def state_bytes(self) -> int:
         """Recurrent-state bytes the receiver gets per request (0 for a plan without state)."""
-        return int(self.document.get("state_bytes", 0))
+        return self.plan.state_bytes
 
     @property
     def state_fragments(self) -> int:
-        return int(self.document.get("state_fragments", 0))
+        return self.plan.state_fragments

@@ -7,27 +7,32 @@ other. Runs that are contiguous on both sides (and inside one pool on each side,
 descriptor may not straddle two registrations) are merged first: descriptor count dominates
 small-transfer latency, so it is reported next to the bytes.
 
-A transfer may instead name a token range (``tokens``, and each list's first token): then every
-view pair must come in its period form (a plan between blocks of different sizes, or one fetched
-with ``period=True``), and the range is cut from it as ``geometry.ranges`` states: whole pieces by
-the period's fragments, the few tokens at each end by ``range_copies``. A windowed view pair
-moves the range from its window's first token on (``geometry.window``), and a recurrent-state
-pair the request's state slot once.
+The plan is the typed ``geometry.Plan``: the planner's own, or a served document read once with
+``Plan.from_json`` (``client.PlanDocument.plan``). A transfer may instead name a token range
+(``tokens``, and each list's first token): then every view pair needs its period form
+(``ViewTransfer.token_form``: a pair between blocks of different sizes, one read from a plan
+fetched with ``period=True``, or a pair the planner built here, which moves whole blocks of equal
+sizes by its block fragments), and the range is cut from it as ``geometry.ranges`` states: whole
+pieces by the period's fragments, the few tokens at each end by ``range_copies``. A windowed view
+pair moves the range from its window's first token on (``geometry.window``), and a
+recurrent-state pair the request's state slot once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from kvroute.geometry import (
     BlockList,
+    PeerPlan,
     PeriodMap,
+    Plan,
     Spread,
     TokenRange,
+    ViewTransfer,
     check_covered,
     periods_inside,
     prompt_length,
@@ -37,6 +42,7 @@ from kvroute.geometry import (
     window_start,
     windowed_range,
 )
+from kvroute.geometry.plan_pairs import PairTransfer
 
 Descriptor = tuple[int, int, int]  # (address, length, device id), NIXL's xfer-descriptor tuple
 
@@ -82,7 +88,7 @@ class NixlTransfer:
 
 
 def plan_descriptors(
-    plan: Mapping[str, Any],
+    plan: Plan,
     *,
     receiver_pools: Mapping[int, PoolAddress],
     sender_pools: Mapping[int, Mapping[int, PoolAddress]],
@@ -97,8 +103,8 @@ def plan_descriptors(
 ) -> NixlTransfer:
     """Descriptor lists for the pull of ``src_blocks`` (sender) into ``dst_blocks`` (receiver).
 
-    ``sender_pools`` maps sender rank -> pool id -> address. Ranks with ``sends: false`` get no
-    entry. A plan that moves recurrent state (``states``) also pulls the request's state slot
+    ``sender_pools`` maps sender rank -> pool id -> address. Ranks that send nothing
+    (``PeerPlan.sends``) get no entry. A plan that moves recurrent state (``states``) also pulls the request's state slot
     once; a windowed view only the tokens from its window on (measured from ``prompt_tokens``, else
     the range's end). Raises ``ValueError`` naming a missing pool, a block outside its pool, a
     fragment outside its slot, a missing state slot or prompt length (because NIXL would only fail
@@ -116,14 +122,13 @@ def plan_descriptors(
         prompt_tokens,
     )
     peers = []
-    for peer in plan["peers"]:
-        if not peer["sends"]:
+    for peer in plan.peers:
+        if not peer.sends:
             continue
-        rank = int(peer["rank"])
-        if rank not in sender_pools:
-            raise ValueError(f"no pool addresses for sender rank {rank}")
-        peers.append(_peer(rank, peer, (receiver_pools, sender_pools[rank]), request))
-    return NixlTransfer(tuple(peers), int(plan["expected_writers"]))
+        if peer.rank not in sender_pools:
+            raise ValueError(f"no pool addresses for sender rank {peer.rank}")
+        peers.append(_peer(peer, (receiver_pools, sender_pools[peer.rank]), request))
+    return NixlTransfer(tuple(peers), plan.expected_writers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,10 +144,10 @@ class _Request:
     dst_state_slot: int | None
     prompt_tokens: int | None
 
-    def pairs(self, view: Mapping[str, Any]) -> bool:
+    def pairs(self, view: ViewTransfer) -> bool:
         """The view moves block pairs: no range named, block fragments, no window."""
         named = (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
-        if named or "fragments" not in view or "window" in view:
+        if named or view.periodic or view.window is not None:
             return False
         if len(self.src) != len(self.dst):
             raise ValueError(
@@ -172,9 +177,14 @@ class _Request:
             dst_spread=spreads[1],
         )
 
-    def windowed(self, view: Mapping[str, Any], tokens: TokenRange) -> TokenRange | None:
+    def windowed(
+        self,
+        view: ViewTransfer,
+        tokens: TokenRange,
+        spreads: tuple[Spread, Spread] = (Spread(), Spread()),
+    ) -> TokenRange | None:
         """The view's part of the range: from its window's first token on, if it has one."""
-        window = view.get("window")
+        window = view.window
         if window is None:
             return tokens
         prompt = prompt_length(self.tokens, self.prompt_tokens)
@@ -182,8 +192,9 @@ class _Request:
             raise ValueError(
                 "the plan has sliding-window views: give prompt_tokens (or a token range)"
             )
-        sizes = (window["src_tokens_per_block"], window["dst_tokens_per_block"])
-        return windowed_range(tokens, window_start(int(window["tokens"]), prompt, *sizes))
+        sizes = (window.src_tokens_per_block, window.dst_tokens_per_block)
+        start = window_start(window.tokens, prompt, *sizes, spreads)
+        return windowed_range(tokens, start)
 
 
 def _pool(
@@ -200,15 +211,14 @@ def _pool(
 
 
 def _peer(
-    rank: int,
-    peer: Mapping[str, Any],
+    peer: PeerPlan,
     pools: tuple[Mapping[int, PoolAddress], Mapping[int, PoolAddress]],
     request: _Request,
 ) -> PeerDescriptors:
     """One sending rank's rows: block pairs interleaved per block (the slot order coalesces
     best), then token ranges sorted by destination, then the state slot."""
-    pairs, ranges, states = [], [], []
-    for view in peer["views"]:
+    rank, pairs, ranges, states = peer.rank, [], [], []
+    for view in peer.views:
         if request.pairs(view):
             rows = _pair_rows(rank, view, pools, request.src, request.dst)
             if rows is not None:
@@ -217,7 +227,7 @@ def _peer(
             copies = _range_copies(view, request)
             if len(copies):
                 ranges.append(_addressed(rank, view, pools, copies))
-    for state in peer.get("states", []):
+    for state in peer.states:
         src_slot, dst_slot = request.state()
         rows = _pair_rows(rank, state, pools, src_slot, dst_slot)
         if rows is not None:
@@ -232,13 +242,13 @@ def _peer(
 
 def _pair_rows(
     rank: int,
-    view: Mapping[str, Any],
+    view: PairTransfer,
     pools: tuple[Mapping[int, PoolAddress], Mapping[int, PoolAddress]],
     src_blocks: np.ndarray,
     dst_blocks: np.ndarray,
 ) -> np.ndarray | None:
     """[blocks * fragments, 7] rows of one view's block pairs, block-major; None: no fragments."""
-    fragments = np.asarray(view["fragments"], dtype=np.int64).reshape(-1, 3)
+    fragments = np.asarray(view.fragments, dtype=np.int64).reshape(-1, 3)
     if not len(fragments):
         return None
     copies = np.empty((len(src_blocks), len(fragments), 5), dtype=np.int64)
@@ -247,70 +257,69 @@ def _pair_rows(
     return _addressed(rank, view, pools, copies.reshape(-1, 5))
 
 
-def _range_copies(view: Mapping[str, Any], request: _Request) -> np.ndarray:
+def _range_copies(view: ViewTransfer, request: _Request) -> np.ndarray:
     """(src block, src offset, dst block, dst offset, length) of the view's part of the range."""
-    period = PeriodMap.from_json(view) if "period_fragments" in view else None
-    window = view.get("window")
+    period, window = view.token_form, view.window
     if period is not None:
         sizes = (period.src_tokens_per_block, period.dst_tokens_per_block)
     elif window is not None:
-        sizes = (window["src_tokens_per_block"], window["dst_tokens_per_block"])
+        sizes = (window.src_tokens_per_block, window.dst_tokens_per_block)
     else:
         raise _needs_period(view)
     spreads = (Spread(), Spread()) if period is None else (period.src_spread, period.dst_spread)
     tokens, src, dst = request.lists(sizes, spreads)
-    part = request.windowed(view, tokens)
+    part = request.windowed(view, tokens, spreads)
     if part is None:
         return np.empty((0, 5), dtype=np.int64)
     check_covered(part, src, dst)
-    if period is not None:
-        return _range_rows(period, part, src, dst, request.src, request.dst)
-    inner = whole_pieces(part, *sizes)
-    if inner != part:  # equal block sizes in the block form: only whole blocks can move
+    # A pair the planner built here with equal block sizes has both forms: whole blocks move by
+    # its block fragments (as a plan in the block form moves them), any other range by its period.
+    stated = view.periodic or view.period is not None  # the period is the form the plan gives
+    if not stated and whole_pieces(part, *sizes) == part:
+        blocks = np.arange(part.start // sizes[0], part.end // sizes[0], dtype=np.int64)
+        fragments = np.asarray(view.fragments, dtype=np.int64).reshape(-1, 3)
+        copies = np.empty((len(blocks), len(fragments), 5), dtype=np.int64)
+        copies[..., 0] = request.src[blocks - src.first_block][:, None]
+        copies[..., 2] = request.dst[blocks - dst.first_block][:, None]
+        copies[..., 1], copies[..., 3], copies[..., 4] = fragments.T[:, None, :]
+        return copies.reshape(-1, 5)
+    if period is None:  # equal block sizes in the block form: only whole blocks can move
         raise _needs_period(view)
-    blocks = np.arange(part.start // sizes[0], part.end // sizes[0], dtype=np.int64)
-    fragments = np.asarray(view["fragments"], dtype=np.int64).reshape(-1, 3)
-    copies = np.empty((len(blocks), len(fragments), 5), dtype=np.int64)
-    copies[..., 0] = request.src[blocks - src.first_block][:, None]
-    copies[..., 2] = request.dst[blocks - dst.first_block][:, None]
-    copies[..., 1], copies[..., 3], copies[..., 4] = fragments.T[:, None, :]
-    return copies.reshape(-1, 5)
+    return _range_rows(period, part, src, dst, request.src, request.dst)
 
 
-def _needs_period(view: Mapping[str, Any]) -> ValueError:
+def _needs_period(view: ViewTransfer) -> ValueError:
     return ValueError(
-        f"view pair {view['src_view']}->{view['dst_view']} has block fragments only; "
+        f"view pair {view.src_view}->{view.dst_view} has block fragments only; "
         "fetch the plan with period=True to cut a token range"
     )
 
 
 def _addressed(
     rank: int,
-    view: Mapping[str, Any],
+    view: PairTransfer,
     pools: tuple[Mapping[int, PoolAddress], Mapping[int, PoolAddress]],
     copies: np.ndarray,
 ) -> np.ndarray:
     """Copies (block, offset pairs) as descriptor rows: addresses, length and the pools' tags."""
-    src_pool = _pool(pools[1], int(view["src_pool"]), f"sender rank {rank}", copies[:, 0])
-    dst_pool = _pool(pools[0], int(view["dst_pool"]), "receiver", copies[:, 2])
+    src_pool = _pool(pools[1], view.src_pool, f"sender rank {rank}", copies[:, 0])
+    dst_pool = _pool(pools[0], view.dst_pool, "receiver", copies[:, 2])
     for pool, column, side in ((src_pool, 1, "source"), (dst_pool, 3, "destination")):
         if (copies[:, column] + copies[:, 4]).max() > pool.slot_stride:
-            raise ValueError(
-                f"a {side} fragment of view {view['src_view']} exceeds the slot stride"
-            )
+            raise ValueError(f"a {side} fragment of view {view.src_view} exceeds the slot stride")
     rows = np.empty((len(copies), 7), dtype=np.int64)
     rows[:, 0] = src_pool.base + copies[:, 0] * src_pool.slot_stride + copies[:, 1]
     rows[:, 1] = dst_pool.base + copies[:, 2] * dst_pool.slot_stride + copies[:, 3]
     rows[:, 2] = copies[:, 4]
-    rows[:, 3:] = (int(view["src_pool"]), src_pool.device, int(view["dst_pool"]), dst_pool.device)
+    rows[:, 3:] = (view.src_pool, src_pool.device, view.dst_pool, dst_pool.device)
     return rows
 
 
 def _range_rows(
     period: PeriodMap,
     tokens: TokenRange,
-    src: Any,
-    dst: Any,
+    src: BlockList,
+    dst: BlockList,
     src_blocks: np.ndarray,
     dst_blocks: np.ndarray,
 ) -> np.ndarray:

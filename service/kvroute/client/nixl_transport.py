@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvroute.client.nixl_descs import NixlTransfer, PoolAddress, plan_descriptors
+from kvroute.geometry import Plan
 
 if TYPE_CHECKING:
     import torch
@@ -200,7 +201,7 @@ class NixlEndpoint:
 
 def pull_plan(
     endpoint: NixlEndpoint,
-    plan: Mapping[str, Any],
+    plan: Plan,
     sender_documents: Mapping[int, Mapping[str, Any]],
     *,
     receiver_pools: Mapping[int, PoolAddress],
@@ -208,8 +209,9 @@ def pull_plan(
     dst_blocks: Sequence[int],
     limit_s: float = 30.0,
 ) -> PullReport:
-    """Pulls one plan's blocks: sender documents are the sending ranks' registrations (GET rank)."""
-    sending = [int(peer["rank"]) for peer in plan["peers"] if peer["sends"]]
+    """Pulls one plan's blocks (``PlanDocument.plan``): sender documents are the sending ranks'
+    registrations (GET rank)."""
+    sending = [peer.rank for peer in plan.peers if peer.sends]
     missing = [
         rank for rank in sending if "nixl_agent_metadata" not in sender_documents.get(rank, {})
     ]
@@ -225,9 +227,6 @@ def pull_plan(
         src_blocks=src_blocks,
         dst_blocks=dst_blocks,
     )
-    fingerprint = str(plan.get("fingerprint", ""))
-    receiver = plan.get("receiver", {})
-    notification = (
-        f"kvroute:{receiver.get('instance')}:{receiver.get('rank')}:{fingerprint}".encode()
-    )
+    receiver = f"{plan.receiver_instance}:{plan.receiver_rank}"
+    notification = f"kvroute:{receiver}:{plan.fingerprint}".encode()
     return endpoint.pull(transfer, agents, notification=notification, limit_s=limit_s)

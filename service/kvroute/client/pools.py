@@ -298,8 +298,15 @@ def rank_document(
     lease_seconds: int = 30,
     endpoint: str | None = None,
     nixl_agent_metadata: str | None = None,
+    model: Mapping[str, str] | None = None,
+    kv_quantization: Mapping[str, Any] | None = None,
+    topology: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The API.md registration document; rank-wide attention defaults come from ``target``."""
+    """The API.md registration document; rank-wide attention defaults come from ``target``.
+
+    ``model`` (name, revision, weights and tokenizer digests), ``kv_quantization`` and
+    ``topology`` (domain -> value) are written only when given: servers from before them refuse
+    unknown members."""
     views = build_views(spec for pool in pools for spec in pool.specs)
     doc: dict[str, Any] = {
         "role": role,
@@ -327,4 +334,11 @@ def rank_document(
         doc["endpoint"] = endpoint
     if nixl_agent_metadata is not None:
         doc["nixl_agent_metadata"] = nixl_agent_metadata
+    for key, value in (
+        ("model", model),
+        ("kv_quantization", kv_quantization),
+        ("topology", topology),
+    ):
+        if value:
+            doc[key] = dict(value)
     return doc

@@ -12,11 +12,13 @@ import threading
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
+from kvroute import wire
 from kvroute.client.aio import DEFAULT_TIMEOUT_S, AsyncKvrouteClient
-from kvroute.client.lease import LeaseKeeper
+from kvroute.client.lease import EngineLeaseKeeper, LeaseKeeper
 from kvroute.client.models import (
     Compatibility,
     DeploymentSummary,
+    EngineLease,
     Instance,
     InstanceSummary,
     Lease,
@@ -67,9 +69,46 @@ class KvrouteClient:
         self.close()
 
     def register(
-        self, deployment: str, instance: str, rank: int, document: Mapping[str, Any]
+        self,
+        deployment: str,
+        instance: str,
+        rank: int,
+        document: Mapping[str, Any],
+        *,
+        engine_lease: str | None = None,
     ) -> Registered:
-        return self._run(self.aio.register(deployment, instance, rank, document))
+        return self._run(
+            self.aio.register(deployment, instance, rank, document, engine_lease=engine_lease)
+        )
+
+    def grant_lease(self, deployment: str, lease_seconds: int) -> EngineLease:
+        return self._run(self.aio.grant_lease(deployment, lease_seconds))
+
+    def renew_lease(self, deployment: str, lease_id: str) -> EngineLease:
+        return self._run(self.aio.renew_lease(deployment, lease_id))
+
+    def get_lease(self, deployment: str, lease_id: str) -> EngineLease:
+        return self._run(self.aio.get_lease(deployment, lease_id))
+
+    def revoke_lease(self, deployment: str, lease_id: str) -> None:
+        self._run(self.aio.revoke_lease(deployment, lease_id))
+
+    def keep_engine_lease(
+        self,
+        deployment: str,
+        documents: Mapping[tuple[str, int], Mapping[str, Any]],
+        *,
+        interval: float | None = None,
+    ) -> SyncEngineLease:
+        """One engine lease for all the ranks, registered with it and renewed in the background
+        until ``stop()`` (or the ``with`` block ends)."""
+        keeper = self.aio.keep_engine_lease(deployment, documents, interval=interval)
+
+        async def start() -> EngineLeaseKeeper:
+            await keeper.start()
+            return keeper
+
+        return SyncEngineLease(self, self._run(start()))
 
     def heartbeat(self, deployment: str, instance: str, rank: int) -> Lease:
         return self._run(self.aio.heartbeat(deployment, instance, rank))
@@ -88,9 +127,13 @@ class KvrouteClient:
         document: Mapping[str, Any],
         *,
         interval: float | None = None,
+        per_rank: bool = False,
     ) -> SyncLease:
-        """Registers and heartbeats in the background until ``stop()`` (or the ``with`` block ends)."""
-        keeper = LeaseKeeper(self.aio, deployment, instance, rank, document, interval=interval)
+        """Registers and renews in the background until ``stop()`` (or the ``with`` block ends);
+        an engine lease of the rank's own unless ``per_rank``."""
+        keeper = LeaseKeeper(
+            self.aio, deployment, instance, rank, document, interval=interval, per_rank=per_rank
+        )
 
         async def start() -> LeaseKeeper:
             await keeper.start()
@@ -107,6 +150,7 @@ class KvrouteClient:
         receiver_rank: int,
         sender_dp_rank: int | None = None,
         period: bool = False,
+        prompt_tokens: int | None = None,
     ) -> PlanDocument:
         return self._run(
             self.aio.get_plan(
@@ -116,6 +160,7 @@ class KvrouteClient:
                 receiver_rank=receiver_rank,
                 sender_dp_rank=sender_dp_rank,
                 period=period,
+                prompt_tokens=prompt_tokens,
             )
         )
 
@@ -127,6 +172,7 @@ class KvrouteClient:
         receiver: str,
         sender_dp_rank: int | None = None,
         period: bool = False,
+        prompt_tokens: int | None = None,
     ) -> list[PlanDocument]:
         return self._run(
             self.aio.get_plans(
@@ -135,6 +181,7 @@ class KvrouteClient:
                 receiver=receiver,
                 sender_dp_rank=sender_dp_rank,
                 period=period,
+                prompt_tokens=prompt_tokens,
             )
         )
 
@@ -202,17 +249,16 @@ class KvrouteClient:
     def compatibility(self, deployment: str) -> Compatibility:
         return self._run(self.aio.compatibility(deployment))
 
+    def pairs(self, deployment: str, generation: str | None = None) -> wire.Pairs:
+        return self._run(self.aio.pairs(deployment, generation))
 
-class SyncLease:
-    """A lease keeper running on the client's loop; ``stop()`` ends the heartbeats."""
 
-    def __init__(self, client: KvrouteClient, keeper: LeaseKeeper) -> None:
+class SyncEngineLease:
+    """An engine lease keeper running on the client's loop; ``stop()`` ends the renewals."""
+
+    def __init__(self, client: KvrouteClient, keeper: EngineLeaseKeeper) -> None:
         self._client = client
         self.keeper = keeper
-
-    @property
-    def generation(self) -> int | None:
-        return self.keeper.generation
 
     def stop(self, *, deregister: bool = False) -> None:
         self._client._run(self.keeper.stop(deregister=deregister))
@@ -222,3 +268,16 @@ class SyncLease:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class SyncLease(SyncEngineLease):
+    """A one-rank lease keeper running on the client's loop; ``stop()`` ends the heartbeats."""
+
+    keeper: LeaseKeeper
+
+    def __init__(self, client: KvrouteClient, keeper: LeaseKeeper) -> None:
+        super().__init__(client, keeper)
+
+    @property
+    def generation(self) -> int | None:
+        return self.keeper.generation

@@ -10,8 +10,7 @@ token split; one strip is drawn per sender rank that writes.
 
 from __future__ import annotations
 
-from typing import Any
-
+from kvroute.geometry import ViewTransfer
 from kvroute.pictures.svg import LINE, Canvas, colour
 from kvroute.render import held_runs, is_cp, period_pieces
 
@@ -20,13 +19,14 @@ ROW = 18
 LEFT = 130
 
 
-def period_strip(canvas: Canvas, view: dict[str, Any], y: float) -> float:
+def period_strip(canvas: Canvas, view: ViewTransfer, y: float) -> float:
     """Draws the strip from ``y``; returns the y below it."""
-    period = view["period_tokens"]
+    period_map = view.period_map
+    period = period_map.period_tokens
     scale = STRIP_WIDTH / period
     rows = (
-        ("sender", 0, view["src_blocks_per_period"]),
-        ("receiver", 2, view["dst_blocks_per_period"]),
+        ("sender", 0, period_map.src_blocks_per_period),
+        ("receiver", 2, period_map.dst_blocks_per_period),
     )
     for label, row, blocks in rows:
         top, size = y + row * ROW, period // blocks
@@ -48,12 +48,12 @@ def period_strip(canvas: Canvas, view: dict[str, Any], y: float) -> float:
             fill=colour(index),
             title=f"tokens [{first}, {end}): sender block {src} -> receiver block {dst}",
         )
-    note = f"{period} tokens per period, {view['descriptors_per_period']:,} fragments"
+    note = f"{period} tokens per period, {len(period_map.spans):,} fragments"
     canvas.text(LEFT, y + 3 * ROW + 12, note, size=11)
     return y + 3 * ROW + LINE + 8
 
 
-def _held(canvas: Canvas, view: dict[str, Any], label: str, top: float, scale: float) -> None:
+def _held(canvas: Canvas, view: ViewTransfer, label: str, top: float, scale: float) -> None:
     """A context-parallel side's bar: the runs of prompt tokens its rank holds."""
     side = "src" if label == "sender" else "dst"
     canvas.text(10, top + 13, f"{label} holds", size=11)

@@ -4,18 +4,19 @@ Top to bottom: the pair and both instances' TP/PP sizes; the totals; a legend sa
 and its ``rN`` label mean; one row per sender rank heard from (the heads it writes in each view, its
 bytes and fragments per block); then one grid per receiver view, columns being the receiver's
 heads and rows runs of layers whose writers are the same (a windowed view names its window), and
-one grid per recurrent-state view, written once per request slot. Works on the plan JSON document
-only.
+one grid per recurrent-state view, written once per request slot. Works on the typed plan
+(``render.as_plan`` reads a document it is given).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvroute.geometry import Plan, StateTransfer, ViewTransfer
 from kvroute.pictures.period import period_strip
 from kvroute.pictures.svg import LINE, Canvas, colour
-from kvroute.render import state_shard
+from kvroute.render import as_plan, state_shard
 
 CELL = 44
 SWATCH = 14
@@ -32,37 +33,34 @@ def span(values: Iterable[int]) -> str:
     return ",".join(map(str, ordered))
 
 
-def _written_heads(view: dict[str, Any]) -> list[int]:
-    if view["mapper"] == "replicated":
+def _written_heads(view: ViewTransfer) -> list[int]:
+    if view.mapper == "replicated":
         return [0]
-    low, high = view["heads"]["dst"]
+    low, high = view.dst_heads
     return list(range(low, high))
 
 
-def _shape(side: dict[str, Any]) -> str:
-    if "tp_size" not in side:  # a plan document from before the sizes were reported
-        return ""
-    return f", TP{side['tp_size']} PP{side['pp_size']}"
+def _shape(parallel: tuple[int, int]) -> str:
+    return f", TP{parallel[0]} PP{parallel[1]}"
 
 
-def _header(canvas: Canvas, plan: dict[str, Any]) -> float:
-    sender, receiver = plan["sender"], plan["receiver"]
+def _header(canvas: Canvas, plan: Plan) -> float:
     canvas.text(
         10,
         24,
-        f"plan {plan['deployment']}: {sender['instance']} (context{_shape(sender)}, "
-        f"dp group {sender.get('dp_rank', 0)}) -> {receiver['instance']} rank {receiver['rank']} "
-        f"(generation{_shape(receiver)})",
+        f"plan {plan.deployment}: {plan.sender_instance} (context{_shape(plan.sender_parallel)}, "
+        f"dp group {plan.sender_dp_rank}) -> {plan.receiver_instance} rank {plan.receiver_rank} "
+        f"(generation{_shape(plan.receiver_parallel)})",
         size=14,
         weight="bold",
     )
-    heard = len(plan["peers"])
+    heard = len(plan.peers)
     canvas.text(
         10,
         24 + LINE,
-        f"{plan['expected_writers']} writers of {heard} sender ranks heard; "
-        f"{plan.get('bytes_per_block', 0):,} bytes and {plan.get('fragments_per_block', 0):,} "
-        f"fragments per block; fan-in bounce safe: {plan['fanin_bounce_safe']}",
+        f"{plan.expected_writers} writers of {heard} sender ranks heard; "
+        f"{plan.bytes_per_block:,} bytes and {plan.fragments_per_block:,} "
+        f"fragments per block; fan-in bounce safe: {plan.fanin_bounce_safe}",
     )
     return 24 + 2 * LINE + 8
 
@@ -86,7 +84,7 @@ def _legend(canvas: Canvas, y: float) -> float:
     return y + LINE + 14
 
 
-def _writers(canvas: Canvas, plan: dict[str, Any], y: float) -> float:
+def _writers(canvas: Canvas, plan: Plan, y: float) -> float:
     canvas.text(
         10,
         y,
@@ -94,25 +92,23 @@ def _writers(canvas: Canvas, plan: dict[str, Any], y: float) -> float:
         weight="bold",
     )
     y += 8
-    for peer in plan["peers"]:
-        rank = peer["rank"]
-        canvas.box(10, y, SWATCH * 2, SWATCH, fill=colour(rank) if peer["sends"] else "#ffffff")
+    for peer in plan.peers:
+        rank = peer.rank
+        canvas.box(10, y, SWATCH * 2, SWATCH, fill=colour(rank) if peer.sends else "#ffffff")
         canvas.text(10 + SWATCH, y + 11, f"r{rank}", size=11, anchor="middle")
         writes = ", ".join(
-            f"view {view['dst_view']} ({view['owner']}) "
-            + ("all" if view["mapper"] == "replicated" else f"h{span(_written_heads(view))}")
-            for view in peer["views"]
+            f"view {view.dst_view} ({view.owner}) "
+            + ("all" if view.mapper == "replicated" else f"h{span(_written_heads(view))}")
+            for view in peer.views
         )
-        state = ", ".join(
-            f"state view {s['dst_view']} {state_shard(s)}" for s in peer.get("states", [])
-        )
+        state = ", ".join(f"state view {s.dst_view} {state_shard(s)}" for s in peer.states)
         if state:
-            state = f"; {state} = {peer['state_bytes']:,} bytes per request"
-        position = f"tp{peer.get('tp_rank', '?')} pp{peer.get('pp_rank', '?')}"
-        if peer["sends"]:
+            state = f"; {state} = {peer.state_bytes:,} bytes per request"
+        position = f"tp{peer.tp_rank} pp{peer.pp_rank}"
+        if peer.sends:
             line = (
                 f"{position} writes {writes or 'no block view'} = "
-                f"{peer['bytes_per_block']:,} bytes, {peer['descriptors_per_block']:,} fragments"
+                f"{peer.bytes_per_block:,} bytes, {peer.descriptors_per_block:,} fragments"
                 f"{state}"
             )
         else:
@@ -122,20 +118,18 @@ def _writers(canvas: Canvas, plan: dict[str, Any], y: float) -> float:
     return y + 14
 
 
-def _bands(
-    plan: dict[str, Any], dst_view: int
-) -> tuple[list[int], list[tuple[list[int], dict[int, int]]]]:
+def _bands(plan: Plan, dst_view: int) -> tuple[list[int], list[tuple[list[int], dict[int, int]]]]:
     """Receiver heads of one view, and runs of layers whose head -> writer mapping is the same."""
     writer: dict[int, dict[int, int]] = {}  # layer -> head -> sender rank
     heads: set[int] = set()
-    for peer in plan["peers"]:
-        for view in peer["views"]:
-            if view["dst_view"] != dst_view:
+    for peer in plan.peers:
+        for view in peer.views:
+            if view.dst_view != dst_view:
                 continue
             written = _written_heads(view)
             heads.update(written)
-            for layer in view["layers"]:
-                writer.setdefault(layer, {}).update(dict.fromkeys(written, peer["rank"]))
+            for layer in view.layers:
+                writer.setdefault(layer, {}).update(dict.fromkeys(written, peer.rank))
     return sorted(heads), _runs(writer)
 
 
@@ -150,23 +144,21 @@ def _runs(writer: dict[int, dict[int, int]]) -> list[tuple[list[int], dict[int, 
     return bands
 
 
-def _grid(
-    canvas: Canvas, plan: dict[str, Any], view_id: int, sample: dict[str, Any], y: float
-) -> float:
+def _grid(canvas: Canvas, plan: Plan, view_id: int, sample: ViewTransfer, y: float) -> float:
     heads, bands = _bands(plan, view_id)
-    replicated = sample["mapper"] == "replicated"
-    title = f"view {view_id} ({sample['owner']}, {'+'.join(sample['roles'])}, {sample['mapper']})"
-    if "window" in sample:
-        title += f" window {sample['window']['tokens']}"
+    replicated = sample.mapper == "replicated"
+    title = f"view {view_id} ({sample.owner}, {'+'.join(sample.roles)}, {sample.mapper})"
+    if sample.window is not None:
+        title += f" window {sample.window.tokens}"
     canvas.text(10, y, title, weight="bold")
     y += 8
-    if "period_tokens" in sample and "src_cp" not in sample and "dst_cp" not in sample:
+    if sample.periodic and not sample.period_map.context_parallel:
         y = period_strip(canvas, sample, y)
-    elif "period_tokens" in sample:  # context parallel: each writer moves its own tokens
-        for peer in plan["peers"]:
-            for view in peer["views"]:
-                if view["dst_view"] == view_id and view["period_fragments"]:
-                    canvas.text(10, y + 12, f"from rank {peer['rank']}", size=11)
+    elif sample.periodic:  # context parallel: each writer moves its own tokens
+        for peer in plan.peers:
+            for view in peer.views:
+                if view.dst_view == view_id and view.period_map.spans:
+                    canvas.text(10, y + 12, f"from rank {peer.rank}", size=11)
                     y = period_strip(canvas, view, y + 16)
     names = ["all" if replicated else f"h{head}" for head in heads]
     return _cells(canvas, heads, names, "head", bands, y)
@@ -204,49 +196,48 @@ def _cells(
     return y + 24
 
 
-def plan_svg(plan: dict[str, Any]) -> str:
+def plan_svg(plan: Plan | Mapping[str, Any]) -> str:
     """The plan's picture (see the module docstring) as a standalone SVG document."""
+    plan = as_plan(plan)
     canvas = Canvas()
     y = _header(canvas, plan)
     y = _legend(canvas, y)
     y = _writers(canvas, plan, y)
-    views = sorted({v["dst_view"]: v for p in plan["peers"] for v in p["views"]}.items())
+    views = sorted({v.dst_view: v for p in plan.peers for v in p.views}.items())
     for view_id, sample in views:
         y = _grid(canvas, plan, view_id, sample, y)
-    states = sorted({s["dst_view"]: s for p in plan["peers"] for s in p.get("states", [])}.items())
+    states = sorted({s.dst_view: s for p in plan.peers for s in p.states}.items())
     for view_id, sample in states:
         y = _state_grid(canvas, plan, view_id, sample, y)
     return canvas.render()
 
 
 def _state_bands(
-    plan: dict[str, Any], dst_view: int
+    plan: Plan, dst_view: int
 ) -> tuple[list[int], list[tuple[list[int], dict[int, int]]]]:
     """Receiver shard positions of one state view, and layer runs with one position -> writer."""
     writer: dict[int, dict[int, int]] = {}
     units: set[int] = set()
-    for peer in plan["peers"]:
-        for state in peer.get("states", []):
-            if state["dst_view"] == dst_view:
-                written = range(*state["shard"]["dst"])
+    for peer in plan.peers:
+        for state in peer.states:
+            if state.dst_view == dst_view:
+                written = range(*state.dst_shard)
                 units.update(written)
-                for layer in state["layers"]:
-                    writer.setdefault(layer, {}).update(dict.fromkeys(written, peer["rank"]))
+                for layer in state.layers:
+                    writer.setdefault(layer, {}).update(dict.fromkeys(written, peer.rank))
     return sorted(units), _runs(writer)
 
 
-def _state_grid(
-    canvas: Canvas, plan: dict[str, Any], view_id: int, sample: dict[str, Any], y: float
-) -> float:
+def _state_grid(canvas: Canvas, plan: Plan, view_id: int, sample: StateTransfer, y: float) -> float:
     """A recurrent-state view, written once per request slot: columns are the receiver's shard
     positions (SSM heads hN, or parts pN of every conv section), rows runs of layers."""
     units, bands = _state_bands(plan, view_id)
-    unit = sample["shard"]["unit"]
+    unit = sample.shard_unit
     canvas.text(
         10,
         y,
-        f"state view {view_id} ({sample['owner']}, {'+'.join(sample['roles'])}, "
-        f"{sample['mapper']}, per request)",
+        f"state view {view_id} ({sample.owner}, {'+'.join(sample.roles)}, "
+        f"{sample.mapper}, per request)",
         weight="bold",
     )
     y += 8

@@ -60,7 +60,7 @@ _EXPORTS: dict[str, str] = {
     "ViewCopy": "kvroute.transfer.plan",
     "WorkerPool": "kvroute.transfer.workers",
     "compile_fragments": "kvroute.transfer.program",
-    "default_backends": "kvroute.transfer.memory",
+    "default_backends": "kvroute.transfer.backends",
 }
 
 __all__ = sorted(_EXPORTS)

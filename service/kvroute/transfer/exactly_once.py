@@ -8,26 +8,34 @@ reported (``shared_slot_pools``) so that a job naming one slot id both ways is r
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from kvroute.transfer.errors import TransferValidationError
-from kvroute.transfer.plan import DST, SRC, CopyPlan, ViewCopy
+from kvroute.transfer.fragments import DST, SRC
+
+if TYPE_CHECKING:
+    from kvroute.transfer.plan import CopyPlan, ViewCopy
 
 
 def check_exactly_once(plan: CopyPlan) -> None:
     """Refuse a plan in which two fragments write the same destination byte of a block (or of a
     state slot)."""
-    by_pool: dict[tuple[int, bool], list[tuple[np.ndarray, int, int]]] = {}
+    by_pool: dict[tuple[int, bool], list[tuple[ViewCopy, int, int]]] = {}
     for peer in plan.senders:
         for index, view in enumerate(peer.copies):
-            intervals = _destination_intervals(view, f"rank {peer.rank} view #{index}")
-            by_pool.setdefault((view.dst_pool, view.state), []).append(
-                (intervals, peer.rank, index)
-            )
+            by_pool.setdefault((view.dst_pool, view.state), []).append((view, peer.rank, index))
     for (pool_id, _), parts in by_pool.items():
-        starts = np.concatenate([p[0][:, 0] for p in parts])
-        ends = starts + np.concatenate([p[0][:, 1] for p in parts])
-        owners = np.concatenate([np.full(len(p[0]), n) for n, p in enumerate(parts)])
+        blocks = _common_blocks([view for view, _, _ in parts])
+        rows = [
+            _destination_intervals(view, f"rank {rank} view #{index}", blocks)
+            for view, rank, index in parts
+        ]
+        starts = np.concatenate([row[:, 0] for row in rows])
+        ends = starts + np.concatenate([row[:, 1] for row in rows])
+        owners = np.concatenate([np.full(len(row), n) for n, row in enumerate(rows)])
         order = np.argsort(starts, kind="stable")
         clash = np.flatnonzero(starts[order][1:] < ends[order][:-1])
         if len(clash):
@@ -35,21 +43,42 @@ def check_exactly_once(plan: CopyPlan) -> None:
             a, b = parts[owners[first]], parts[owners[second]]
             raise TransferValidationError(
                 "plan.peers",
-                f"destination bytes of pool {pool_id} at offset {int(starts[second])} are written "
-                f"twice: by rank {a[1]} view #{a[2]} and by rank {b[1]} view #{b[2]}",
+                f"destination bytes of pool {pool_id} at offset "
+                f"{int(starts[second]) % _BLOCK_KEY} are written twice: by rank {a[1]} view "
+                f"#{a[2]} and by rank {b[1]} view #{b[2]}",
             )
 
 
-def _destination_intervals(view: ViewCopy, name: str) -> np.ndarray:
-    """(offset, length) rows a view writes in a receiver slot.
+# Destination bytes are keyed ``block * _BLOCK_KEY + offset`` where views must be told apart by
+# the receiver block of their period (context parallelism): no slot is this large.
+_BLOCK_KEY = 1 << 40
+
+
+def _common_blocks(views: list[ViewCopy]) -> int:
+    """Receiver blocks over which views of one pool are compared: one, unless a context-parallel
+    period writes different bytes into different receiver blocks (each sender CP rank its own
+    tokens); then the lcm of those periods' receiver blocks."""
+    sizes = [
+        view.period.dst_blocks_per_period
+        for view in views
+        if view.periodic and view.period is not None and view.period.context_parallel
+    ]
+    return math.lcm(*sizes) if sizes else 1
+
+
+def _destination_intervals(view: ViewCopy, name: str, blocks: int = 1) -> np.ndarray:
+    """(key, length) rows a view writes in ``blocks`` consecutive receiver slots (see
+    ``_BLOCK_KEY``), or in one slot.
 
     A period writes the same bytes into each of its receiver blocks (every row, that block's
     tokens), though cut at other tokens where the block sizes do not divide one another (a 4-token
     receiver block of a 6 -> 4 period holds one piece or two). So after checking each block on its
-    own, the union of what all blocks write stands for the view beside the others.
+    own, the union of what all blocks write stands for the view beside the others, in every one
+    of the compared blocks. A context-parallel period writes only its own tokens' bytes: its
+    blocks are laid out as they are, period after period.
     """
     if not view.periodic:
-        return view.slot_spans(DST)
+        return _tiled(view.slot_spans(DST), blocks)
     assert view.period is not None
     spans = np.array(view.period.spans, dtype=np.int64).reshape(-1, 7)
     order = np.lexsort((spans[:, 3], spans[:, 2]))
@@ -61,7 +90,22 @@ def _destination_intervals(view: ViewCopy, name: str) -> np.ndarray:
             "plan.peers",
             f"{name} writes offset {int(start[at])} of its receiver block {int(block[at])} twice",
         )
-    return _union(start, start + length)
+    if blocks > 1 and view.period.context_parallel:
+        step = view.period.dst_blocks_per_period
+        periods = np.arange(blocks // step, dtype=np.int64)[:, None] * step
+        keys = ((periods + block) * _BLOCK_KEY + start).reshape(-1)
+        return np.stack(
+            [keys, np.broadcast_to(length, (len(periods), len(length))).reshape(-1)], axis=1
+        )
+    return _tiled(_union(start, start + length), blocks)
+
+
+def _tiled(spans: np.ndarray, blocks: int) -> np.ndarray:
+    """(offset, length) rows of one slot, repeated in ``blocks`` slots as keys."""
+    if blocks == 1:
+        return spans
+    keys = (np.arange(blocks, dtype=np.int64)[:, None] * _BLOCK_KEY + spans[:, 0]).reshape(-1)
+    return np.stack([keys, np.tile(spans[:, 1], blocks)], axis=1)
 
 
 def _union(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:

@@ -214,7 +214,7 @@ class JobStatus:
     fragments: int = 0
     seconds: float | None = None
     error: str | None = None
-    submitted_at: float = 0.0  # time.time() stamps
+    submitted_at: float = 0.0  # epoch seconds, from the worker pool's clock
     started_at: float | None = None
     finished_at: float | None = None
 

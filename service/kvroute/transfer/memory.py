@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -153,19 +153,3 @@ class LocalBackend:
         offset = descriptor_offset(descriptor, pool, self.name)
         check_extent(flat.numel(), offset, pool, self.name)
         return PoolMemory(pool, self.name, flat[offset : offset + pool.size_bytes])
-
-
-def default_backends(
-    *, shm_name_prefix: str | None = None, shm_owners: Sequence[int] | None = None
-) -> list[MemoryBackend]:
-    """The backends a kvroute server opens: sealed memfds, shared memory and CUDA IPC."""
-    from kvroute.transfer.cuda_ipc import CudaIpcBackend
-    from kvroute.transfer.memfd import MemfdBackend
-    from kvroute.transfer.shm import DEFAULT_NAME_PREFIX, ShmBackend
-
-    prefix = DEFAULT_NAME_PREFIX if shm_name_prefix is None else shm_name_prefix
-    return [
-        MemfdBackend(name_prefix=prefix, owners=shm_owners),
-        ShmBackend(name_prefix=prefix, owners=shm_owners),
-        CudaIpcBackend(),
-    ]

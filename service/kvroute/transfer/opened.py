@@ -23,8 +23,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvroute.geometry import Pool
+from kvroute.transfer.backends import default_backends
 from kvroute.transfer.errors import PoolMemoryError, PoolsExhausted
-from kvroute.transfer.memory import Descriptor, MemoryBackend, PoolMemory, default_backends
+from kvroute.transfer.memory import Descriptor, MemoryBackend, PoolMemory
 
 log = logging.getLogger(__name__)
 

@@ -68,7 +68,8 @@ def view_work(
     tokens, src, dst = window.lists(job.src_blocks, job.dst_blocks, *sizes, view.spreads)
     if view.sliding_window is not None:
         assert window.prompt is not None  # slots.check_leg refused a windowed job without it
-        windowed = windowed_range(tokens, view.sliding_window.first_token(window.prompt))
+        start = view.sliding_window.first_token(window.prompt, view.spreads)
+        windowed = windowed_range(tokens, start)
         if windowed is None:
             return ()
         tokens = windowed

@@ -1,11 +1,14 @@
 """The executable form of a plan: only what the data plane needs, checked once.
 
-A plan document (API.md "Plans") is parsed into frozen dataclasses whose fragments are read-only
-``int64`` arrays sorted by destination offset: block views (copied per block pair or token range, a
+A plan (``geometry.Plan``, built in this process or read back with ``Plan.from_json``) is compiled
+by ``CopyPlan.from_plan`` into frozen dataclasses whose fragments are read-only ``int64`` arrays
+sorted by destination offset: block views (copied per block pair or token range, a
 windowed one only from its window on) and recurrent-state views (``states``, copied once per request
-between the request's state slots). Parsing refuses anything that can never copy exactly once
-(``exactly_once``): malformed fragments, and destination bytes written by two fragments (of one
-view, of two views, or of two sender ranks). Bounds against concrete pools are checked later, per job.
+between the request's state slots). Compiling refuses anything that can never copy exactly once
+(``exactly_once``): destination bytes written by two fragments (of one view, of two views, or of
+two sender ranks). Bounds against concrete pools are checked later, per job. ``CopyPlan.from_json``
+reads only the members the data plane executes (rank, sends, pools, fragments, period, window) of
+a document, such as the hand-written ones of tests and benchmarks, refusing malformed fragments.
 
 A view pair planned by period (different block sizes, or a plan fetched in the period form) carries
 its ``PeriodMap``: spans with their tokens, from which any token range is cut. A plan built in this
@@ -23,10 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from kvroute.geometry import PeriodMap, Plan, Spread, Window
+from kvroute.geometry import GeometryError, PeriodMap, Plan, Spread, StateTransfer, ViewTransfer
+from kvroute.geometry.plan_pairs import PairTransfer, read_window
+from kvroute.geometry.reading import Members
+from kvroute.geometry.window import Window
 from kvroute.transfer.errors import TransferValidationError
-
-SRC, DST, LENGTH = 0, 1, 2  # columns of a fragment array
+from kvroute.transfer.exactly_once import check_exactly_once, shared_slot_pools
+from kvroute.transfer.fragments import DST, LENGTH, SRC, fragment_array
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -180,8 +186,6 @@ class CopyPlan:
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> CopyPlan:
         """Parse an API.md plan document; raises ``TransferValidationError`` naming the field."""
-        from kvroute.transfer.exactly_once import check_exactly_once, shared_slot_pools
-
         peers_doc = doc.get("peers")
         if not isinstance(peers_doc, list):
             raise TransferValidationError("plan.peers", "must be a list of sender ranks")
@@ -190,27 +194,57 @@ class CopyPlan:
         if not isinstance(fingerprint, str) or not fingerprint:
             canonical = json.dumps(peers_doc, sort_keys=True, separators=(",", ":"))
             fingerprint = "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+        return cls.checked(fingerprint, peers)
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> CopyPlan:
+        """Compile a plan: block fragments where the pair has them, beside its period form
+        wherever it has one (``ViewTransfer.token_form``)."""
+        peers = tuple(
+            PeerCopy(
+                rank=peer.rank,
+                sends=peer.sends,
+                views=tuple(copy for copy in map(_view_copy, peer.views) if copy.bytes_per_block),
+                states=tuple(copy for copy in map(_state_copy, peer.states) if len(copy.fragments)),
+            )
+            for peer in plan.peers
+        )
+        return cls.checked(plan.fingerprint, peers)
+
+    @classmethod
+    def checked(cls, fingerprint: str, peers: tuple[PeerCopy, ...]) -> CopyPlan:
+        """The plan of ``peers`` once every destination byte is written once."""
         plan = cls(fingerprint=fingerprint, peers=peers)
         check_exactly_once(plan)
         dst_shared, src_shared = shared_slot_pools(plan)
         return replace(plan, shared_slot_pools=dst_shared, shared_src_pools=src_shared)
 
-    @classmethod
-    def from_plan(cls, plan: Plan) -> CopyPlan:
-        """Convert a plan built in this process by ``kvroute.geometry.build_plan``, keeping the
-        period form beside block fragments wherever the pair has a per-token layout."""
-        return cls.from_json({"fingerprint": plan.fingerprint, **_plan_peers(plan)})
+
+def _view_copy(view: ViewTransfer) -> ViewCopy:
+    period = view.token_form
+    return _copy(
+        view,
+        () if view.periodic else view.fragments,
+        period=period,
+        groups=period_groups(period) if period is not None else (),
+        sliding_window=view.window,
+    )
 
 
-def _plan_peers(plan: Plan) -> dict[str, Any]:
-    peers = []
-    for peer in plan.peers:
-        doc = peer.to_json()
-        for view, view_doc in zip(peer.views, doc["views"], strict=True):
-            if view.axis is not None and view.axis.token_unit and not view.periodic:
-                view_doc |= {k: v for k, v in view.period_map.to_json().items() if "period" in k}
-        peers.append(doc)
-    return {"peers": peers}
+def _state_copy(state: StateTransfer) -> ViewCopy:
+    return _copy(state, state.fragments, state=True)
+
+
+def _copy(pair: PairTransfer, fragments: Any, **members: Any) -> ViewCopy:
+    return ViewCopy(
+        src_view=pair.src_view,
+        dst_view=pair.dst_view,
+        src_pool=pair.src_pool,
+        dst_pool=pair.dst_pool,
+        mapper=pair.mapper,
+        fragments=fragment_array(fragments),
+        **members,
+    )
 
 
 def _field_int(doc: Mapping[str, Any], name: str, path: str, minimum: int = 0) -> int:
@@ -280,25 +314,10 @@ def _parse_view(doc: Any, path: str, *, state: bool = False) -> ViewCopy:
 def _parse_window(doc: Any, path: str, period: PeriodMap | None) -> Window | None:
     if doc is None:
         return None
-    if not isinstance(doc, Mapping):
-        raise TransferValidationError(path, "must be an object")
-    window = Window(
-        _field_int(doc, "tokens", path, 1),
-        None,
-        None,
-        _field_int(doc, "src_tokens_per_block", path, 1),
-        _field_int(doc, "dst_tokens_per_block", path, 1),
-    )
-    if period is not None and (period.src_tokens_per_block, period.dst_tokens_per_block) != (
-        window.src_tokens_per_block,
-        window.dst_tokens_per_block,
-    ):
-        raise TransferValidationError(
-            path,
-            f"cuts {window.src_tokens_per_block} -> {window.dst_tokens_per_block} tokens per "
-            f"block, the period {period.src_tokens_per_block} -> {period.dst_tokens_per_block}",
-        )
-    return window
+    try:
+        return read_window(Members(doc, path), period)
+    except GeometryError as error:
+        raise TransferValidationError(error.field, error.detail.split(": ", 1)[-1]) from None
 
 
 def _parse_fragments(doc: Any, path: str) -> np.ndarray:
@@ -315,7 +334,4 @@ def _parse_fragments(doc: Any, path: str) -> np.ndarray:
                 f"{path}[{i}]",
                 "must be [src_offset, dst_offset, length] with integers >= 0, length > 0",
             )
-    fragments = np.array(doc, dtype=np.int64).reshape(-1, 3)
-    fragments = fragments[np.argsort(fragments[:, DST], kind="stable")]
-    fragments.setflags(write=False)
-    return fragments
+    return fragment_array(doc)

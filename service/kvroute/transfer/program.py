@@ -18,7 +18,7 @@ from functools import reduce
 
 import numpy as np
 
-from kvroute.transfer.plan import DST, LENGTH, SRC
+from kvroute.transfer.fragments import DST, LENGTH, SRC
 
 
 @dataclass(frozen=True, slots=True)

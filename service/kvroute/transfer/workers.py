@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
@@ -67,6 +68,10 @@ class JobHandle:
         return asyncio.shield(self._entry.future).__await__()
 
 
+def system_clock() -> datetime:
+    return datetime.now(UTC)
+
+
 class WorkerPool:
     """``workers`` threads sharing one ``CopyEngine`` and a queue of at most ``queue_size`` jobs."""
 
@@ -81,6 +86,7 @@ class WorkerPool:
         retry_after: float = 1.0,
         on_update: Callable[[JobStatus], None] | None = None,
         on_done: Callable[[TransferJob], None] | None = None,
+        clock: Callable[[], datetime] = system_clock,
     ) -> None:
         if workers < 1 or queue_size < 1:
             raise ValueError("a worker pool needs at least one worker and one queue slot")
@@ -92,6 +98,8 @@ class WorkerPool:
         self._on_update = on_update
         # Called once per job as it reaches its final state (on whichever thread ends it).
         self._on_done = on_done
+        # Job stamps come from the app's clock (``api.clock``), as the rows' other times do.
+        self._clock = clock
         self._metrics = TransferMetrics(registry or CollectorRegistry())
         self._cond = threading.Condition()
         self._queued: OrderedDict[str, _Entry] = OrderedDict()
@@ -101,6 +109,9 @@ class WorkerPool:
         self._accepting = False
         self._stopping = False
         self._on_idle: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    def _stamp(self) -> float:
+        return self._clock().timestamp()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -174,7 +185,7 @@ class WorkerPool:
             self._metrics.rejected.labels(reason="draining").inc()
             raise PoolDraining
         self.engine.validate(job)
-        status = JobStatus(job.job_id, JobState.QUEUED, submitted_at=time.time())
+        status = JobStatus(job.job_id, JobState.QUEUED, submitted_at=self._stamp())
         entry = _Entry(job, loop, loop.create_future(), status)
         with self._cond:
             if not self._accepting:
@@ -237,7 +248,7 @@ class WorkerPool:
             if not self._queued:
                 return None
             _, entry = self._queued.popitem(last=False)
-            entry.status = replace(entry.status, state=JobState.RUNNING, started_at=time.time())
+            entry.status = replace(entry.status, state=JobState.RUNNING, started_at=self._stamp())
             self._running[entry.job.job_id] = entry
             self._metrics.queue_depth.set(len(self._queued))
             self._metrics.running.set(len(self._running))
@@ -291,7 +302,7 @@ class WorkerPool:
                 fragments=result.fragments if result else 0,
                 seconds=seconds,
                 error=error,
-                finished_at=time.time(),
+                finished_at=self._stamp(),
             )
             self._finished[job_id] = entry
             while len(self._finished) > self._history:

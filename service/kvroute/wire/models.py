@@ -1,4 +1,6 @@
-"""The REST answers' shapes, once: the server renders these and the client parses them.
+"""The REST answers' shapes, once: the server renders these and the client parses them; and the
+one request body with members of its own, the transfer request, which the client renders and the
+server parses.
 
 Each class is named after its schema in ``api_spec/openapi.yaml`` and its fields are that schema's
 members; ``tests/contract/test_wire.py`` renders every one, validates it against the spec and parses
@@ -7,11 +9,12 @@ it back. Plans are not here: they are the geometry core's own documents (``Plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
 from kvroute.wire.codec import OMIT_NONE
+from kvroute.wire.pairs import Pairing
 
 # API.md's job states that never change again.
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
@@ -28,6 +31,41 @@ class Registered:
 @dataclass(frozen=True, slots=True)
 class LeaseRenewed:
     lease_expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedRank:
+    instance: str
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLease:
+    """An engine lease as granted, renewed or read: the ranks it keeps (renewed, on a renewal)."""
+
+    deployment: str
+    lease_id: str
+    lease_seconds: int
+    lease_expires_at: datetime
+    ranks: tuple[LeasedRank, ...]  # ordered by instance, then rank
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One change of a deployment (``GET .../events``), numbered by the deployment's revision.
+
+    ``kind``: rank_registered | rank_expired | rank_deleted (``data.reason``) | plans_invalidated
+    (``data.reason``: the kind of the rank events that caused it, ``instance`` whose plans).
+    """
+
+    revision: int
+    deployment: str
+    kind: str
+    at: datetime
+    instance: str | None = field(default=None, metadata=OMIT_NONE)
+    rank: int | None = field(default=None, metadata=OMIT_NONE)
+    generation: int | None = field(default=None, metadata=OMIT_NONE)
+    data: dict[str, Any] | None = field(default=None, metadata=OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +103,7 @@ class InstanceSummary:
     created_at: datetime
     live_ranks: int
     expired_ranks: int
+    cp_size: int = 1  # context-parallel ranks per TP position (1: a server from before CP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +121,7 @@ class Instance:
     expired_ranks: int
     deployment: str
     ranks: tuple[RankSummary, ...]  # ordered by rank number
+    cp_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +140,7 @@ class Deployment:
     live_ranks: int
     expired_ranks: int
     instances: tuple[InstanceSummary, ...]  # ordered by instance name
+    pairing: Pairing | None = field(default=None, metadata=OMIT_NONE)  # only when set
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,9 +167,50 @@ class TokenRange:
     end: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferOptions:
+    """A transfer request's optional members: which tokens move (a range, each list's first token,
+    the prompt's length) and the request's recurrent-state slots. None: not given. A job's row
+    stores them and its answer echoes them as the request gave them; ``control`` checks them
+    (``transfer.TokenWindow``)."""
+
+    tokens: TokenRange | None = field(default=None, metadata=OMIT_NONE)
+    src_first_token: int | None = field(default=None, metadata=OMIT_NONE)
+    dst_first_token: int | None = field(default=None, metadata=OMIT_NONE)
+    src_state_slot: int | None = field(default=None, metadata=OMIT_NONE)
+    dst_state_slot: int | None = field(default=None, metadata=OMIT_NONE)
+    prompt_tokens: int | None = field(default=None, metadata=OMIT_NONE)
+
+    def options(self) -> dict[str, Any]:
+        """The optional members by name (given or not)."""
+        return {name: getattr(self, name) for name in OPTION_NAMES}
+
+    @property
+    def names_tokens(self) -> bool:
+        """A token range or a first token is named: the lists hold runs of the prompt, not pairs."""
+        return (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
+
+
+OPTION_NAMES = tuple(option.name for option in fields(TransferOptions))
+
+
 @dataclass(frozen=True, slots=True)
-class TransferJob:
-    """A transfer job as ``POST .../transfers`` and ``GET /v1/transfers/{id}`` report it."""
+class TransferRequest(TransferOptions):
+    """A ``POST .../transfers`` body (the deployment is the path's): the one request model the
+    client sends, the api parses, ``control`` plans and checks and the job row stores."""
+
+    sender: str
+    receiver: str
+    receiver_ranks: tuple[int, ...]
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    sender_dp_rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferJob(TransferOptions):
+    """A transfer job as ``POST .../transfers`` and ``GET /v1/transfers/{id}`` report it, with the
+    request's optional members (``TransferOptions``) as it gave them."""
 
     id: str
     deployment: str
@@ -145,13 +227,6 @@ class TransferJob:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
-    # The request's token members, present when it gave them.
-    tokens: TokenRange | None = field(default=None, metadata=OMIT_NONE)
-    src_first_token: int | None = field(default=None, metadata=OMIT_NONE)
-    dst_first_token: int | None = field(default=None, metadata=OMIT_NONE)
-    src_state_slot: int | None = field(default=None, metadata=OMIT_NONE)
-    dst_state_slot: int | None = field(default=None, metadata=OMIT_NONE)
-    prompt_tokens: int | None = field(default=None, metadata=OMIT_NONE)
 
     @property
     def finished(self) -> bool:
@@ -187,6 +262,8 @@ class CompatibilityPair:
     compatible: bool | None
     refusal: dict[str, Any] | None = field(default=None, metadata=OMIT_NONE)
     missing_ranks: dict[str, list[int]] | None = field(default=None, metadata=OMIT_NONE)
+    # With a pairing policy: {"allowed", "shared_domains", and "exclusion" when not allowed}.
+    pairing: dict[str, Any] | None = field(default=None, metadata=OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True)
