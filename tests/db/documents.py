@@ -9,7 +9,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from kvroute.control.registry import Registry
 from kvroute.geometry import RankRegistration
+from kvroute.store.engine import SessionMaker
+from kvroute.store.records import RegisterOutcome
+from kvroute.store.rejections import DEFAULT_LOG_SIZE
 from tests.documents import rank_document as shared_rank_document
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -39,3 +43,16 @@ def registration(deployment: str, instance: str, rank: int, **document: Any) -> 
     return RankRegistration.from_json(
         rank_document(**document), deployment=deployment, instance=instance, rank=rank
     )
+
+
+async def register(
+    sessionmaker: SessionMaker,
+    reg: RankRegistration,
+    *,
+    now: datetime,
+    rejection_log_size: int = DEFAULT_LOG_SIZE,
+) -> RegisterOutcome:
+    """Registers ``reg`` through production's path (``control.Registry``: self-checks, the
+    deployment's admission queue, a logged refusal), with a fresh process's caches."""
+    registry = Registry(sessionmaker, rejection_log_size=rejection_log_size)
+    return await registry.register(reg, now=now)

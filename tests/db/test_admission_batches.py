@@ -3,7 +3,8 @@
 Random sequences of registrations (two geometry families that refuse each other, an instance
 whose ranks disagree, identical renewals, changed documents of the same class and of another
 class, which ends a batch early) go once through ``admit_batch`` until every one is answered and
-once, in a second deployment, through ``admit`` one at a time. Each registration must get the same
+once, in a second deployment, through production's registration path (``control.Registry``) one
+at a time. Each registration must get the same
 outcome (generation and creation, or the same refusal naming the same peer) and the two
 deployments must end with the same rows.
 """
@@ -13,13 +14,16 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import event, select
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from kvroute.control.registry import Registry
 from kvroute.geometry import GeometryError, RankRegistration
-from kvroute.store.admission import admit, admit_batch, prepare
+from kvroute.store.admission import admit_batch, prepare
 from kvroute.store.engine import SessionMaker
-from kvroute.store.models import Instance, PoolRow, Rank, ViewRow
+from kvroute.store.models import InstanceRow, PoolRow, RankRow, ViewRow
 from kvroute.store.registrations import RegistrationCache
+from kvroute.store.rejections import DEFAULT_LOG_SIZE
 from tests.db.documents import T0, registration
 
 SCENARIOS = 12
@@ -48,12 +52,10 @@ def _outcome(outcome: object) -> tuple[Any, ...]:
 
 
 async def _one_by_one(sessionmaker: SessionMaker, regs: list[RankRegistration]) -> list[tuple]:
-    cache, memo, outcomes = RegistrationCache(sessionmaker), {}, []
+    registry, outcomes = Registry(sessionmaker, rejection_log_size=DEFAULT_LOG_SIZE), []
     for reg in regs:
         try:
-            outcomes.append(
-                _outcome(await admit(sessionmaker, reg, now=T0, registrations=cache, verdicts=memo))
-            )
+            outcomes.append(_outcome(await registry.register(reg, now=T0)))
         except GeometryError as error:
             outcomes.append(_outcome(error))
     return outcomes
@@ -89,10 +91,14 @@ def _distinct(pending: list[RankRegistration]) -> list[RankRegistration]:
 async def _rows(sessionmaker: SessionMaker, deployment: str) -> dict[str, list[tuple]]:
     tables = {
         "ranks": select(
-            Rank.instance, Rank.rank, Rank.generation, Rank.canonical_sha256, Rank.geometry_class
-        ).where(Rank.deployment == deployment),
-        "instances": select(Instance.name, Instance.role, Instance.tp_size).where(
-            Instance.deployment == deployment
+            RankRow.instance,
+            RankRow.rank,
+            RankRow.generation,
+            RankRow.canonical_sha256,
+            RankRow.geometry_class,
+        ).where(RankRow.deployment == deployment),
+        "instances": select(InstanceRow.name, InstanceRow.role, InstanceRow.tp_size).where(
+            InstanceRow.deployment == deployment
         ),
         "pools": select(PoolRow.instance, PoolRow.rank, PoolRow.pool_id).where(
             PoolRow.deployment == deployment
@@ -130,3 +136,43 @@ async def test_a_batch_answers_what_one_by_one_admission_answers(
     # The scenarios met every path: admissions, refusals of both stages, batches ended early.
     assert {"admitted", "head_dim_mismatch", "instance_layout_mismatch"} <= kinds, kinds
     assert ended_early > 0
+
+
+async def test_a_batch_costs_the_statements_of_one_admission(
+    engine: AsyncEngine, sessionmaker: SessionMaker
+) -> None:
+    """Admitting sixteen new ranks over eight instances sends as many statements as admitting one
+    (one per kind of read and write; on PostgreSQL those are the round trips a batch waits for
+    under the deployment lock)."""
+    cache, memo = RegistrationCache(sessionmaker), {}
+    peer = [registration("fixed", "gen0", rank, role="generation", tp_size=2) for rank in (0, 1)]
+
+    async def statements(batch: list[RankRegistration]) -> int:
+        for reg in batch:
+            await prepare(reg)
+        sent: list[str] = []
+
+        def note(connection: Any, cursor: Any, statement: str, *_: Any) -> None:
+            sent.append(statement)
+
+        event.listen(engine.sync_engine, "before_cursor_execute", note)
+        try:
+            result = await admit_batch(
+                sessionmaker, batch, now=T0, registrations=cache, verdicts=memo
+            )
+        finally:
+            event.remove(engine.sync_engine, "before_cursor_execute", note)
+        assert [type(outcome).__name__ for outcome in result.outcomes] == ["RegisterOutcome"] * len(
+            batch
+        )
+        return len(sent)
+
+    await statements(peer)
+    one = await statements([registration("fixed", "ctx0", 0, tp_size=2)])
+    many = [
+        registration("fixed", f"ctx{i}", rank, tp_size=2) for i in range(1, 9) for rank in (0, 1)
+    ]
+    assert await statements(many) == one
+    if engine.dialect.name == "postgresql":
+        # the lock, the judgement with its fences, the peers, the rows, the events
+        assert one == 5

@@ -12,7 +12,7 @@ from sqlalchemy import insert, select
 
 from kvroute.store import migrate
 from kvroute.store.engine import create_engine
-from kvroute.store.models import Deployment, Instance, Rank
+from kvroute.store.models import DeploymentRow, InstanceRow, RankRow
 from tests.world import Side, ViewClass, instance
 
 BEFORE = "b7e2c4d1f9a0"
@@ -38,10 +38,10 @@ async def _store(url: str, ranks: list, geometry_class: str) -> None:
     try:
         async with engine.begin() as connection:
             await connection.execute(
-                insert(Deployment.__table__).values(name="world", created_at=now, checked_at=now)
+                insert(DeploymentRow.__table__).values(name="world", created_at=now, checked_at=now)
             )
             await connection.execute(
-                insert(Instance.__table__).values(
+                insert(InstanceRow.__table__).values(
                     deployment="world",
                     name="ctx",
                     role="context",
@@ -54,7 +54,7 @@ async def _store(url: str, ranks: list, geometry_class: str) -> None:
             )
             for reg in ranks:
                 await connection.execute(
-                    insert(Rank.__table__).values(
+                    insert(RankRow.__table__).values(
                         deployment="world",
                         instance="ctx",
                         rank=reg.rank,
@@ -76,7 +76,7 @@ async def _classes(url: str) -> dict[int, str]:
     engine = create_engine(url)
     try:
         async with engine.connect() as connection:
-            table = Rank.__table__
+            table = RankRow.__table__
             rows = await connection.execute(select(table.c.rank, table.c.geometry_class))
             return dict(rows.all())
     finally:

@@ -10,7 +10,7 @@ import pytest
 from kvroute.geometry import GeometryError, RankRegistration
 from kvroute.store import registry
 from kvroute.store.engine import SessionMaker, create_engine, dispose, make_sessionmaker
-from tests.db.documents import T0, registration
+from tests.db.documents import T0, register, registration
 
 ROUNDS = 20
 
@@ -26,7 +26,7 @@ async def two_processes(database_url: str) -> AsyncIterator[tuple[SessionMaker, 
 async def refusal(sessionmaker: SessionMaker, reg: RankRegistration) -> GeometryError | None:
     """None when the rank was admitted, else the geometry refusal."""
     try:
-        await registry.register_rank(sessionmaker, reg, now=T0)
+        await register(sessionmaker, reg, now=T0)
     except GeometryError as error:
         return error
     return None

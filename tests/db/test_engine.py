@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import event, func, select, text
 from sqlalchemy.exc import InvalidRequestError, StatementError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import selectinload
 
-from kvroute.store import registry
 from kvroute.store.engine import (
     READ_ONLY,
     DatabaseTimeouts,
@@ -24,8 +25,8 @@ from kvroute.store.engine import (
     reading,
 )
 from kvroute.store.faults import database_fault
-from kvroute.store.models import Deployment, Rank
-from tests.db.documents import T0, registration
+from kvroute.store.models import DeploymentRow, RankRow
+from tests.db.documents import T0, register, registration
 
 
 async def test_sqlite_connections_enforce_foreign_keys_and_use_wal(sqlite_url: str) -> None:
@@ -67,8 +68,11 @@ async def test_sqlite_writers_serialize_and_readers_do_not_wait(sqlite_url: str)
             async with second.connect() as reader:
                 reader = await reader.execution_options(**{READ_ONLY: True})
                 assert await reader.scalar(text("SELECT count(*) FROM deployments")) == 0
+            beginning = asyncio.Event()
+            event.listen(second.sync_engine, "before_cursor_execute", _noting_begin(beginning))
             blocked = asyncio.create_task(_begin_and_count(second))
-            await asyncio.sleep(0.3)
+            async with asyncio.timeout(10):
+                await beginning.wait()  # the second writer asks for the lock the first holds
             assert not blocked.done()  # waits on the busy timeout instead of failing
         assert await asyncio.wait_for(blocked, timeout=10) == 0
     finally:
@@ -105,7 +109,7 @@ async def test_sqlite_writers_of_one_process_queue_for_one_connection(sqlite_url
         async with engine.begin() as writer:
             await writer.execute(text("SELECT 1"))
             async with reading(sessionmaker) as session:
-                assert await session.scalar(select(func.count()).select_from(Deployment)) == 0
+                assert await session.scalar(select(func.count()).select_from(DeploymentRow)) == 0
             with pytest.raises(PoolTimeoutError) as waited:
                 await _begin_and_count(engine)
         fault = database_fault(waited.value)
@@ -114,6 +118,17 @@ async def test_sqlite_writers_of_one_process_queue_for_one_connection(sqlite_url
         assert await _begin_and_count(engine) == 0
     finally:
         await dispose(engine)
+
+
+def _noting_begin(beginning: asyncio.Event) -> Callable[..., None]:
+    """A ``before_cursor_execute`` hook setting ``beginning`` as the engine sends its BEGIN
+    IMMEDIATE (on the loop's thread: SQLAlchemy's async engines run their hooks there)."""
+
+    def hook(_connection: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement == "BEGIN IMMEDIATE":
+            beginning.set()
+
+    return hook
 
 
 async def _begin_and_count(engine: AsyncEngine) -> int:
@@ -126,10 +141,10 @@ async def test_timestamps_come_back_as_aware_utc(
 ) -> None:
     plus_two = datetime(2026, 1, 1, 14, 0, tzinfo=timezone(timedelta(hours=2)))
     async with sessionmaker.begin() as session:
-        session.add(Deployment(name="d", created_at=plus_two, checked_at=plus_two))
+        session.add(DeploymentRow(name="d", created_at=plus_two, checked_at=plus_two))
 
     async with reading(sessionmaker) as session:
-        stored = await session.get(Deployment, "d")
+        stored = await session.get(DeploymentRow, "d")
     assert stored is not None
     assert stored.created_at == datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
     assert stored.created_at.utcoffset() == timedelta(0)
@@ -139,25 +154,25 @@ async def test_naive_timestamps_are_refused(sessionmaker: SessionMaker) -> None:
     naive = datetime(2026, 1, 1, 12, 0)
     with pytest.raises(StatementError, match="naive datetime"):
         async with sessionmaker.begin() as session:
-            session.add(Deployment(name="d", created_at=naive, checked_at=naive))
+            session.add(DeploymentRow(name="d", created_at=naive, checked_at=naive))
 
 
 async def test_relationships_never_load_implicitly(sessionmaker: SessionMaker) -> None:
-    await registry.register_rank(
+    await register(
         sessionmaker,
         registration("llama", "ctx0", 0, memory={"backend": "local", "name": "p"}),
         now=T0,
     )
     key = ("llama", "ctx0", 0)
     async with reading(sessionmaker) as session:
-        rank = await session.get(Rank, key)
+        rank = await session.get(RankRow, key)
         assert rank is not None
         with pytest.raises(InvalidRequestError, match="lazy='raise'"):
             _ = rank.pools  # would be hidden I/O under asyncio
         loaded = await session.get(
-            Rank,
+            RankRow,
             key,
-            options=[selectinload(Rank.pools), selectinload(Rank.views)],
+            options=[selectinload(RankRow.pools), selectinload(RankRow.views)],
             populate_existing=True,
         )
     assert loaded is not None

@@ -21,7 +21,7 @@ from kvroute.geometry import GeometryError
 from kvroute.store import registry
 from kvroute.store.engine import SessionMaker, create_engine, dispose, make_sessionmaker
 from kvroute.store.errors import LeaseExpired
-from tests.db.documents import T0, registration
+from tests.db.documents import T0, register, registration
 
 pytestmark = pytest.mark.postgres
 LEASE = 10
@@ -48,7 +48,7 @@ async def test_a_heartbeat_queued_behind_an_admission_never_revives_what_it_skip
 ) -> None:
     first, second = processes
     context = registration("fence", "ctx0", 0, tp_size=1, lease_seconds=LEASE)
-    await registry.register_rank(first, context, now=T0)
+    await register(first, context, now=T0)
     rival = registration("fence", "gen0", 0, role="generation", tp_size=1, head_dim=64)
 
     holder = create_engine(postgres_test_url)
@@ -63,7 +63,7 @@ async def test_a_heartbeat_queued_behind_an_admission_never_revives_what_it_skip
             )
             await asyncio.sleep(BLOCKED_SECONDS)
             admission = asyncio.ensure_future(
-                registry.register_rank(second, rival, now=T0 + timedelta(seconds=LEASE + 1))
+                register(second, rival, now=T0 + timedelta(seconds=LEASE + 1))
             )
             await asyncio.sleep(BLOCKED_SECONDS)
             assert not beat.done()
@@ -93,16 +93,16 @@ async def test_an_admission_fences_only_what_it_judged_expired(
     first, second = processes
     short = registration("fence", "ctx0", 0, tp_size=2, lease_seconds=5)
     long = registration("fence", "ctx0", 1, tp_size=2, lease_seconds=60)
-    await registry.register_rank(first, short, now=T0)
-    await registry.register_rank(first, long, now=T0)
+    await register(first, short, now=T0)
+    await register(first, long, now=T0)
     compatible = registration("fence", "gen0", 0, role="generation", tp_size=1)
-    await registry.register_rank(second, compatible, now=T0 + timedelta(seconds=6))
+    await register(second, compatible, now=T0 + timedelta(seconds=6))
 
     with pytest.raises(LeaseExpired):
         await registry.heartbeat(first, "fence", "ctx0", 0, now=T0 + timedelta(seconds=4))
     renewed = await registry.heartbeat(first, "fence", "ctx0", 1, now=T0 + timedelta(seconds=7))
     assert renewed == T0 + timedelta(seconds=67)
     # Registering again lifts the fence: the rank is checked anew and renewable again.
-    await registry.register_rank(first, short, now=T0 + timedelta(seconds=8))
+    await register(first, short, now=T0 + timedelta(seconds=8))
     again = await registry.heartbeat(first, "fence", "ctx0", 0, now=T0 + timedelta(seconds=9))
     assert again == T0 + timedelta(seconds=14)

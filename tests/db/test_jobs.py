@@ -10,7 +10,7 @@ from kvroute.store import jobs
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import InvalidTransition, NotFound
 from kvroute.store.models import JobState
-from kvroute.wire import TransferJob
+from kvroute.wire import TransferJob, TransferRequest
 from tests.db.documents import T0
 
 LATER = T0 + timedelta(seconds=2)
@@ -19,13 +19,12 @@ LATER = T0 + timedelta(seconds=2)
 async def new_job(
     sessionmaker: SessionMaker, deployment: str = "llama", replica: str = ""
 ) -> TransferJob:
+    request = TransferRequest(
+        sender="ctx0", receiver="gen0", receiver_ranks=(0, 1), src_blocks=(3, 4), dst_blocks=(7, 8)
+    )
     new = jobs.NewJob(
         deployment=deployment,
-        sender="ctx0",
-        receiver="gen0",
-        receiver_ranks=[0, 1],
-        src_blocks=[3, 4],
-        dst_blocks=[7, 8],
+        request=request,
         plan_fingerprint="sha256:abc",
         bytes_total=2**40,  # beyond 32 bits: the columns are BIGINT
         fragments=12,

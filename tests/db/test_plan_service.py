@@ -11,7 +11,7 @@ from kvroute.geometry import GeometryError
 from kvroute.store import registry
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import NotFound
-from tests.db.documents import T0, registration
+from tests.db.documents import T0, register, registration
 
 KEY = PlanKey("llama", "ctx0", "gen0", 0)
 
@@ -19,12 +19,12 @@ KEY = PlanKey("llama", "ctx0", "gen0", 0)
 async def _deploy(sm: SessionMaker, *, ctx_tp: int = 4, gen_tp: int = 2, lease: int = 30) -> None:
     for rank in range(ctx_tp):
         reg = registration("llama", "ctx0", rank, tp_size=ctx_tp, lease_seconds=lease)
-        await registry.register_rank(sm, reg, now=T0)
+        await register(sm, reg, now=T0)
     for rank in range(gen_tp):
         reg = registration(
             "llama", "gen0", rank, role="generation", tp_size=gen_tp, lease_seconds=lease
         )
-        await registry.register_rank(sm, reg, now=T0)
+        await register(sm, reg, now=T0)
 
 
 async def test_plan_names_generations_and_is_cached(sessionmaker: SessionMaker) -> None:
@@ -46,7 +46,7 @@ async def test_reregistration_invalidates_and_the_new_plan_names_the_new_generat
     service = PlanService(sessionmaker)
     before = await service.get(KEY, now=T0)
     changed = registration("llama", "ctx0", 2, tp_size=4, num_slots=32)  # a changed document
-    outcome = await registry.register_rank(sessionmaker, changed, now=T0)
+    outcome = await register(sessionmaker, changed, now=T0)
     assert outcome.generation == 2
     after = await service.get(KEY, now=T0)
     assert not after.cached
@@ -58,7 +58,7 @@ async def test_identical_reregistration_keeps_the_cached_plan(sessionmaker: Sess
     await _deploy(sessionmaker)
     service = PlanService(sessionmaker)
     await service.get(KEY, now=T0)
-    await registry.register_rank(sessionmaker, registration("llama", "ctx0", 1, tp_size=4), now=T0)
+    await register(sessionmaker, registration("llama", "ctx0", 1, tp_size=4), now=T0)
     assert (await service.get(KEY, now=T0)).cached
 
 
@@ -103,7 +103,7 @@ async def test_two_services_sharing_a_database_never_serve_a_stale_plan(
     await _deploy(sessionmaker)
     replica_a, replica_b = PlanService(sessionmaker), PlanService(sessionmaker)
     await replica_a.get(KEY, now=T0)
-    await registry.register_rank(
+    await register(
         sessionmaker,
         registration("llama", "gen0", 0, role="generation", tp_size=2, num_slots=8),
         now=T0,

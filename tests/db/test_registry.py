@@ -16,7 +16,7 @@ from kvroute.store.errors import LeaseExpired, NotFound
 from kvroute.store.models import PoolRow, ViewRow
 from kvroute.store.registrations import RegistrationCache
 from tests.db.conftest import dump_tables
-from tests.db.documents import T0, registration
+from tests.db.documents import T0, register, registration
 
 SHM = {"backend": "shm", "name": "kvroute-ctx0-r0-p0", "offset": 0}
 INCOMPATIBLE_HEAD_DIM = {"role": "generation", "head_dim": 64}
@@ -30,7 +30,7 @@ async def register_context(
     sessionmaker: SessionMaker, tp_size: int = 2, **document: object
 ) -> None:
     for rank in range(tp_size):
-        await registry.register_rank(
+        await register(
             sessionmaker, registration("llama", "ctx0", rank, tp_size=tp_size, **document), now=T0
         )
 
@@ -39,16 +39,16 @@ async def test_generation_is_kept_for_identical_and_bumped_for_changed_documents
     sessionmaker: SessionMaker,
 ) -> None:
     first = registration("llama", "ctx0", 0, memory=SHM)
-    created = await registry.register_rank(sessionmaker, first, now=T0)
+    created = await register(sessionmaker, first, now=T0)
     assert (created.generation, created.created) == (1, True)
     assert created.lease_expires_at == T0 + seconds(30)
 
-    renewed = await registry.register_rank(sessionmaker, first, now=T0 + seconds(10))
+    renewed = await register(sessionmaker, first, now=T0 + seconds(10))
     assert (renewed.generation, renewed.created) == (1, False)
     assert renewed.lease_expires_at == T0 + seconds(40)
 
     moved = registration("llama", "ctx0", 0, memory={**SHM, "name": "kvroute-restarted"})
-    changed = await registry.register_rank(sessionmaker, moved, now=T0 + seconds(20))
+    changed = await register(sessionmaker, moved, now=T0 + seconds(20))
     assert (changed.generation, changed.created) == (2, False)
 
     stored = await registry.get_rank(sessionmaker, "llama", "ctx0", 0, now=T0 + seconds(20))
@@ -58,13 +58,13 @@ async def test_generation_is_kept_for_identical_and_bumped_for_changed_documents
 
 
 async def test_generations_are_never_reused_after_delete(sessionmaker: SessionMaker) -> None:
-    await registry.register_rank(sessionmaker, registration("llama", "ctx0", 0), now=T0)
-    await registry.register_rank(sessionmaker, registration("llama", "ctx0", 0, memory=SHM), now=T0)
+    await register(sessionmaker, registration("llama", "ctx0", 0), now=T0)
+    await register(sessionmaker, registration("llama", "ctx0", 0, memory=SHM), now=T0)
     await registry.delete_rank(sessionmaker, "llama", "ctx0", 0)
     with pytest.raises(NotFound):
         await registry.get_rank(sessionmaker, "llama", "ctx0", 0, now=T0)
 
-    again = await registry.register_rank(sessionmaker, registration("llama", "ctx0", 0), now=T0)
+    again = await register(sessionmaker, registration("llama", "ctx0", 0), now=T0)
     assert (again.generation, again.created) == (3, True)
 
 
@@ -75,7 +75,7 @@ async def test_refused_peer_changes_no_row_and_is_logged(
     before = await dump_tables(engine)
 
     with pytest.raises(GeometryError) as refused:
-        await registry.register_rank(
+        await register(
             sessionmaker, registration("llama", "gen0", 0, **INCOMPATIBLE_HEAD_DIM), now=T0
         )
 
@@ -99,9 +99,7 @@ async def test_refused_first_registration_creates_no_deployment_or_instance(
     before = await dump_tables(engine)
     # Rank 1 of a TP1 instance cannot exist: refused by the instance checks.
     with pytest.raises(GeometryError, match="rank"):
-        await registry.register_rank(
-            sessionmaker, registration("fresh", "ctx0", 1, tp_rank=0), now=T0
-        )
+        await register(sessionmaker, registration("fresh", "ctx0", 1, tp_rank=0), now=T0)
 
     after = await dump_tables(engine)
     assert len(after.pop("rejections")) == 1
@@ -117,7 +115,7 @@ async def test_refused_re_registration_keeps_the_admitted_document(
     before = await dump_tables(engine)
 
     with pytest.raises(GeometryError) as refused:
-        await registry.register_rank(
+        await register(
             sessionmaker, registration("llama", "ctx0", 1, tp_size=2, head_dim=64), now=T0
         )
 
@@ -132,8 +130,8 @@ async def test_expired_ranks_are_not_peers(sessionmaker: SessionMaker) -> None:
     incompatible = registration("llama", "gen0", 0, **INCOMPATIBLE_HEAD_DIM)
 
     with pytest.raises(GeometryError):
-        await registry.register_rank(sessionmaker, incompatible, now=T0 + seconds(9))
-    admitted = await registry.register_rank(sessionmaker, incompatible, now=T0 + seconds(10))
+        await register(sessionmaker, incompatible, now=T0 + seconds(9))
+    admitted = await register(sessionmaker, incompatible, now=T0 + seconds(10))
 
     assert admitted.created
     context = await registry.get_instance(sessionmaker, "llama", "ctx0", now=T0 + seconds(10))
@@ -144,9 +142,7 @@ async def test_expired_instance_ranks_do_not_pin_the_layout(sessionmaker: Sessio
     await register_context(sessionmaker, tp_size=2, lease_seconds=10)
     later = T0 + seconds(11)
 
-    await registry.register_rank(
-        sessionmaker, registration("llama", "ctx0", 0, tp_size=4), now=later
-    )
+    await register(sessionmaker, registration("llama", "ctx0", 0, tp_size=4), now=later)
 
     instance = await registry.get_instance(sessionmaker, "llama", "ctx0", now=later)
     assert instance.tp_size == 4
@@ -178,7 +174,7 @@ async def test_late_heartbeat_cannot_revive_a_rank_that_was_not_a_peer(
     sessionmaker: SessionMaker,
 ) -> None:
     await register_context(sessionmaker, lease_seconds=10)
-    await registry.register_rank(
+    await register(
         sessionmaker,
         registration("llama", "gen0", 0, **INCOMPATIBLE_HEAD_DIM),
         now=T0 + seconds(11),
@@ -203,7 +199,7 @@ async def test_reaper_removes_ranks_only_after_the_grace_period(
         await registry.get_instance(sessionmaker, "llama", "ctx0", now=T0)
     tables = await dump_tables(engine)
     assert tables["ranks"] == tables["pools"] == tables["views"] == tables["instances"] == []
-    again = await registry.register_rank(
+    again = await register(
         sessionmaker, registration("llama", "ctx0", 0, tp_size=2), now=T0 + seconds(20)
     )
     assert (again.generation, again.created) == (2, True)
@@ -212,7 +208,7 @@ async def test_reaper_removes_ranks_only_after_the_grace_period(
 async def test_rejection_log_keeps_only_the_newest_entries(sessionmaker: SessionMaker) -> None:
     for rank in range(1, 6):  # every rank > 0 of a TP1 instance is refused
         with pytest.raises(GeometryError):
-            await registry.register_rank(
+            await register(
                 sessionmaker,
                 registration("llama", "ctx0", rank, tp_rank=0),
                 now=T0 + seconds(rank),
@@ -227,7 +223,7 @@ async def test_rejection_log_keeps_only_the_newest_entries(sessionmaker: Session
 
 async def test_listings_report_roles_layouts_and_lease_states(sessionmaker: SessionMaker) -> None:
     await register_context(sessionmaker, tp_size=2, lease_seconds=10)
-    await registry.register_rank(
+    await register(
         sessionmaker, registration("llama", "gen0", 0, role="generation"), now=T0 + seconds(5)
     )
     now = T0 + seconds(12)
@@ -282,10 +278,8 @@ async def test_live_ranks_feed_plans_in_rank_order(sessionmaker: SessionMaker) -
 async def test_pools_and_views_are_queryable_and_cascade(
     sessionmaker: SessionMaker, engine: AsyncEngine
 ) -> None:
-    await registry.register_rank(
-        sessionmaker, registration("llama", "ctx0", 0, tp_size=2, memory=SHM), now=T0
-    )
-    await registry.register_rank(sessionmaker, registration("llama", "ctx0", 1, tp_size=2), now=T0)
+    await register(sessionmaker, registration("llama", "ctx0", 0, tp_size=2, memory=SHM), now=T0)
+    await register(sessionmaker, registration("llama", "ctx0", 1, tp_size=2), now=T0)
 
     async with engine.connect() as connection:
         pools = (await connection.execute(select(PoolRow.rank, PoolRow.memory))).all()

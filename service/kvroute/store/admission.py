@@ -11,7 +11,8 @@ Inside the deployment lock (``ranks.lock_deployment``) a batch of candidates of 
    the rank is read as live below and checked; a heartbeat that comes later finds the fence;
 3. reads, in one statement, every row of the candidates' instances and one representative per
    geometry class of the live ranks of each role a candidate checks against (the first in
-   (instance, rank) order: see ``geometry.classes``); parsed registrations come from the
+   (instance, rank) order: see ``geometry.classes``; found by index probes per class, not by
+   reading the role's ranks); parsed registrations come from the
    process-wide cache by generation, so only documents never seen before are read and parsed;
 4. checks the candidates in order, each against the members of its instance and the class
    representatives of the opposite role as the candidates admitted before it left them (exactly
@@ -26,17 +27,21 @@ The deferred candidates come back to the caller, which admits them in a new batc
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import func, literal, select, update
+from sqlalchemy import bindparam, func, select, update
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from kvroute.geometry import GeometryError, RankRegistration, Role
 from kvroute.geometry.classes import VerdictMemo, check_peers_by_class
 from kvroute.geometry.instance import check_instance
 from kvroute.geometry.validate import check_self
+from kvroute.store import engine_leases, events
 from kvroute.store import ranks as repo
 from kvroute.store.engine import (
     READ_ONLY,
@@ -45,13 +50,19 @@ from kvroute.store.engine import (
     reader_engine,
     retry_disconnect,
 )
-from kvroute.store.models import Deployment, Rank
+from kvroute.store.engine_leases import LeaseTerms
+from kvroute.store.errors import LeaseExpired
+from kvroute.store.models import DeploymentRow, EngineLeaseRow, RankRow, UTCDateTime
+from kvroute.store.peers import Peers, read_peers
 from kvroute.store.rank_writes import Existing, greatest, upsert, write_admitted
 from kvroute.store.records import RegisterOutcome
-from kvroute.store.registrations import RankAt, RegistrationCache
+from kvroute.store.registrations import RegistrationCache
 
-RANKS = Rank.__table__
-Outcome = RegisterOutcome | GeometryError
+RANKS = RankRow.__table__
+LEASES = EngineLeaseRow.__table__
+DEPLOYMENTS = DeploymentRow.__table__
+# A registration naming an engine lease that is not live is answered ``LeaseExpired``.
+Outcome = RegisterOutcome | GeometryError | LeaseExpired
 
 
 @dataclass
@@ -62,34 +73,6 @@ class BatchResult:
     deferred: list[RankRegistration] = field(default_factory=list)
 
 
-@dataclass
-class _Peers:
-    """What the batch reads: rows of the candidates' instances and each role's class firsts."""
-
-    # (instance, rank) -> generation, canonical digest, geometry class, lease expiry
-    rows: dict[tuple[str, int], tuple[int, str, str, datetime]]
-    firsts: dict[Role, dict[str, RankAt]]  # role -> class -> its first live rank
-
-
-async def admit(
-    sessionmaker: SessionMaker,
-    reg: RankRegistration,
-    *,
-    now: datetime,
-    registrations: RegistrationCache,
-    verdicts: VerdictMemo,
-) -> RegisterOutcome:
-    """Admits, renews or re-registers ``reg`` alone; raises its ``GeometryError`` changing nothing."""
-    await prepare(reg)
-    result = await admit_batch(
-        sessionmaker, [reg], now=now, registrations=registrations, verdicts=verdicts
-    )
-    (outcome,) = result.outcomes
-    if isinstance(outcome, GeometryError):
-        raise outcome
-    return outcome
-
-
 async def prepare(reg: RankRegistration) -> None:
     """What needs no lock: the document's own checks (raises) and its digests, off the loop
     (milliseconds for the largest documents)."""
@@ -98,7 +81,7 @@ async def prepare(reg: RankRegistration) -> None:
 
 def _check_and_digest(reg: RankRegistration) -> None:
     check_self(reg)
-    _ = reg.class_digest, reg.canonical_digest
+    _ = reg.class_digest, reg.canonical_digest, reg.instance_face_id
 
 
 async def admit_batch(
@@ -108,12 +91,15 @@ async def admit_batch(
     now: datetime,
     registrations: RegistrationCache,
     verdicts: VerdictMemo,
+    leases: Sequence[str | None] | None = None,
 ) -> BatchResult:
-    """Admits, renews or refuses ``candidates`` (one deployment, distinct ranks, self-checked)."""
+    """Admits, renews or refuses ``candidates`` (one deployment, distinct ranks, self-checked);
+    ``leases`` names each candidate's engine lease (None: a lease of its own)."""
+    named = list(leases) if leases is not None else [None] * len(candidates)
 
     async def attempt() -> BatchResult:
         async with engine_of(sessionmaker).begin() as connection:
-            return await _admit(connection, candidates, now, registrations, verdicts)
+            return await _admit(connection, candidates, named, now, registrations, verdicts)
 
     result = await retry_disconnect(attempt)
     for reg, outcome in zip(candidates, result.outcomes, strict=False):
@@ -125,20 +111,27 @@ async def admit_batch(
 async def _admit(
     connection: AsyncConnection,
     candidates: Sequence[RankRegistration],
+    leases: Sequence[str | None],
     now: datetime,
     registrations: RegistrationCache,
     verdicts: VerdictMemo,
 ) -> BatchResult:
     deployment = candidates[0].deployment
     await repo.lock_deployment_connection(connection, deployment)
-    at = await _judge_at(connection, deployment, now)
-    await _fence_expired(connection, deployment, at)
-    peers = await _read_peers(connection, candidates, at)
+    at = await _open(connection, deployment, now)
+    live = await engine_leases.live_terms(
+        connection, deployment, {lease for lease in leases if lease is not None}, at
+    )
+    peers = await read_peers(connection, candidates, at)
     state = await _State.load(connection, registrations, deployment, peers, at)
     outcomes: list[Outcome | None] = []
     admitted: list[tuple[int, RankRegistration, Existing | None]] = []
+    terms: list[LeaseTerms] = []
     deferred: list[RankRegistration] = []
-    for index, reg in enumerate(candidates):
+    for index, (reg, lease) in enumerate(zip(candidates, leases, strict=True)):
+        if lease is not None and lease not in live:
+            outcomes.append(engine_leases.missing(deployment, lease))
+            continue
         try:
             state.check(reg, verdicts)
         except GeometryError as error:
@@ -146,6 +139,7 @@ async def _admit(
             continue
         old = peers.rows.get(reg.key)
         admitted.append((len(outcomes), reg, Existing(old[0], old[1]) if old else None))
+        terms.append(live[lease] if lease is not None else engine_leases.own_terms(reg, at))
         outcomes.append(None)  # filled in once written
         if state.admit(reg, old, at):
             deferred = list(candidates[index + 1 :])
@@ -153,10 +147,27 @@ async def _admit(
     if not admitted:  # a refusal changes nothing: not checked_at, no fence, no deployment row
         await connection.rollback()
         return BatchResult([outcome for outcome in outcomes if outcome is not None], deferred)
-    stored = await write_admitted(connection, [(reg, old) for _, reg, old in admitted], at)
+    stored = await write_admitted(connection, [(reg, old) for _, reg, old in admitted], at, terms)
     for (position, _, _), outcome in zip(admitted, stored, strict=True):
         outcomes[position] = outcome
+    await events.append(connection, deployment, _registered(admitted, stored, peers, at), at)
     return BatchResult([outcome for outcome in outcomes if outcome is not None], deferred)
+
+
+def _registered(
+    admitted: Sequence[tuple[int, RankRegistration, Existing | None]],
+    stored: Sequence[RegisterOutcome],
+    peers: Peers,
+    at: datetime,
+) -> list[events.Change]:
+    """Events of the admissions a reader sees: a new rank, a new generation, or a rank live
+    again (a renewal of a live rank with the same document changes nothing it sees)."""
+    news = []
+    for (_, reg, _), outcome in zip(admitted, stored, strict=True):
+        old = peers.rows.get(reg.key)
+        if old is None or old[0] != outcome.generation or old[3] <= at:
+            news.append((reg.instance, reg.rank, outcome.generation))
+    return events.rank_changes("rank_registered", news)
 
 
 class _State:
@@ -176,7 +187,7 @@ class _State:
         connection: AsyncConnection,
         registrations: RegistrationCache,
         deployment: str,
-        peers: _Peers,
+        peers: Peers,
         at: datetime,
     ) -> _State:
         live = [
@@ -238,7 +249,7 @@ async def dry_run(
             connection = await connection.execution_options(**{READ_ONLY: True})
             async with connection.begin():
                 at = await _checked_at(connection, candidates[0].deployment, now)
-                peers = await _read_peers(connection, candidates, at)
+                peers = await read_peers(connection, candidates, at)
                 state = await _State.load(
                     connection, registrations, candidates[0].deployment, peers, at
                 )
@@ -255,14 +266,53 @@ async def dry_run(
 
 async def _checked_at(connection: AsyncConnection, deployment: str, now: datetime) -> datetime:
     """``max(now, checked_at)`` as ``_judge_at`` would set it, without writing it."""
-    table = Deployment.__table__
+    table = DeploymentRow.__table__
     stored = await connection.scalar(select(table.c.checked_at).where(table.c.name == deployment))
     return now if stored is None or stored < now else stored
 
 
+async def _open(connection: AsyncConnection, deployment: str, now: datetime) -> datetime:
+    """Steps 1 and 2 (see the module); returns ``at``. One statement on PostgreSQL."""
+    if connection.dialect.name == "postgresql":
+        values = {"key_deployment": deployment, "now": now}
+        return (await connection.execute(_opening_statement(), values)).scalar_one()
+    at = await _judge_at(connection, deployment, now)
+    await _fence_expired(connection, deployment, at)
+    await engine_leases.fence_expired(connection, deployment, at)
+    return at
+
+
+@functools.cache
+def _opening_statement() -> Any:
+    """PostgreSQL: ``checked_at`` moved (the deployment created if needed) and the fences set, as
+    CTEs of one statement. Each fence still waits for a renewal committing on its row and then
+    judges the renewed row (READ COMMITTED re-checks an updated row), as a statement of its own
+    would; ``read_peers`` comes after it, in a statement of its own, and sees those renewals."""
+    deployment = bindparam("key_deployment")  # "deployment" would also set that column
+    now = bindparam("now", type_=UTCDateTime())
+    judged = postgresql.insert(DEPLOYMENTS).values(name=deployment, created_at=now, checked_at=now)
+    judged = judged.on_conflict_do_update(
+        index_elements=[DEPLOYMENTS.c.name],
+        set_={"checked_at": func.greatest(DEPLOYMENTS.c.checked_at, judged.excluded.checked_at)},
+    ).returning(DEPLOYMENTS.c.checked_at)
+    judged = judged.cte("judged")
+    at = select(judged.c.checked_at).scalar_subquery()
+    fences = (
+        update(table)
+        .where(table.c.deployment == deployment, expiry <= at, table.c.fenced_at.is_(None))
+        .values(fenced_at=at)
+        .cte(name)
+        for table, expiry, name in (
+            (RANKS, RANKS.c.lease_expires_at, "ranks_fenced"),
+            (LEASES, LEASES.c.expires_at, "leases_fenced"),
+        )
+    )
+    return select(judged.c.checked_at).add_cte(*fences)
+
+
 async def _judge_at(connection: AsyncConnection, deployment: str, now: datetime) -> datetime:
     """Creates the deployment or moves its ``checked_at`` forward to ``max(now, checked_at)``."""
-    table = Deployment.__table__
+    table = DeploymentRow.__table__
     statement = upsert(connection, table).values(name=deployment, created_at=now, checked_at=now)
     newest = greatest(connection, table.c.checked_at, statement.excluded.checked_at)
     statement = statement.on_conflict_do_update(
@@ -281,46 +331,3 @@ async def _fence_expired(connection: AsyncConnection, deployment: str, at: datet
         )
         .values(fenced_at=at)
     )
-
-
-async def _read_peers(
-    connection: AsyncConnection, candidates: Sequence[RankRegistration], at: datetime
-) -> _Peers:
-    """In one statement: every row of the candidates' instances (live or not), and the first
-    live rank (instance, rank order) of each geometry class of each role checked against."""
-    deployment = candidates[0].deployment
-    roles = sorted({reg.role.opposite.value for reg in candidates})
-    position = func.row_number().over(
-        partition_by=(RANKS.c.role, RANKS.c.geometry_class),
-        order_by=(RANKS.c.instance, RANKS.c.rank),
-    )
-    columns = (
-        RANKS.c.instance,
-        RANKS.c.rank,
-        RANKS.c.role,
-        RANKS.c.generation,
-        RANKS.c.canonical_sha256,
-        RANKS.c.geometry_class,
-        RANKS.c.lease_expires_at,
-    )
-    live = (
-        select(*columns, position.label("position"))
-        .where(
-            RANKS.c.deployment == deployment,
-            RANKS.c.role.in_(roles),
-            RANKS.c.lease_expires_at > at,
-        )
-        .subquery()
-    )
-    own = select(*columns, literal(0).label("position")).where(
-        RANKS.c.deployment == deployment,
-        RANKS.c.instance.in_(sorted({reg.instance for reg in candidates})),
-    )
-    rows = await connection.execute(own.union_all(select(live).where(live.c.position == 1)))
-    peers = _Peers({}, {Role(role): {} for role in roles})
-    for instance, rank, role, generation, digest, geometry, expires, first in rows:
-        if first:
-            peers.firsts[Role(role)][geometry] = (instance, rank, generation)
-        else:
-            peers.rows[instance, rank] = (generation, digest, geometry, expires)
-    return peers

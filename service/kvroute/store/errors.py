@@ -2,7 +2,7 @@
 
 The HTTP layer maps them to status codes in one place: ``NotFound`` (and its ``LeaseExpired``)
 -> 404, ``Conflict`` (and its ``InvalidTransition``) -> 409. Geometry refusals are not store
-errors: ``register_rank`` re-raises ``kvroute.geometry.GeometryError`` unchanged.
+errors: admission raises ``kvroute.geometry.GeometryError`` unchanged.
 """
 
 from __future__ import annotations
@@ -22,6 +22,14 @@ class LeaseExpired(NotFound):
 
 class Conflict(StoreError):
     """The request contradicts the stored state."""
+
+    code = "conflict"
+
+
+class HeldByEngineLease(Conflict):
+    """A per-rank heartbeat for a rank an engine lease keeps: only that lease renews it."""
+
+    code = "rank_held_by_engine_lease"
 
 
 class InvalidTransition(Conflict):

@@ -9,16 +9,16 @@ failed on the next start by :func:`mark_interrupted`, since their worker threads
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import delete, select, update
 
 from kvroute import wire
 from kvroute.store.engine import SessionMaker, affected_rows, reading
 from kvroute.store.errors import InvalidTransition, NotFound
-from kvroute.store.models import JobState, TransferJob
+from kvroute.store.models import JobState, TransferJobRow
 
 INTERRUPTED = "interrupted by kvroute restart"
 
@@ -34,24 +34,14 @@ _PREDECESSORS: dict[JobState, tuple[JobState, ...]] = {
 
 @dataclass(frozen=True, slots=True)
 class NewJob:
-    """What a transfer job's row is created from: who sends what to whom, and what the plan moves."""
+    """What a transfer job's row is created from: the request as given (in ``deployment``) and
+    what its plans move."""
 
     deployment: str
-    sender: str
-    receiver: str
-    receiver_ranks: Sequence[int]
-    src_blocks: Sequence[int]
-    dst_blocks: Sequence[int]
+    request: wire.TransferRequest
     plan_fingerprint: str
     bytes_total: int
     fragments: int
-    # The request's token members, as given (None: not given).
-    tokens: tuple[int, int] | None = None
-    src_first_token: int | None = None
-    dst_first_token: int | None = None
-    src_state_slot: int | None = None
-    dst_state_slot: int | None = None
-    prompt_tokens: int | None = None
 
 
 async def create_job(
@@ -63,27 +53,22 @@ async def create_job(
     job_id: str | None = None,
 ) -> wire.TransferJob:
     """Stores ``new`` as a queued job under ``job_id`` (a fresh UUID by default) and returns it."""
-    job = TransferJob(
+    request = new.request
+    job = TransferJobRow(
         id=job_id or str(uuid.uuid4()),
         deployment=new.deployment,
-        sender=new.sender,
-        receiver=new.receiver,
-        receiver_ranks=list(new.receiver_ranks),
-        src_blocks=list(new.src_blocks),
-        dst_blocks=list(new.dst_blocks),
+        sender=request.sender,
+        receiver=request.receiver,
+        receiver_ranks=list(request.receiver_ranks),
+        src_blocks=list(request.src_blocks),
+        dst_blocks=list(request.dst_blocks),
         state=JobState.QUEUED.value,
         bytes=new.bytes_total,
         fragments=new.fragments,
         plan_fingerprint=new.plan_fingerprint,
         replica=replica,
         created_at=now,
-        tokens_start=new.tokens[0] if new.tokens else None,
-        tokens_end=new.tokens[1] if new.tokens else None,
-        src_first_token=new.src_first_token,
-        dst_first_token=new.dst_first_token,
-        src_state_slot=new.src_state_slot,
-        dst_state_slot=new.dst_state_slot,
-        prompt_tokens=new.prompt_tokens,
+        **_option_columns(request),
     )
     async with sessionmaker.begin() as session:
         session.add(job)
@@ -94,15 +79,15 @@ async def discard_job(sessionmaker: SessionMaker, job_id: str) -> None:
     """Deletes a queued job that never reached a worker (its submission was refused)."""
     async with sessionmaker.begin() as session:
         await session.execute(
-            delete(TransferJob).where(
-                TransferJob.id == job_id, TransferJob.state == JobState.QUEUED.value
+            delete(TransferJobRow).where(
+                TransferJobRow.id == job_id, TransferJobRow.state == JobState.QUEUED.value
             )
         )
 
 
 async def get_job(sessionmaker: SessionMaker, job_id: str) -> wire.TransferJob:
     async with reading(sessionmaker) as session:
-        job = await session.get(TransferJob, job_id)
+        job = await session.get(TransferJobRow, job_id)
     if job is None:
         raise NotFound(f"transfer job {job_id!r} does not exist")
     return _record(job)
@@ -130,12 +115,12 @@ async def set_state(
     async with sessionmaker.begin() as session:
         moved = await affected_rows(
             session,
-            update(TransferJob)
-            .where(TransferJob.id == job_id, TransferJob.state.in_(allowed))
+            update(TransferJobRow)
+            .where(TransferJobRow.id == job_id, TransferJobRow.state.in_(allowed))
             .values(**values)
             .execution_options(synchronize_session=False),
         )
-        job = await session.get(TransferJob, job_id, populate_existing=True)
+        job = await session.get(TransferJobRow, job_id, populate_existing=True)
     if job is None:
         raise NotFound(f"transfer job {job_id!r} does not exist")
     if moved == 0:
@@ -151,10 +136,10 @@ async def mark_interrupted(sessionmaker: SessionMaker, *, now: datetime, replica
     async with sessionmaker.begin() as session:
         return await affected_rows(
             session,
-            update(TransferJob)
+            update(TransferJobRow)
             .where(
-                TransferJob.replica == replica,
-                TransferJob.state.in_([JobState.QUEUED.value, JobState.RUNNING.value]),
+                TransferJobRow.replica == replica,
+                TransferJobRow.state.in_([JobState.QUEUED.value, JobState.RUNNING.value]),
             )
             .values(state=JobState.FAILED.value, error=INTERRUPTED, finished_at=now),
         )
@@ -166,15 +151,15 @@ async def list_jobs(
     """A deployment's newest jobs, newest first."""
     async with reading(sessionmaker) as session:
         jobs = await session.scalars(
-            select(TransferJob)
-            .where(TransferJob.deployment == deployment)
-            .order_by(TransferJob.created_at.desc(), TransferJob.id)
+            select(TransferJobRow)
+            .where(TransferJobRow.deployment == deployment)
+            .order_by(TransferJobRow.created_at.desc(), TransferJobRow.id)
             .limit(limit)
         )
         return [_record(job) for job in jobs]
 
 
-def _record(job: TransferJob) -> wire.TransferJob:
+def _record(job: TransferJobRow) -> wire.TransferJob:
     duration = None
     if job.started_at is not None and job.finished_at is not None:
         duration = (job.finished_at - job.started_at).total_seconds()
@@ -194,16 +179,26 @@ def _record(job: TransferJob) -> wire.TransferJob:
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
-        tokens=_tokens(job),
-        src_first_token=job.src_first_token,
-        dst_first_token=job.dst_first_token,
-        src_state_slot=job.src_state_slot,
-        dst_state_slot=job.dst_state_slot,
-        prompt_tokens=job.prompt_tokens,
+        **_options(job),
     )
 
 
-def _tokens(job: TransferJob) -> wire.TokenRange | None:
-    if job.tokens_start is None or job.tokens_end is None:
-        return None
-    return wire.TokenRange(start=job.tokens_start, end=job.tokens_end)
+# The request's options are columns of their own names, but for the range's two ends.
+_INTEGER_OPTIONS = tuple(name for name in wire.OPTION_NAMES if name != "tokens")
+
+
+def _option_columns(options: wire.TransferOptions) -> dict[str, int | None]:
+    tokens = options.tokens
+    return {
+        "tokens_start": None if tokens is None else tokens.start,
+        "tokens_end": None if tokens is None else tokens.end,
+        **{name: value for name, value in options.options().items() if name != "tokens"},
+    }
+
+
+def _options(job: TransferJobRow) -> dict[str, Any]:
+    """The request's options as its row holds them."""
+    tokens = None
+    if job.tokens_start is not None and job.tokens_end is not None:
+        tokens = wire.TokenRange(start=job.tokens_start, end=job.tokens_end)
+    return {"tokens": tokens, **{name: getattr(job, name) for name in _INTEGER_OPTIONS}}

@@ -11,7 +11,7 @@ from datetime import datetime
 from sqlalchemy import case, func, select
 
 from kvroute.store.engine import SessionMaker, reading
-from kvroute.store.models import Rank
+from kvroute.store.models import RankRow
 from kvroute.store.records import RankName
 
 
@@ -19,11 +19,11 @@ async def rank_counts(
     sessionmaker: SessionMaker, *, now: datetime
 ) -> dict[tuple[str, str], tuple[int, int]]:
     """(deployment, instance) -> (live, expired) ranks; an instance without ranks is absent."""
-    live = func.sum(case((Rank.lease_expires_at > now, 1), else_=0))
+    live = func.sum(case((RankRow.lease_expires_at > now, 1), else_=0))
     async with reading(sessionmaker) as session:
         rows = await session.execute(
-            select(Rank.deployment, Rank.instance, live, func.count()).group_by(
-                Rank.deployment, Rank.instance
+            select(RankRow.deployment, RankRow.instance, live, func.count()).group_by(
+                RankRow.deployment, RankRow.instance
             )
         )
         return {
@@ -40,12 +40,12 @@ async def expired_between(
     Consecutive windows report every expiry once (a rank that renews and expires again is
     reported again); a rank re-registered before a window is read is not reported.
     """
-    window = (Rank.lease_expires_at > after, Rank.lease_expires_at <= until)
+    window = (RankRow.lease_expires_at > after, RankRow.lease_expires_at <= until)
     async with reading(sessionmaker) as session:
         rows = await session.execute(
-            select(Rank.deployment, Rank.instance, Rank.rank, Rank.lease_expires_at)
+            select(RankRow.deployment, RankRow.instance, RankRow.rank, RankRow.lease_expires_at)
             .where(*window)
-            .order_by(Rank.lease_expires_at, Rank.deployment, Rank.instance, Rank.rank)
+            .order_by(RankRow.lease_expires_at, RankRow.deployment, RankRow.instance, RankRow.rank)
         )
         return [
             (RankName(deployment, instance, rank), ended)

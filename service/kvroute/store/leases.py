@@ -2,89 +2,133 @@
 
 A lease is judged at ``max(now, deployments.checked_at)`` and renewed only while it is live there
 and the rank is not fenced (``kvroute.store.admission`` fences the ranks an admission judged
-expired). On PostgreSQL that is one conditional UPDATE in autocommit mode, without the deployment
+expired). A rank kept by an engine lease is renewed only through it (``engine_leases``), so its
+expiry stays the lease's. On PostgreSQL that is one conditional UPDATE in autocommit mode, without the deployment
 lock: a heartbeat never waits for an admission elsewhere in the deployment (only for one fencing
 this very rank, which is then expired anyway). SQLite has a single writer: there the same check and
 write run in one short write transaction.
+
+Heartbeats arriving together are renewed together (``kvroute.control.renewals``): one UPDATE over
+the wave's (instance, rank, clock reading) rows and one commit, each row judged exactly as a
+statement of its own would judge it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, bindparam, func, select, update
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy import Integer, String, and_, bindparam, column, func, select, update
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from kvroute.store.engine import autocommit_connection, retry_disconnect
-from kvroute.store.models import Deployment, Rank, UTCDateTime
+from kvroute.store.models import DeploymentRow, RankRow, UTCDateTime
 
-RANKS = Rank.__table__
+RANKS = RankRow.__table__
+
+RankKey = tuple[str, int]  # instance, rank
+Renewal = tuple[str, int, datetime]  # instance, rank, the clock reading of its heartbeat
 
 
 async def renew(
     engine: AsyncEngine, deployment: str, instance: str, rank: int, now: datetime
 ) -> datetime | None:
     """The renewed expiry, or None when the rank is unknown, expired or fenced."""
+    renewed = await renew_many(engine, deployment, [(instance, rank, now)])
+    return renewed.get((instance, rank))
+
+
+async def renew_many(
+    engine: AsyncEngine, deployment: str, renewals: Sequence[Renewal]
+) -> dict[RankKey, datetime]:
+    """The renewed expiries of the renewals that took; a key left out is unknown, expired or
+    fenced. Each rank at most once per call (``Waves(distinct=...)`` sees to it)."""
     if engine.dialect.name == "postgresql":
         values = {
             "key_deployment": deployment,
-            "key_instance": instance,
-            "key_rank": rank,
-            "now": now,
+            "instances": [instance for instance, _, _ in renewals],
+            "ranks": [rank for _, rank, _ in renewals],
+            "nows": [now for _, _, now in renewals],
         }
         return await retry_disconnect(lambda: _renew_in_one_statement(engine, values))
-    key = and_(RANKS.c.deployment == deployment, RANKS.c.instance == instance, RANKS.c.rank == rank)
-    return await retry_disconnect(lambda: _renew_in_a_transaction(engine, deployment, key, now))
+    return await retry_disconnect(lambda: _renew_in_a_transaction(engine, deployment, renewals))
 
 
 def _renewal() -> Any:
-    """The heartbeat statement, built once: SQLAlchemy then reuses its compiled form."""
+    """The heartbeat statement, built once: one compiled form for every wave size, the wave's
+    rows coming from ``unnest`` of three arrays."""
+    wave = (
+        func.unnest(
+            bindparam("instances", type_=ARRAY(String())),
+            bindparam("ranks", type_=ARRAY(Integer())),
+            bindparam("nows", type_=ARRAY(UTCDateTime())),
+        )
+        .table_valued(column("instance", String()), column("rank", Integer()), column("now"))
+        .render_derived(name="wave")
+    )
     checked_at = (
-        select(Deployment.checked_at)
-        .where(Deployment.name == bindparam("key_deployment"))
+        select(DeploymentRow.checked_at)
+        .where(DeploymentRow.name == bindparam("key_deployment"))
         .scalar_subquery()
     )
-    judged = func.greatest(bindparam("now", type_=UTCDateTime()), checked_at)
+    judged = func.greatest(wave.c.now, checked_at)
     lease = func.make_interval(0, 0, 0, 0, 0, 0, RANKS.c.lease_seconds)
     return (
         update(RANKS)
         .where(
             RANKS.c.deployment == bindparam("key_deployment"),
-            RANKS.c.instance == bindparam("key_instance"),
-            RANKS.c.rank == bindparam("key_rank"),
+            RANKS.c.instance == wave.c.instance,
+            RANKS.c.rank == wave.c.rank,
             RANKS.c.fenced_at.is_(None),
+            RANKS.c.engine_lease.is_(None),
             RANKS.c.lease_expires_at > judged,
         )
         .values(lease_expires_at=judged + lease)
-        .returning(RANKS.c.lease_expires_at)
+        .returning(RANKS.c.instance, RANKS.c.rank, RANKS.c.lease_expires_at)
     )
 
 
 RENEWAL = _renewal()
 
 
-async def _renew_in_one_statement(engine: AsyncEngine, values: dict[str, Any]) -> datetime | None:
+async def _renew_in_one_statement(
+    engine: AsyncEngine, values: dict[str, Any]
+) -> dict[RankKey, datetime]:
     async with autocommit_connection(engine) as connection:
-        return (await connection.execute(RENEWAL, values)).scalar_one_or_none()
+        rows = (await connection.execute(RENEWAL, values)).all()
+    return {(instance, rank): expires for instance, rank, expires in rows}
 
 
 async def _renew_in_a_transaction(
-    engine: AsyncEngine, deployment: str, key: object, now: datetime
-) -> datetime | None:
+    engine: AsyncEngine, deployment: str, renewals: Sequence[Renewal]
+) -> dict[RankKey, datetime]:
+    renewed: dict[RankKey, datetime] = {}
     async with engine.begin() as connection:
-        row = (
-            await connection.execute(
-                select(RANKS.c.lease_seconds, RANKS.c.lease_expires_at, Deployment.checked_at)
-                .join(Deployment.__table__, Deployment.name == RANKS.c.deployment)
-                .where(key, RANKS.c.fenced_at.is_(None))
-            )
-        ).first()
-        if row is None:
-            return None
-        judged = max(now, row.checked_at)
-        if row.lease_expires_at <= judged:
-            return None
-        renewed = judged + timedelta(seconds=row.lease_seconds)
-        await connection.execute(update(RANKS).where(key).values(lease_expires_at=renewed))
-        return renewed
+        for instance, rank, now in renewals:
+            expires = await _renew_row(connection, deployment, instance, rank, now)
+            if expires is not None:
+                renewed[instance, rank] = expires
+    return renewed
+
+
+async def _renew_row(
+    connection: AsyncConnection, deployment: str, instance: str, rank: int, now: datetime
+) -> datetime | None:
+    key = and_(RANKS.c.deployment == deployment, RANKS.c.instance == instance, RANKS.c.rank == rank)
+    row = (
+        await connection.execute(
+            select(RANKS.c.lease_seconds, RANKS.c.lease_expires_at, DeploymentRow.checked_at)
+            .join(DeploymentRow.__table__, DeploymentRow.name == RANKS.c.deployment)
+            .where(key, RANKS.c.fenced_at.is_(None), RANKS.c.engine_lease.is_(None))
+        )
+    ).first()
+    if row is None:
+        return None
+    judged = max(now, row.checked_at)
+    if row.lease_expires_at <= judged:
+        return None
+    renewed = judged + timedelta(seconds=row.lease_seconds)
+    await connection.execute(update(RANKS).where(key).values(lease_expires_at=renewed))
+    return renewed

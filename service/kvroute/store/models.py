@@ -7,6 +7,11 @@ names (deployment, instance, rank) rather than surrogate ids for the same reason
 
 Every constraint is named through the MetaData naming convention, so later migrations can drop or
 alter them identically on SQLite and PostgreSQL.
+
+Each mapped class is named ``...Row``: a row of a table, whose columns the store writes and reads.
+The documents the REST API answers about the same things (``wire.Deployment``, ``wire.Instance``,
+``wire.Rank``, ``wire.Rejection``, ``wire.TransferJob``) are other shapes, built from rows and
+counts by the store, never mapped.
 """
 
 from __future__ import annotations
@@ -90,7 +95,7 @@ class Base(DeclarativeBase):
     }
 
 
-class Deployment(Base):
+class DeploymentRow(Base):
     __tablename__ = "deployments"
 
     name: Mapped[str] = mapped_column(primary_key=True)
@@ -98,9 +103,13 @@ class Deployment(Base):
     # The latest instant a registration was admitted at. Leases are judged no earlier than this, so
     # a heartbeat that arrives late cannot revive a rank that was already not a peer for that admission.
     checked_at: Mapped[datetime]
+    # The pairing policy (``geometry.domains.PairingPolicy`` as JSON); None: no policy.
+    pairing: Mapped[dict[str, Any] | None] = mapped_column(nullable=True)
+    # The revision of the deployment's latest event (``events``), moved under the deployment lock.
+    revision: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
-class Instance(Base):
+class InstanceRow(Base):
     __tablename__ = "instances"
     __table_args__ = (CheckConstraint(_in("role", ROLES), name="role"),)
 
@@ -117,7 +126,7 @@ class Instance(Base):
     created_at: Mapped[datetime]
 
 
-class Rank(Base):
+class RankRow(Base):
     __tablename__ = "ranks"
     __table_args__ = (
         ForeignKeyConstraint(
@@ -126,8 +135,12 @@ class Rank(Base):
             ondelete="CASCADE",
         ),
         CheckConstraint(_in("role", ROLES), name="role"),
-        Index(None, "deployment", "role", "lease_expires_at"),
+        # Admission: a deployment's expired ranks (the fence), and each geometry class with its
+        # first rank in a few probes whatever the deployment's size (``store.admission``).
+        Index(None, "deployment", "lease_expires_at"),
+        Index(None, "deployment", "role", "geometry_class", "instance", "rank"),
         Index(None, "lease_expires_at"),
+        Index(None, "deployment", "engine_lease"),
     )
 
     deployment: Mapped[str] = mapped_column(primary_key=True)
@@ -146,6 +159,11 @@ class Rank(Base):
     # Set by an admission that judged this rank expired: a fenced rank is never renewed by a
     # heartbeat (it was not checked against what that admission let in); it must register again.
     fenced_at: Mapped[datetime | None]
+    # The engine lease keeping this rank (``EngineLeaseRow.lease_id``), or None for a lease of its
+    # own: renewing that lease renews the rank, and its expiry is the rank's.
+    engine_lease: Mapped[str | None]
+    # The lease expiry an event last reported (``store.events.note_expiries``): each expiry once.
+    expiry_noted_at: Mapped[datetime | None]
 
     # lazy="raise": under asyncio an implicit load would be hidden blocking I/O; load with
     # selectinload. passive_deletes: the database's ON DELETE CASCADE removes the children.
@@ -194,6 +212,40 @@ class ViewRow(Base):
     layers: Mapped[list[Any]]
 
 
+class EngineLeaseRow(Base):
+    """One lease for many ranks (an engine's process group), etcd's model: renewing it renews every
+    rank attached to it, and its expiry is theirs. Fenced like a rank by an admission that judged it
+    expired; its id is never handed out again, so an expired lease cannot come back."""
+
+    __tablename__ = "engine_leases"
+    # By deployment and expiry: admission fences a deployment's expired leases without reading
+    # its live ones.
+    __table_args__ = (Index(None, "expires_at"), Index(None, "deployment", "expires_at"))
+
+    deployment: Mapped[str] = mapped_column(primary_key=True)
+    lease_id: Mapped[str] = mapped_column(primary_key=True)
+    lease_seconds: Mapped[int]
+    granted_at: Mapped[datetime]
+    expires_at: Mapped[datetime]
+    fenced_at: Mapped[datetime | None]
+
+
+class Event(Base):
+    """One change of a deployment, numbered by its revision (``kvroute.store.events``)."""
+
+    __tablename__ = "events"
+
+    deployment: Mapped[str] = mapped_column(primary_key=True)
+    revision: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    at: Mapped[datetime]
+    kind: Mapped[str] = mapped_column(String(32))
+    instance: Mapped[str | None]
+    rank: Mapped[int | None]
+    generation: Mapped[int | None] = mapped_column(BigInteger)
+    # none_as_null: an event without data is SQL NULL, not the JSON literal null.
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+
+
 class Generation(Base):
     """The last generation handed to each rank identity; outlives the rank row on purpose.
 
@@ -209,7 +261,7 @@ class Generation(Base):
     generation: Mapped[int] = mapped_column(BigInteger)
 
 
-class Rejection(Base):
+class RejectionRow(Base):
     __tablename__ = "rejections"
     __table_args__ = (Index(None, "at"),)
 
@@ -226,7 +278,7 @@ class Rejection(Base):
     problem: Mapped[dict[str, Any]]
 
 
-class TransferJob(Base):
+class TransferJobRow(Base):
     __tablename__ = "transfer_jobs"
     __table_args__ = (
         CheckConstraint(_in("state", tuple(JobState)), name="state"),
@@ -252,7 +304,7 @@ class TransferJob(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     error: Mapped[str | None] = mapped_column(Text)
-    # The request's token members as it gave them (None: not given); see TransferRequest.
+    # The request's options as it gave them (None: not given): wire.TransferOptions.
     tokens_start: Mapped[int | None] = mapped_column(BigInteger)
     tokens_end: Mapped[int | None] = mapped_column(BigInteger)
     src_first_token: Mapped[int | None] = mapped_column(BigInteger)

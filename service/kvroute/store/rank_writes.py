@@ -1,29 +1,60 @@
 """Writing admitted ranks: a whole batch of admissions in a fixed number of statements.
 
-The caller holds the deployment lock and has checked every rank. Each kind of write (lease
-renewals, instance rows, generation counters, rank rows, their pools and views) is one
-``executemany``, so a batch of sixteen admissions costs the round trips of one.
+The caller holds the deployment lock and has checked every rank. On PostgreSQL the new documents of
+a batch (generation counters, instance rows, rank rows, their pools and views) are one statement of
+data-modifying CTEs over ``unnest``ed arrays (``bulk``): one round trip, one prepared text whatever
+the batch size. SQLite, where statements cost no round trip, runs each kind of write as one
+``executemany``. Either way a batch of sixteen admissions costs the statements of one.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, delete, func, insert, select, tuple_, update
+from sqlalchemy import (
+    BigInteger,
+    and_,
+    bindparam,
+    delete,
+    func,
+    insert,
+    literal,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from kvroute.geometry import RankRegistration
+from kvroute.store import bulk
 from kvroute.store import ranks as repo
-from kvroute.store.models import Generation, Instance, PoolRow, Rank, ViewRow
+from kvroute.store.engine_leases import LeaseTerms, own_terms
+from kvroute.store.models import Generation, InstanceRow, PoolRow, RankRow, ViewRow
 from kvroute.store.records import RegisterOutcome
 
-RANKS = Rank.__table__
-INSTANCES = Instance.__table__
+RANKS = RankRow.__table__
+INSTANCES = InstanceRow.__table__
 GENERATIONS = Generation.__table__
+POOLS = PoolRow.__table__
+VIEWS = ViewRow.__table__
+KEY = ("deployment", "instance", "rank")
+LAYOUT = ("role", "tp_size", "pp_size", "cp_size", "attention_dp", "dp_size")
+RANK_VALUES = (
+    "role",
+    "lease_seconds",
+    "lease_expires_at",
+    "engine_lease",
+    "registered_at",
+    "document",
+    "canonical_sha256",
+    "geometry_class",
+    "fenced_at",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,31 +69,44 @@ async def write_admitted(
     connection: AsyncConnection,
     admitted: Sequence[tuple[RankRegistration, Existing | None]],
     at: datetime,
+    terms: Sequence[LeaseTerms] | None = None,
 ) -> list[RegisterOutcome]:
-    """Stores checked ranks (in order); an identical document only renews its lease."""
+    """Stores checked ranks (in order) under their lease terms (default: each its own lease from
+    ``at``); an identical document only renews its lease (and attaches it to the engine lease it
+    names, or detaches it)."""
+    if terms is None:
+        terms = [own_terms(reg, at) for reg, _ in admitted]
     renewed = [
         old is not None and old.canonical_sha256 == reg.canonical_digest for reg, old in admitted
     ]
-    changed = [pair for pair, same in zip(admitted, renewed, strict=True) if not same]
+    changed = [
+        (reg, old, term)
+        for (reg, old), term, same in zip(admitted, terms, renewed, strict=True)
+        if not same
+    ]
     await _renew(
-        connection, [reg for (reg, _), same in zip(admitted, renewed, strict=True) if same], at
+        connection,
+        [
+            (reg, term)
+            for (reg, _), term, same in zip(admitted, terms, renewed, strict=True)
+            if same
+        ],
     )
-    generations = await _next_generations(connection, [reg for reg, _ in changed])
+    generations: dict[tuple[str, int], int] = {}
     if changed:
-        await _upsert_instances(connection, [reg for reg, _ in changed], at)
-        await _store_ranks(connection, changed, generations, at)
+        await _delete_replaced(connection, [reg for reg, old, _ in changed if old is not None])
+        generations = await _store(connection, changed, at)
     outcomes = []
-    for (reg, old), same in zip(admitted, renewed, strict=True):
-        expires = at + timedelta(seconds=reg.lease_seconds)
+    for (reg, old), term, same in zip(admitted, terms, renewed, strict=True):
         generation = old.generation if same and old else generations[reg.key]
-        outcomes.append(RegisterOutcome(generation, expires, created=old is None))
+        outcomes.append(RegisterOutcome(generation, term.expires_at, created=old is None))
     return outcomes
 
 
 async def _renew(
-    connection: AsyncConnection, regs: Sequence[RankRegistration], at: datetime
+    connection: AsyncConnection, renewals: Sequence[tuple[RankRegistration, LeaseTerms]]
 ) -> None:
-    if not regs:
+    if not renewals:
         return
     statement = (
         update(RANKS)
@@ -71,15 +115,126 @@ async def _renew(
             RANKS.c.instance == bindparam("key_instance"),
             RANKS.c.rank == bindparam("key_rank"),
         )
-        .values(lease_expires_at=bindparam("expires"), fenced_at=None)
+        .values(
+            lease_expires_at=bindparam("expires"),
+            lease_seconds=bindparam("seconds"),
+            engine_lease=bindparam("lease"),
+            fenced_at=None,
+        )
     )
     await connection.execute(
         statement,
         [
-            {**_key(reg, "key_"), "expires": at + timedelta(seconds=reg.lease_seconds)}
-            for reg in regs
+            {
+                **_key(reg, "key_"),
+                "expires": term.expires_at,
+                "seconds": term.lease_seconds,
+                "lease": term.engine_lease,
+            }
+            for reg, term in renewals
         ],
     )
+
+
+async def _store(
+    connection: AsyncConnection,
+    changed: Sequence[tuple[RankRegistration, Existing | None, LeaseTerms]],
+    at: datetime,
+) -> dict[tuple[str, int], int]:
+    """Stores the new documents (their old rows already deleted); returns their generations."""
+    documents = {reg.key: reg.to_json() for reg, _, _ in changed}
+    ranks = [
+        {**_key(reg), **_rank_values(reg, documents[reg.key], term, at)} for reg, _, term in changed
+    ]
+    pools = [
+        repo.pool_row(_key(reg), pool)
+        for reg, _, _ in changed
+        for pool in documents[reg.key]["pools"]
+    ]
+    views = [
+        repo.view_row(_key(reg), view)
+        for reg, _, _ in changed
+        for view in documents[reg.key]["views"]
+    ]
+    regs = [reg for reg, _, _ in changed]
+    instances = _instance_rows(regs, at)
+    if connection.dialect.name == "postgresql":
+        return await _store_in_one_statement(connection, regs, instances, ranks, pools, views)
+    generations = await _next_generations(connection, regs)
+    await _upsert_instances(connection, instances)
+    for row in ranks:
+        row["generation"] = generations[row["instance"], row["rank"]]
+    await connection.execute(insert(RANKS), ranks)
+    if pools:
+        await connection.execute(insert(POOLS), pools)
+    if views:
+        await connection.execute(insert(VIEWS), views)
+    return generations
+
+
+async def _store_in_one_statement(
+    connection: AsyncConnection,
+    regs: Sequence[RankRegistration],
+    instances: Sequence[dict[str, Any]],
+    ranks: Sequence[dict[str, Any]],
+    pools: Sequence[dict[str, Any]],
+    views: Sequence[dict[str, Any]],
+) -> dict[tuple[str, int], int]:
+    values = {
+        **bulk.arrays(GENERATIONS, [_key(reg) for reg in regs], KEY, "counted"),
+        **bulk.arrays(INSTANCES, instances, INSTANCE_COLUMNS, "instance_rows"),
+        **bulk.arrays(RANKS, ranks, RANK_COLUMNS, "rank_rows"),
+        **bulk.arrays(POOLS, pools, POOL_COLUMNS, "pool_rows"),
+        **bulk.arrays(VIEWS, views, VIEW_COLUMNS, "view_rows"),
+    }
+    rows = await connection.execute(_storing_statement(), values)
+    return {(instance, rank): generation for instance, rank, generation in rows}
+
+
+INSTANCE_COLUMNS = ("deployment", "name", "created_at", *LAYOUT)
+RANK_COLUMNS = (*KEY, *RANK_VALUES)
+POOL_COLUMNS = tuple(column.name for column in POOLS.c)
+VIEW_COLUMNS = tuple(column.name for column in VIEWS.c)
+
+
+@functools.cache
+def _storing_statement() -> Any:
+    """PostgreSQL: each rank's generation counted up (numbers are never reused, not even after a
+    delete), its instance created or re-stated, its row, pools and views inserted; returns
+    (instance, rank, generation) per rank. Built once: its text fits every batch size."""
+    counted = bulk.unnest_rows(GENERATIONS, KEY, "counted")
+    counter = postgresql.insert(GENERATIONS).from_select(
+        [*KEY, "generation"], select(*counted.c, literal(1, BigInteger()))
+    )
+    following = counter.on_conflict_do_update(
+        index_elements=[GENERATIONS.c[name] for name in KEY],
+        set_={"generation": GENERATIONS.c.generation + 1},
+    ).returning(GENERATIONS.c.instance, GENERATIONS.c.rank, GENERATIONS.c.generation)
+    following = following.cte("following")
+    instances = bulk.unnest_rows(INSTANCES, INSTANCE_COLUMNS, "instance_rows")
+    restated = postgresql.insert(INSTANCES).from_select(
+        INSTANCE_COLUMNS, select(*bulk.values(INSTANCES, instances, INSTANCE_COLUMNS))
+    )
+    restated = restated.on_conflict_do_update(
+        index_elements=[INSTANCES.c.deployment, INSTANCES.c.name],
+        set_={name: restated.excluded[name] for name in LAYOUT},
+    )
+    rows = bulk.unnest_rows(RANKS, RANK_COLUMNS, "rank_rows")
+    ranks = bulk.values(RANKS, rows, RANK_COLUMNS)
+    numbered = select(*ranks, following.c.generation).join_from(
+        rows,
+        following,
+        and_(following.c.instance == rows.c.instance, following.c.rank == rows.c.rank),
+    )
+    writes = (
+        restated.cte("instances_written"),
+        insert(RANKS)
+        .from_select([*KEY, *RANK_VALUES, "generation"], numbered)
+        .cte("ranks_written"),
+        bulk.insert_rows(POOLS, POOL_COLUMNS, "pool_rows").cte("pools_written"),
+        bulk.insert_rows(VIEWS, VIEW_COLUMNS, "view_rows").cte("views_written"),
+    )
+    return select(following.c.instance, following.c.rank, following.c.generation).add_cte(*writes)
 
 
 async def _next_generations(
@@ -107,65 +262,48 @@ async def _next_generations(
     return following
 
 
-async def _upsert_instances(
-    connection: AsyncConnection, regs: Sequence[RankRegistration], at: datetime
-) -> None:
-    """Creates the instances or re-states their layouts (the checks agreed with every member)."""
-    layouts = {reg.instance: _layout(reg) for reg in regs}  # one row per instance, the last wins
+async def _upsert_instances(connection: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
     statement = upsert(connection, INSTANCES)
     await connection.execute(
         statement.on_conflict_do_update(
             index_elements=[INSTANCES.c.deployment, INSTANCES.c.name],
-            set_={name: statement.excluded[name] for name in next(iter(layouts.values()))},
+            set_={name: statement.excluded[name] for name in LAYOUT},
         ),
-        [
-            {"deployment": regs[0].deployment, "name": name, "created_at": at, **layout}
-            for name, layout in layouts.items()
-        ],
+        rows,
     )
 
 
-async def _store_ranks(
-    connection: AsyncConnection,
-    changed: Sequence[tuple[RankRegistration, Existing | None]],
-    generations: dict[tuple[str, int], int],
-    at: datetime,
-) -> None:
-    documents = {reg.key: reg.to_json() for reg, _ in changed}
-    rows = [
-        {**_key(reg), **_rank_values(reg, documents[reg.key], generations[reg.key], at)}
-        for reg, _ in changed
+def _instance_rows(regs: Sequence[RankRegistration], at: datetime) -> list[dict[str, Any]]:
+    """Creates the instances or re-states their layouts (the checks agreed with every member):
+    one row per instance, the last of its ranks wins."""
+    layouts = {reg.instance: _layout(reg) for reg in regs}
+    return [
+        {"deployment": regs[0].deployment, "name": name, "created_at": at, **layout}
+        for name, layout in layouts.items()
     ]
-    replaced = [reg for reg, old in changed if old is not None]
+
+
+async def _delete_replaced(
+    connection: AsyncConnection, replaced: Sequence[RankRegistration]
+) -> None:
+    """Rows about to be written again; their pools and views go with them (ON DELETE CASCADE)."""
     if replaced:
         keys = [(reg.deployment, reg.instance, reg.rank) for reg in replaced]
-        # Pools and views go with their rank row (ON DELETE CASCADE).
         await connection.execute(
             delete(RANKS).where(
                 tuple_(RANKS.c.deployment, RANKS.c.instance, RANKS.c.rank).in_(keys)
             )
         )
-    await connection.execute(insert(RANKS), rows)
-    pools = [
-        repo.pool_row(_key(reg), pool) for reg, _ in changed for pool in documents[reg.key]["pools"]
-    ]
-    views = [
-        repo.view_row(_key(reg), view) for reg, _ in changed for view in documents[reg.key]["views"]
-    ]
-    if pools:
-        await connection.execute(insert(PoolRow.__table__), pools)
-    if views:
-        await connection.execute(insert(ViewRow.__table__), views)
 
 
 def _rank_values(
-    reg: RankRegistration, document: dict[str, Any], generation: int, at: datetime
+    reg: RankRegistration, document: dict[str, Any], term: LeaseTerms, at: datetime
 ) -> dict[str, Any]:
     return {
         "role": reg.role.value,
-        "generation": generation,
-        "lease_seconds": reg.lease_seconds,
-        "lease_expires_at": at + timedelta(seconds=reg.lease_seconds),
+        "lease_seconds": term.lease_seconds,
+        "lease_expires_at": term.expires_at,
+        "engine_lease": term.engine_lease,
         "registered_at": at,
         "document": document,
         "canonical_sha256": reg.canonical_digest,

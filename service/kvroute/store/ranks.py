@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import delete, exists, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from kvroute.store.models import Instance, Rank
+from kvroute.store.models import InstanceRow, RankRow
 
 
 async def lock_deployment(session: AsyncSession, deployment: str) -> None:
@@ -72,6 +72,8 @@ def view_row(key: dict[str, Any], view: dict[str, Any]) -> dict[str, Any]:
 async def delete_empty_instances(session: AsyncSession, deployment: str) -> None:
     """Instances exist through their ranks; one whose last rank is gone disappears with it."""
     has_rank = exists().where(
-        Rank.deployment == Instance.deployment, Rank.instance == Instance.name
+        RankRow.deployment == InstanceRow.deployment, RankRow.instance == InstanceRow.name
     )
-    await session.execute(delete(Instance).where(Instance.deployment == deployment, ~has_rank))
+    await session.execute(
+        delete(InstanceRow).where(InstanceRow.deployment == deployment, ~has_rank)
+    )

@@ -36,3 +36,14 @@ class RankName:
 
     def __str__(self) -> str:
         return f"{self.deployment}/{self.instance} rank {self.rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """A lease and the ranks it keeps (``(instance, rank)``, in order)."""
+
+    deployment: str
+    lease_id: str
+    lease_seconds: int
+    lease_expires_at: datetime
+    ranks: tuple[tuple[str, int], ...]

@@ -20,10 +20,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from kvroute.geometry import RankRegistration
 from kvroute.store.engine import SessionMaker, autocommit_connection, engine_of, retry_disconnect
 from kvroute.store.errors import Conflict
-from kvroute.store.models import Rank
+from kvroute.store.models import RankRow
 
 RankAt = tuple[str, int, int]  # instance, rank, generation
 DEFAULT_SIZE = 16_384  # a 1,024-rank fleet twice over, with room for re-registrations
+# Keys per documents query: PostgreSQL refuses a row-value IN list of a whole 8,192-rank
+# deployment ("stack depth limit exceeded"), which a cold replica's matrix would send.
+READ_CHUNK = 512
 
 
 class RegistrationMoved(Conflict):
@@ -75,17 +78,27 @@ class RegistrationCache:
     ) -> dict[tuple[str, int], dict[str, Any]]:
         if not wanted:
             return {}
-        query = select(Rank.instance, Rank.rank, Rank.document).where(
-            Rank.deployment == deployment,
-            tuple_(Rank.instance, Rank.rank, Rank.generation).in_(wanted),
-        )
+        queries = [
+            select(RankRow.instance, RankRow.rank, RankRow.document).where(
+                RankRow.deployment == deployment,
+                tuple_(RankRow.instance, RankRow.rank, RankRow.generation).in_(
+                    wanted[start : start + READ_CHUNK]
+                ),
+            )
+            for start in range(0, len(wanted), READ_CHUNK)
+        ]
+
+        async def read_on(on: AsyncConnection) -> list[Row[Any]]:
+            # Chunks may see different snapshots: harmless, every key names its generation.
+            return [row for query in queries for row in (await on.execute(query)).all()]
+
         if connection is not None:
-            rows = (await connection.execute(query)).all()
+            rows = await read_on(connection)
         else:
 
             async def read() -> Sequence[Row[Any]]:
                 async with autocommit_connection(engine_of(self._sessionmaker)) as own:
-                    return (await own.execute(query)).all()
+                    return await read_on(own)
 
             rows = await retry_disconnect(read)
         return {(instance, rank): document for instance, rank, document in rows}
@@ -94,9 +107,14 @@ class RegistrationCache:
 def _parse_all(
     deployment: str, wanted: Sequence[RankAt], documents: Mapping[tuple[str, int], Any]
 ) -> list[RankRegistration]:
-    return [
+    parsed = [
         RankRegistration.from_json(
             documents[instance, rank], deployment=deployment, instance=instance, rank=rank
         )
         for instance, rank, _ in wanted
     ]
+    for reg in parsed:
+        # Every reader asks for the class (admission, the matrix): digest it here, off the event
+        # loop, rather than on first use (a cold replica's matrix would digest 8,192 on the loop).
+        _ = reg.class_digest
+    return parsed

@@ -1,32 +1,32 @@
-"""The registration service: every unit of work on the rank registry, one transaction each.
+"""The rank registry's units of work, one transaction each (admission itself: ``admission``).
 
-Handlers call these functions with the app's sessionmaker; the functions own their transactions
-and return plain records (``kvroute.store.records``). Two rules make the registry safe to run as
+``kvroute.control`` calls these with the app's sessionmaker (``Registry`` the writes, ``Inventory``
+the reads); the functions own their transactions and return plain records
+(``kvroute.store.records``, ``kvroute.wire``). Two rules make the registry safe to run as
 several kvroute processes over one database:
 
 * Writers of a deployment serialize on a database lock (``ranks.lock_deployment``) before reading
   the peers they check against, so two incompatible ranks registering at once cannot both pass.
 * Only live ranks are peers, and an expired rank never comes back through a heartbeat: while it was
   expired an incompatible rank may have been admitted, so it must register again and be checked.
-  Leases are judged no earlier than the deployment's latest admission (``Deployment.checked_at``),
+  Leases are judged no earlier than the deployment's latest admission (``DeploymentRow.checked_at``),
   so a late heartbeat carrying an older clock reading cannot slip under that rule either.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from sqlalchemy import ColumnElement, case, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute
 
 from kvroute import wire
-from kvroute.geometry import GeometryError, RankRegistration
-from kvroute.geometry.classes import VerdictMemo
-from kvroute.store import leases
+from kvroute.geometry import GeometryError
+from kvroute.store import events, leases
 from kvroute.store import ranks as repo
-from kvroute.store.admission import admit
 from kvroute.store.engine import (
     SessionMaker,
     affected_rows,
@@ -34,10 +34,9 @@ from kvroute.store.engine import (
     engine_of,
     reading,
 )
-from kvroute.store.errors import LeaseExpired, NotFound
-from kvroute.store.models import Deployment, Instance, Rank
-from kvroute.store.records import RankName, RegisterOutcome, lease_state
-from kvroute.store.registrations import RegistrationCache
+from kvroute.store.errors import HeldByEngineLease, LeaseExpired, NotFound
+from kvroute.store.models import DeploymentRow, InstanceRow, RankRow
+from kvroute.store.records import RankName, lease_state
 from kvroute.store.rejections import (
     DEFAULT_LOG_SIZE,
     insert_rejection,
@@ -46,44 +45,6 @@ from kvroute.store.rejections import (
 )
 
 INSTANCE_SUMMARY_FIELDS = tuple(field.name for field in dataclasses.fields(wire.InstanceSummary))
-
-
-async def register_rank(
-    sessionmaker: SessionMaker,
-    reg: RankRegistration,
-    *,
-    now: datetime,
-    rejection_log_size: int = DEFAULT_LOG_SIZE,
-    registrations: RegistrationCache | None = None,
-    verdicts: VerdictMemo | None = None,
-) -> RegisterOutcome:
-    """Admits, renews or re-registers a rank, or refuses it without changing any registry row.
-
-    An identical document keeps its generation and only renews the lease; a changed document gets
-    the next generation; a rank without a row is created (a first registration gets generation 1,
-    one registering again after a delete continues its old sequence). A refusal raises the
-    ``GeometryError`` after recording it in the bounded rejection log. ``registrations`` and
-    ``verdicts`` are the process's caches (see ``kvroute.store.admission``); fresh ones by default.
-    """
-    try:
-        return await admit(
-            sessionmaker,
-            reg,
-            now=now,
-            registrations=registrations or RegistrationCache(sessionmaker),
-            verdicts={} if verdicts is None else verdicts,
-        )
-    except GeometryError as error:
-        await record_rejection(
-            sessionmaker,
-            error,
-            deployment=reg.deployment,
-            instance=reg.instance,
-            rank=reg.rank,
-            now=now,
-            keep=rejection_log_size,
-        )
-        raise
 
 
 async def record_rejection(
@@ -96,7 +57,7 @@ async def record_rejection(
     now: datetime,
     keep: int = DEFAULT_LOG_SIZE,
 ) -> None:
-    """Logs a refusal in its own transaction (also for refusals found before ``register_rank``)."""
+    """Logs a refusal in its own transaction."""
     async with sessionmaker.begin() as session:
         await insert_rejection(
             session, error, deployment=deployment, instance=instance, rank=rank, at=now
@@ -123,19 +84,36 @@ async def heartbeat(
     and ``LeaseExpired`` (a ``NotFound``) for an expired or fenced one, whatever the grace period:
     the worker must register again.
     """
-    engine = engine_of(sessionmaker)
-    renewed = await leases.renew(engine, deployment, instance, rank, now)
+    renewed = await leases.renew(engine_of(sessionmaker), deployment, instance, rank, now)
     if renewed is not None:
         return renewed
-    async with autocommit_connection(engine) as connection:
-        found = await connection.scalar(
-            select(Rank.lease_expires_at).where(
-                Rank.deployment == deployment, Rank.instance == instance, Rank.rank == rank
+    raise await heartbeat_refusal(sessionmaker, deployment, instance, rank, now=now)
+
+
+async def heartbeat_refusal(
+    sessionmaker: SessionMaker, deployment: str, instance: str, rank: int, *, now: datetime
+) -> NotFound | HeldByEngineLease:
+    """Why a renewal did not take: the rank is unknown (``NotFound``), its lease ended
+    (``LeaseExpired``), or an engine lease keeps it (``HeldByEngineLease``)."""
+    async with autocommit_connection(engine_of(sessionmaker)) as connection:
+        row = (
+            await connection.execute(
+                select(RankRow.lease_expires_at, RankRow.engine_lease, RankRow.fenced_at).where(
+                    RankRow.deployment == deployment,
+                    RankRow.instance == instance,
+                    RankRow.rank == rank,
+                )
             )
+        ).first()
+    if row is None:
+        return NotFound(f"rank {rank} of instance {instance!r} in {deployment!r} is not registered")
+    found = row.lease_expires_at
+    if row.engine_lease is not None and row.fenced_at is None and found > now:
+        return HeldByEngineLease(
+            f"rank {rank} of instance {instance!r} in {deployment!r} is kept by engine lease "
+            f"{row.engine_lease!r}; renew that lease instead"
         )
-    if found is None:
-        raise NotFound(f"rank {rank} of instance {instance!r} in {deployment!r} is not registered")
-    raise LeaseExpired(
+    return LeaseExpired(
         f"the lease of rank {rank} of instance {instance!r} in {deployment!r} expired at "
         f"{found.isoformat()}; register the rank again"
     )
@@ -145,7 +123,7 @@ async def get_rank(
     sessionmaker: SessionMaker, deployment: str, instance: str, rank: int, *, now: datetime
 ) -> wire.Rank:
     async with reading(sessionmaker) as session:
-        row = await session.get(Rank, (deployment, instance, rank))
+        row = await session.get(RankRow, (deployment, instance, rank))
     if row is None:
         raise NotFound(f"rank {rank} of instance {instance!r} in {deployment!r} is not registered")
     return wire.Rank(
@@ -163,40 +141,64 @@ async def get_rank(
 
 
 async def delete_rank(
-    sessionmaker: SessionMaker, deployment: str, instance: str, rank: int
+    sessionmaker: SessionMaker,
+    deployment: str,
+    instance: str,
+    rank: int,
+    *,
+    now: datetime | None = None,
 ) -> None:
     """Removes a rank (its pools and views cascade); an instance left without ranks goes too."""
     async with sessionmaker.begin() as session:
         await repo.lock_deployment(session, deployment)
-        deleted = await affected_rows(
-            session,
-            delete(Rank).where(
-                Rank.deployment == deployment, Rank.instance == instance, Rank.rank == rank
-            ),
+        deleted = await session.scalar(
+            delete(RankRow)
+            .where(
+                RankRow.deployment == deployment, RankRow.instance == instance, RankRow.rank == rank
+            )
+            .returning(RankRow.generation)
         )
-        if deleted == 0:
+        if deleted is None:
             raise NotFound(
                 f"rank {rank} of instance {instance!r} in {deployment!r} is not registered"
             )
         await repo.delete_empty_instances(session, deployment)
+        changes = events.rank_changes("rank_deleted", [(instance, rank, deleted)], reason="deleted")
+        await events.append(await session.connection(), deployment, changes, now or _now())
 
 
-async def delete_instance(sessionmaker: SessionMaker, deployment: str, instance: str) -> None:
+async def delete_instance(
+    sessionmaker: SessionMaker, deployment: str, instance: str, *, now: datetime | None = None
+) -> None:
     """Removes an instance with all its ranks, pools and views."""
     async with sessionmaker.begin() as session:
         await repo.lock_deployment(session, deployment)
+        ranks = await session.execute(
+            select(RankRow.rank, RankRow.generation)
+            .where(RankRow.deployment == deployment, RankRow.instance == instance)
+            .order_by(RankRow.rank)
+        )
+        gone = [(instance, rank, generation) for rank, generation in ranks]
         deleted = await affected_rows(
             session,
-            delete(Instance).where(Instance.deployment == deployment, Instance.name == instance),
+            delete(InstanceRow).where(
+                InstanceRow.deployment == deployment, InstanceRow.name == instance
+            ),
         )
         if deleted == 0:
             raise NotFound(f"instance {instance!r} of deployment {deployment!r} does not exist")
+        changes = events.rank_changes("rank_deleted", gone, reason="instance_deleted")
+        await events.append(await session.connection(), deployment, changes, now or _now())
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
 
 
 async def count_live_ranks(sessionmaker: SessionMaker, *, now: datetime) -> int:
     async with reading(sessionmaker) as session:
         count = await session.scalar(
-            select(func.count()).select_from(Rank).where(Rank.lease_expires_at > now)
+            select(func.count()).select_from(RankRow).where(RankRow.lease_expires_at > now)
         )
     return count or 0
 
@@ -213,18 +215,23 @@ async def reap_expired(
     async with reading(sessionmaker) as session:
         deployments = list(
             await session.scalars(
-                select(Rank.deployment).where(Rank.lease_expires_at < cutoff).distinct()
+                select(RankRow.deployment).where(RankRow.lease_expires_at < cutoff).distinct()
             )
         )
     reaped: list[RankName] = []
     for deployment in sorted(deployments):
         async with sessionmaker.begin() as session:
             await repo.lock_deployment(session, deployment)
-            doomed = (Rank.deployment == deployment, Rank.lease_expires_at < cutoff)
-            rows = await session.execute(select(Rank.instance, Rank.rank).where(*doomed))
-            reaped += sorted(RankName(deployment, instance, rank) for instance, rank in rows)
-            await session.execute(delete(Rank).where(*doomed))
+            doomed = (RankRow.deployment == deployment, RankRow.lease_expires_at < cutoff)
+            rows = await session.execute(
+                select(RankRow.instance, RankRow.rank, RankRow.generation).where(*doomed)
+            )
+            gone = sorted((instance, rank, generation) for instance, rank, generation in rows)
+            reaped += [RankName(deployment, instance, rank) for instance, rank, _ in gone]
+            await session.execute(delete(RankRow).where(*doomed))
             await repo.delete_empty_instances(session, deployment)
+            changes = events.rank_changes("rank_deleted", gone, reason="reaped")
+            await events.append(await session.connection(), deployment, changes, now)
     return reaped
 
 
@@ -233,12 +240,14 @@ async def list_deployments(
 ) -> list[wire.DeploymentSummary]:
     """Every deployment with its instance count and live/expired rank counts, by name."""
     async with reading(sessionmaker) as session:
-        deployments = list(await session.scalars(select(Deployment).order_by(Deployment.name)))
+        deployments = list(
+            await session.scalars(select(DeploymentRow).order_by(DeploymentRow.name))
+        )
         instances = await session.execute(
-            select(Instance.deployment, func.count()).group_by(Instance.deployment)
+            select(InstanceRow.deployment, func.count()).group_by(InstanceRow.deployment)
         )
         per_deployment: dict[str, int] = {name: count for name, count in instances}
-        counts = await _rank_counts(session, now, Rank.deployment)
+        counts = await _rank_counts(session, now, RankRow.deployment)
     return [
         wire.DeploymentSummary(
             name=row.name,
@@ -256,7 +265,7 @@ async def get_deployment(
 ) -> wire.Deployment:
     """A deployment with a summary (role, layout, rank counts) of each of its instances."""
     async with reading(sessionmaker) as session:
-        row = await session.get(Deployment, name)
+        row = await session.get(DeploymentRow, name)
         if row is None:
             raise NotFound(f"deployment {name!r} does not exist")
         instances = await _instance_summaries(session, name, now)
@@ -266,14 +275,21 @@ async def get_deployment(
         live_ranks=sum(item.live_ranks for item in instances),
         expired_ranks=sum(item.expired_ranks for item in instances),
         instances=tuple(instances),
+        pairing=_pairing(row.pairing),
     )
+
+
+def _pairing(stored: dict[str, Any] | None) -> wire.Pairing | None:
+    if stored is None:
+        return None
+    return wire.Pairing(require=tuple(stored["require"]), prefer=tuple(stored["prefer"]))
 
 
 async def list_instances(
     sessionmaker: SessionMaker, deployment: str, *, now: datetime
 ) -> list[wire.InstanceSummary]:
     async with reading(sessionmaker) as session:
-        if await session.get(Deployment, deployment) is None:
+        if await session.get(DeploymentRow, deployment) is None:
             raise NotFound(f"deployment {deployment!r} does not exist")
         return await _instance_summaries(session, deployment, now)
 
@@ -283,14 +299,14 @@ async def get_instance(
 ) -> wire.Instance:
     """An instance's layout and each of its ranks with generation and lease state."""
     async with reading(sessionmaker) as session:
-        row = await session.get(Instance, (deployment, instance))
+        row = await session.get(InstanceRow, (deployment, instance))
         if row is None:
             raise NotFound(f"instance {instance!r} of deployment {deployment!r} does not exist")
         ranks = list(
             await session.scalars(
-                select(Rank)
-                .where(Rank.deployment == deployment, Rank.instance == instance)
-                .order_by(Rank.rank)
+                select(RankRow)
+                .where(RankRow.deployment == deployment, RankRow.instance == instance)
+                .order_by(RankRow.rank)
             )
         )
     summaries = tuple(
@@ -317,13 +333,13 @@ async def _instance_summaries(
     session: AsyncSession, deployment: str, now: datetime
 ) -> list[wire.InstanceSummary]:
     rows = await session.scalars(
-        select(Instance).where(Instance.deployment == deployment).order_by(Instance.name)
+        select(InstanceRow).where(InstanceRow.deployment == deployment).order_by(InstanceRow.name)
     )
-    counts = await _rank_counts(session, now, Rank.instance, Rank.deployment == deployment)
+    counts = await _rank_counts(session, now, RankRow.instance, RankRow.deployment == deployment)
     return [_instance_summary(row, *counts.get(row.name, (0, 0))) for row in rows]
 
 
-def _instance_summary(row: Instance, live: int, expired: int) -> wire.InstanceSummary:
+def _instance_summary(row: InstanceRow, live: int, expired: int) -> wire.InstanceSummary:
     return wire.InstanceSummary(
         name=row.name,
         role=row.role,
@@ -334,6 +350,7 @@ def _instance_summary(row: Instance, live: int, expired: int) -> wire.InstanceSu
         created_at=row.created_at,
         live_ranks=live,
         expired_ranks=expired,
+        cp_size=row.cp_size,
     )
 
 
@@ -344,6 +361,6 @@ async def _rank_counts(
     *where: ColumnElement[bool],
 ) -> dict[str, tuple[int, int]]:
     """(live, expired) rank counts grouped by ``key``."""
-    live = func.sum(case((Rank.lease_expires_at > now, 1), else_=0))
+    live = func.sum(case((RankRow.lease_expires_at > now, 1), else_=0))
     rows = await session.execute(select(key, live, func.count()).where(*where).group_by(key))
     return {name: (int(alive), total - int(alive)) for name, alive, total in rows}

@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from kvroute import wire
 from kvroute.geometry import GeometryError
-from kvroute.store.models import Rejection
+from kvroute.store.models import RejectionRow
 
 DEFAULT_LOG_SIZE = 1000
 
@@ -28,7 +28,7 @@ async def insert_rejection(
     at: datetime,
 ) -> None:
     session.add(
-        Rejection(
+        RejectionRow(
             at=at,
             deployment=deployment,
             instance=instance,
@@ -46,14 +46,14 @@ async def insert_rejection(
 async def trim_rejections(session: AsyncSession, keep: int) -> None:
     """Deletes all but the ``keep`` newest entries (ids grow with insertion order)."""
     oldest_kept = (
-        select(Rejection.id).order_by(Rejection.id.desc()).offset(keep - 1).limit(1)
+        select(RejectionRow.id).order_by(RejectionRow.id.desc()).offset(keep - 1).limit(1)
     ).scalar_subquery()
-    await session.execute(delete(Rejection).where(Rejection.id < oldest_kept))
+    await session.execute(delete(RejectionRow).where(RejectionRow.id < oldest_kept))
 
 
 async def select_rejections(session: AsyncSession, limit: int) -> list[wire.Rejection]:
     """The newest ``limit`` entries, newest first."""
-    rows = await session.scalars(select(Rejection).order_by(Rejection.id.desc()).limit(limit))
+    rows = await session.scalars(select(RejectionRow).order_by(RejectionRow.id.desc()).limit(limit))
     return [
         wire.Rejection(
             id=row.id,
