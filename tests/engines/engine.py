@@ -24,6 +24,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.engines import vllm_world as world
+from tests.world import true_heads
 
 LAYERS, HEAD_SIZE, NUM_BLOCKS = 2, 32, 24
 init_none_hash(sha256)
@@ -31,14 +32,6 @@ init_none_hash(sha256)
 
 def layer_name(index: int) -> str:
     return f"model.layers.{index}.self_attn.attn"
-
-
-def heads_of(rank: int, tp: int, total: int) -> list[int]:
-    """Global KV heads of a TP rank (vLLM's split; replicas past ``total``)."""
-    if tp <= total:
-        per = total // tp
-        return list(range(rank * per, (rank + 1) * per))
-    return [rank * total // tp]
 
 
 def pattern(layer: int, heads: list[int], tokens: torch.Tensor, marker: int = 0) -> torch.Tensor:
@@ -142,7 +135,7 @@ class Engine:
         blocks = torch.tensor(block_ids)[tokens // self.block_size]
         slots = tokens % self.block_size
         for rank, rank_caches in enumerate(self.caches):
-            heads = heads_of(rank, self.tp, self.total_heads)
+            heads = true_heads(self.total_heads, self.tp, rank)
             for index in range(LAYERS):
                 rank_caches[layer_name(index)][blocks, :, slots, :] = pattern(
                     index, heads, tokens, marker

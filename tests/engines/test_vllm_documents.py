@@ -3,33 +3,28 @@
 Every ``KVCacheConfig`` comes from vLLM's planner or is built from vLLM's classes, and every tensor
 from vLLM's ``allocate_kv_cache``; the expected numbers are written out by hand from the model
 dimensions (heads per rank, page bytes, strides), never computed by the code under test.
+
+vLLM (and the connector, which imports it) is imported by the tests and fixtures that use it, not
+at module level: importing it takes tens of seconds, and under pytest-xdist every worker collects
+every module, while only the worker running these tests needs it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.model_executor.layers.mamba import mamba_utils
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)
 
-from kvroute.engines.vllm import KvrouteConnector
-from kvroute.engines.vllm.layout import attention_layout
-from kvroute.engines.vllm.worker import rank_cache
-from kvroute.geometry import Kind
-from tests.engines import vllm_world as world
+from kvroute.geometry import Kind, RankRegistration
 
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+# vLLM's planner and allocator on CPU, after importing vLLM (tens of seconds on its own).
+pytestmark = pytest.mark.slow
 EXTRA = {"url": "http://127.0.0.1:9", "deployment": "llama", "instance": "prefill0"}
 
 
@@ -38,13 +33,23 @@ def attn(name: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def world() -> ModuleType:
+    """``tests.engines.vllm_world``: vLLM's own objects on CPU (importing it imports vLLM)."""
+    from tests.engines import vllm_world
+
+    return vllm_world
+
+
+@pytest.fixture(scope="module")
+def llama(world: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 KV heads, head size 32, 2 layers."""
     root = tmp_path_factory.mktemp("models")
     return world.model_dir(root, "llama", num_key_value_heads=4, num_hidden_layers=2, head_dim=32)
 
 
 def dense(heads: int, *, block: int = 16, window: int | None = None) -> FullAttentionSpec:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
     return FullAttentionSpec(
         block_size=block,
         num_kv_heads=heads,
@@ -55,13 +60,18 @@ def dense(heads: int, *, block: int = 16, window: int | None = None) -> FullAtte
 
 
 def derive(config, specs, blocks: int = 12):
+    from kvroute.engines.vllm.worker import rank_cache
+    from tests.engines import vllm_world as world
+
     kv_cache_config = world.cache_config(config, specs, blocks)
     caches = world.allocate(config, kv_cache_config)
     return rank_cache(config, kv_cache_config, caches), caches
 
 
 @pytest.mark.parametrize(("tp", "per_rank"), [(1, 4), (2, 2), (4, 1), (8, 1)])
-def test_dense_gqa_heads_per_rank_at_each_tp(llama: Path, tp: int, per_rank: int) -> None:
+def test_dense_gqa_heads_per_rank_at_each_tp(
+    world: ModuleType, llama: Path, tp: int, per_rank: int
+) -> None:
     """4 KV heads: TP 1, 2, 4 split them; TP 8 > 4 heads holds one (replicated) head per rank."""
     config = world.vllm_config(llama, tp_size=tp, rank=tp - 1, extra=EXTRA)
     cache, caches = derive(config, {attn(i): dense(per_rank) for i in range(2)})
@@ -87,8 +97,10 @@ def test_dense_gqa_heads_per_rank_at_each_tp(llama: Path, tp: int, per_rank: int
     assert caches[attn(1)].data_ptr() == base + page
 
 
-def test_layer_outermost_token_major_layout(llama: Path) -> None:
+def test_layer_outermost_token_major_layout(world: ModuleType, llama: Path) -> None:
     """LBNHC (vLLM's default): each layer is its own region, token-major: one pool per layer."""
+    from kvroute.engines.vllm.layout import attention_layout
+
     config = world.vllm_config(llama, tp_size=2, layout="LBNHC", extra=EXTRA)
     cache, caches = derive(config, {attn(i): dense(2) for i in range(2)})
     assert caches[attn(0)].stride() == (2048, 64, 128, 1)  # [B, H, N, C]: N over H
@@ -106,15 +118,26 @@ def test_layer_outermost_token_major_layout(llama: Path) -> None:
 
 def test_older_layout_with_a_leading_kv_dimension_is_detected() -> None:
     """[blocks, 2, heads, tokens, head]: K then V in each block, two buffers per layer."""
+    from kvroute.engines.vllm.layout import attention_layout
+
     tensor = torch.zeros(4, 2, 2, 16, 32, dtype=torch.float16)
     assert attention_layout(tensor, "x") == (Kind.HND, 2)
     with pytest.raises(ValueError, match="neither"):
         attention_layout(tensor.permute(1, 0, 2, 3, 4), "x")
 
 
-def test_sliding_window_layers(llama: Path) -> None:
+def test_sliding_window_layers(world: ModuleType, llama: Path) -> None:
     """Hybrid allocator off: vLLM merges the group's spec (window 64) and keeps every token's
     blocks, so all tokens move; a SlidingWindowSpec group (blocks of the window only) keeps it."""
+    from vllm.v1.kv_cache_interface import (
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        SlidingWindowSpec,
+    )
+
+    from kvroute.engines.vllm.worker import rank_cache
+
     config = world.vllm_config(llama, extra=EXTRA)
     specs = {attn(0): dense(4), attn(1): dense(4, window=64)}
     kv_cache_config = world.cache_config(config, specs, 12)
@@ -145,7 +168,9 @@ def test_sliding_window_layers(llama: Path) -> None:
     assert cache.group_views == {0: {0}, 1: {1}}
 
 
-def test_mla_latent_is_one_replicated_view(tmp_path: Path) -> None:
+def test_mla_latent_is_one_replicated_view(world: ModuleType, tmp_path: Path) -> None:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
     model = world.model_dir(
         tmp_path, "mla", num_key_value_heads=1, num_hidden_layers=2, head_dim=32
     )
@@ -162,8 +187,17 @@ def test_mla_latent_is_one_replicated_view(tmp_path: Path) -> None:
     assert "num_kv_heads" not in view
 
 
-def test_a_draft_layer_lives_in_the_draft_namespace(llama: Path) -> None:
+def test_a_draft_layer_lives_in_the_draft_namespace(world: ModuleType, llama: Path) -> None:
     """An Eagle draft layer (vLLM numbers it after the target's) registers as draft layer 0."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    from kvroute.engines.vllm.worker import rank_cache
+
     config = world.vllm_config(llama, tp_size=2, extra=EXTRA)
     specs = {attn(0): dense(2), attn(1): dense(2)}
     specs[attn(2)] = FullAttentionSpec(
@@ -202,9 +236,16 @@ def _per_layer(specs):
     return UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=specs)
 
 
-def test_mamba_hybrid_state_beside_attention(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mamba_hybrid_state_beside_attention(
+    world: ModuleType, llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Mamba2 at TP2: 8 heads x 16 head_dim, 1 group x d_state 16, d_conv 4. Per rank the conv
     state holds x = 64 channels and B = C = 8, each 3 columns (DS layout), then the SSM state."""
+    from vllm.model_executor.layers.mamba import mamba_utils
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec
+
+    from kvroute.engines.vllm.worker import rank_cache
+
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     mamba_utils.get_conv_state_layout.cache_clear()
     config = world.vllm_config(llama, tp_size=2, extra=EXTRA)
@@ -239,7 +280,12 @@ def test_mamba_hybrid_state_beside_attention(llama: Path, monkeypatch: pytest.Mo
     assert cache.state_groups == {1}
 
 
-def test_mamba_conv_state_token_major_is_refused(llama: Path) -> None:
+def test_mamba_conv_state_token_major_is_refused(world: ModuleType, llama: Path) -> None:
+    from vllm.model_executor.layers.mamba import mamba_utils
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec
+
+    from kvroute.engines.vllm.worker import rank_cache
+
     mamba_utils.get_conv_state_layout.cache_clear()
     config = world.vllm_config(llama, extra=EXTRA)
     mamba = MambaSpec(block_size=16, shapes=((3, 80), (4, 16, 16)), dtypes=(torch.float16,) * 2)
@@ -260,15 +306,23 @@ def test_mamba_conv_state_token_major_is_refused(llama: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kv_role", "role", "kvroute_role"),
+    ("kv_role", "role_name", "kvroute_role"),
     [
-        ("kv_producer", KVConnectorRole.SCHEDULER, "context"),
-        ("kv_producer", KVConnectorRole.WORKER, "context"),
-        ("kv_consumer", KVConnectorRole.SCHEDULER, "generation"),
-        ("kv_consumer", KVConnectorRole.WORKER, "generation"),
+        ("kv_producer", "SCHEDULER", "context"),
+        ("kv_producer", "WORKER", "context"),
+        ("kv_consumer", "SCHEDULER", "generation"),
+        ("kv_consumer", "WORKER", "generation"),
     ],
 )
-def test_loaded_through_vllms_factory(llama: Path, kv_role, role, kvroute_role) -> None:
+def test_loaded_through_vllms_factory(
+    world: ModuleType, llama: Path, kv_role: str, role_name: str, kvroute_role: str
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvroute.engines.vllm import KvrouteConnector
+
+    role = KVConnectorRole[role_name]
     config = world.vllm_config(llama, role=kv_role, extra=EXTRA)
     kv_cache_config = world.cache_config(config, {attn(i): dense(4) for i in range(2)}, 12)
     connector = KVConnectorFactory.create_connector(config, role, kv_cache_config)
@@ -278,7 +332,42 @@ def test_loaded_through_vllms_factory(llama: Path, kv_role, role, kvroute_role) 
     assert KvrouteConnector.get_required_kvcache_layout(config) == "BLHNC"
 
 
-def test_a_connector_without_kvroute_settings_does_not_start(llama: Path) -> None:
+def test_a_connector_without_kvroute_settings_does_not_start(
+    world: ModuleType, llama: Path
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
     config = world.vllm_config(llama, extra={"url": "http://127.0.0.1:9"})
     with pytest.raises(ValueError, match="deployment"):
         KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, None)
+
+
+def test_identity_and_topology_from_the_extra_config_enter_the_registration(
+    world: ModuleType, llama: Path
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    members = {
+        "model": {"name": "meta-llama/Llama-3.1-8B", "revision": "945c8663"},
+        "kv_quantization": {"kv_dtype": "fp16"},
+        "topology": {"zone": "a", "rack": "r1"},
+    }
+    config = world.vllm_config(llama, role="kv_producer", extra={**EXTRA, **members})
+    kv_cache_config = world.cache_config(config, {attn(i): dense(4) for i in range(2)}, 12)
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    assert connector.settings.registration_members() == members
+    cache, _ = derive(config, {attn(i): dense(4) for i in range(2)})
+    document = {**cache.document, **connector.settings.registration_members()}
+    reg = RankRegistration.from_json(document, deployment="llama", instance="prefill0", rank=0)
+    assert reg.model is not None
+    assert reg.model.revision == "945c8663"
+    assert dict(reg.topology) == members["topology"]
+    # Without them the document is what it was (older kvroute servers refuse unknown members).
+    plain = KVConnectorFactory.create_connector(
+        world.vllm_config(llama, role="kv_producer", extra=EXTRA),
+        KVConnectorRole.WORKER,
+        kv_cache_config,
+    )
+    assert plain.settings.registration_members() == {}

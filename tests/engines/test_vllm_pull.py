@@ -6,6 +6,10 @@ carries it; the consumer's scheduler asks its connector, the connector's workers
 kvroute's plan over NIXL (UCX on loopback, host memory), and every pulled byte is checked against
 the pattern: TP2 -> TP1 with 16- and 32-token blocks, TP3 -> TP2 with 6 KV heads, a prefix-cache
 hit that moves only the suffix, and a pull from a producer whose NIXL agent is gone.
+
+vLLM (and the connector and ``tests.engines.engine``, which import it) is imported by the tests and
+helpers that use it, not at module level: only the pytest-xdist worker running these tests pays for
+it, not every worker collecting them.
 """
 
 from __future__ import annotations
@@ -14,24 +18,19 @@ import multiprocessing
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 pytest.importorskip("nixl._api", reason="nixl is not installed")
 
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import RequestStatus
-
-from kvroute.engines.vllm import RegistrationRefused
 from tests.client.live import WORKER_TOKEN, LiveServer, live_server_in
 from tests.engines import vllm_producer
-from tests.engines.engine import Engine, heads_of, layer_name, pattern
-from tests.engines.vllm_world import allocate, cache_config, model_dir, vllm_config
+from tests.world import true_heads
+
+if TYPE_CHECKING:
+    from tests.engines.engine import Engine
 
 pytestmark = pytest.mark.slow
 REPLY_S = 240.0  # the producer process imports vLLM first (tens of seconds on a loaded machine)
@@ -81,6 +80,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer
 
 def consumer(world: Any, deployment: str, instance: str, *, tp: int, heads: int, block_size: int,
              model: dict[str, Any]) -> Engine:  # fmt: skip
+    from tests.engines.engine import Engine
+    from tests.engines.vllm_world import model_dir
+
     server, _, root = world
     extra = {"url": server.url, "token": WORKER_TOKEN, "deployment": deployment,
              "instance": instance, "pull_timeout_s": 5}  # fmt: skip
@@ -98,6 +100,8 @@ def llama4_consumer(world: Any) -> Iterator[Engine]:
 
 def pull(engine: Engine, request_id: str, tokens: list[int], params: dict) -> tuple[Any, set[int]]:
     """Schedules the handed-over request and polls every worker until its load ended."""
+    from vllm.v1.request import RequestStatus
+
     request = engine.request(request_id, tokens, params)
     output = engine.step()
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -115,10 +119,12 @@ def pull(engine: Engine, request_id: str, tokens: list[int], params: dict) -> tu
 
 
 def expect(engine: Engine, request_id: str, positions: range, marker: int = 0) -> None:
+    from tests.engines.engine import pattern
+
     blocks = engine.block_ids(request_id)
     tokens = torch.tensor(list(positions))
     for rank in range(engine.tp):
-        heads = heads_of(rank, engine.tp, engine.total_heads)
+        heads = true_heads(engine.total_heads, engine.tp, rank)
         for layer, got in enumerate(engine.read(rank, blocks, positions)):
             assert torch.equal(got, pattern(layer, heads, tokens, marker)), (rank, layer)
 
@@ -126,6 +132,8 @@ def expect(engine: Engine, request_id: str, positions: range, marker: int = 0) -
 def test_tp2_producer_to_tp1_consumer_with_larger_blocks(
     world: Any, llama4_consumer: Engine
 ) -> None:
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
     _, producers, _ = world
     tokens = list(range(100, 140))
     tag, _, params = producers.ask("prefill", "p-tp2", "prefill-1", tokens)
@@ -153,6 +161,8 @@ def test_tp2_producer_to_tp1_consumer_with_larger_blocks(
 def test_a_prefix_cache_hit_on_the_consumer_moves_only_the_suffix(
     world: Any, llama4_consumer: Engine
 ) -> None:
+    from vllm.v1.request import RequestStatus
+
     _, producers, _ = world
     prefix = list(range(500, 532))  # one consumer block of 32 tokens
     local = llama4_consumer.request("local-2", [*prefix, 999], None)
@@ -197,6 +207,14 @@ def test_a_pull_from_a_producer_that_is_gone_is_a_load_error(
 
 def test_a_refused_pairing_stops_start_up_with_the_refusal(world: Any) -> None:
     """A consumer whose KV heads are 64 wide (the producers' are 32) never starts."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvroute.engines.vllm import RegistrationRefused
+    from tests.engines.engine import layer_name
+    from tests.engines.vllm_world import allocate, cache_config, model_dir, vllm_config
+
     server, _, root = world
     extra = {"url": server.url, "token": WORKER_TOKEN, "deployment": "llama4",
              "instance": "d-wide"}  # fmt: skip

@@ -185,6 +185,7 @@ def layouts(draw: st.DrawFn) -> str:
     return f"tp={tp},pp={pp},dp={dp},tpb={tpb},dtype={dtype}"
 
 
+@pytest.mark.slow
 @settings(
     max_examples=EXAMPLES,
     deadline=None,

@@ -6,10 +6,10 @@
 ``preflight`` admits two instances' documents as a fresh deployment would and plans them.
 """
 
-from kvroute.engines.models.config import ModelSpec, UnsupportedConfig, model_spec
+from kvroute.engines.models.config import ModelSpec, model_spec
 from kvroute.engines.models.documents import rank_documents
+from kvroute.engines.models.errors import UnsupportedConfig, UnsupportedLayout
 from kvroute.engines.models.layout import Layout, LayoutError, parse_layout
-from kvroute.engines.models.mamba import UnsupportedLayout
 from kvroute.engines.models.preflight import Instance, Verdict, admit, describe, summary
 from kvroute.engines.models.source import load_config, normalize, read_json
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvroute.engines.models.errors import UnsupportedConfig
 from kvroute.engines.models.mamba import MambaSpec, mamba_spec
 from kvroute.geometry.limits import MAX_LAYERS
 
@@ -34,15 +35,6 @@ DTYPE_NAMES: Mapping[str, str] = {
     "float32": "float32",
 }
 INDEX_SCALE_BLOCK = 128  # the indexer stores one float32 scale per 128 fp8 values of a key
-
-
-class UnsupportedConfig(ValueError):
-    """A config kvroute cannot describe: the key and the reason."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"{key}: {reason}")
-        self.key = key
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvroute.client.pools import DEFAULT_ALIGNMENT, KvLayout, PoolDescription, align
-from kvroute.engines.models.config import ModelSpec, UnsupportedConfig
+from kvroute.engines.models.config import ModelSpec
+from kvroute.engines.models.errors import UnsupportedConfig
 from kvroute.engines.models.layout import Layout, LayoutError, kv_dtype
 from kvroute.geometry import DTYPE_BITS, Kind, Owner
 from kvroute.geometry.builder import LayerSpec, build_views

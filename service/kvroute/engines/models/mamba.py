@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvroute.client.hybrid import MambaLayout, mamba2
+from kvroute.engines.models.errors import UnsupportedConfig, UnsupportedLayout
 
 PATTERN_KINDS: Mapping[str, str] = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 # ``layers_block_type`` spellings: transformers 5 writes Nemotron-H's Mamba2 blocks as
@@ -25,15 +26,6 @@ BLOCK_TYPES: Mapping[str, str] = {
     "linear_attention": "mamba",
     "full_attention": "attention",
 }
-
-
-class UnsupportedLayout(ValueError):
-    """A parallel layout the model cannot run with (the key of the config and the reason)."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"{key}: {reason}")
-        self.key = key
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +65,6 @@ class MambaSpec:
 
 
 def _positive(lm: Mapping[str, Any], key: str) -> int:
-    from kvroute.engines.models.config import UnsupportedConfig
-
     value = lm.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UnsupportedConfig(key, "is required" if value is None else f"got {value!r}")
@@ -83,8 +73,6 @@ def _positive(lm: Mapping[str, Any], key: str) -> int:
 
 def block_kinds(lm: Mapping[str, Any], num_layers: int) -> list[str] | None:
     """Each block's kind (mamba, attention, mlp, moe), or None for a model without Mamba."""
-    from kvroute.engines.models.config import UnsupportedConfig
-
     pattern = lm.get("hybrid_override_pattern")
     if isinstance(pattern, str):
         if len(pattern) != num_layers:

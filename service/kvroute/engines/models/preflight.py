@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvroute.client.nixl_descs import PoolAddress, plan_descriptors
@@ -144,13 +144,11 @@ def nixl_descriptors_per_block(
     Rounded up where a period holds several receiver blocks."""
     src_tpb, dst_tpb = senders[0].tokens_per_block, receiver.tokens_per_block
     period = math.lcm(src_tpb, dst_tpb)
-    doc = plan.to_json(period=src_tpb != dst_tpb)
-    for peer in doc["peers"]:
-        peer.pop("states", None)
+    stateless = replace(plan, peers=tuple(replace(peer, states=()) for peer in plan.peers))
     src_count, dst_count = period // src_tpb, period // dst_tpb
     ranged = {"tokens": (0, period), "src_first_token": 0, "dst_first_token": 0}
     transfer = plan_descriptors(
-        doc,
+        stateless,
         receiver_pools=_addresses(receiver, 1),
         sender_pools={reg.rank: _addresses(reg, 2 + reg.rank) for reg in senders},
         src_blocks=[2 * block for block in range(src_count)],

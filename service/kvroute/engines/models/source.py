@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvroute.engines.models.config import UnsupportedConfig
+from kvroute.engines.models.errors import UnsupportedConfig
 
 
 def read_json(path: Path) -> dict[str, Any]:

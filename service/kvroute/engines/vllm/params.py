@@ -13,6 +13,7 @@ from typing import Any
 
 ROLES = {"kv_producer": "context", "kv_consumer": "generation"}
 DONE_PREFIX = "kvroute-done"  # NIXL notification a consumer rank sends each producer rank
+PASSED_MEMBERS = ("model", "kv_quantization", "topology")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,9 @@ class Settings:
     pull_timeout_s: float = 30.0  # a pull still running after this is a load error
     send_timeout_s: float = 120.0  # a producer frees blocks no consumer pulled after this
     kv_cache_layout: str | None = "BLHNC"  # asked of vLLM: one pool, all layers of a block together
+    # Registration members passed through as given (kvroute checks them): the model's identity
+    # ("model": {"name", "revision", ...}), its KV quantization and the engine's topology domains.
+    members: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def from_config(cls, kv_role: str, extra: Mapping[str, Any]) -> Settings:
@@ -54,7 +58,13 @@ class Settings:
             pull_timeout_s=float(extra.get("pull_timeout_s", 30.0)),
             send_timeout_s=float(extra.get("send_timeout_s", 120.0)),
             kv_cache_layout=extra.get("kv_cache_layout", "BLHNC"),
+            members=tuple((key, extra[key]) for key in PASSED_MEMBERS if extra.get(key)),
         )
+
+    def registration_members(self) -> dict[str, Any]:
+        """What the rank's registration document gains from the configuration (only what is set:
+        older kvroute servers refuse unknown members)."""
+        return {key: value for key, value in self.members}
 
     @property
     def producer(self) -> bool:

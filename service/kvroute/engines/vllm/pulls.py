@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvroute.client import KvrouteClient
@@ -24,6 +24,7 @@ from kvroute.client.nixl_transport import (
     pool_addresses,
 )
 from kvroute.engines.vllm.params import Handover, done_message
+from kvroute.geometry import Plan
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Load:
 class _Producer:
     """A producer instance as this rank knows it: its plan, rank documents and NIXL agents."""
 
-    plan: dict[str, Any]
+    plan: Plan
     documents: dict[int, Mapping[str, Any]]
     agents: dict[int, str]
 
@@ -158,7 +159,7 @@ class Pulls:
             receiver_rank=self.rank,
             period=True,
         )
-        plan = answer.document
+        plan = answer.plan
         ranks = sorted(answer.sender_generations)  # every producer rank, sending or not
         documents = {r: self.client.get_rank(self.deployment, instance, r).document for r in ranks}
         agents = {}
@@ -171,9 +172,9 @@ class Pulls:
         self.producers[instance] = producer
         return producer
 
-    def _descriptors(self, plan: dict[str, Any], load: Load) -> NixlTransfer:
+    def _descriptors(self, plan: Plan, load: Load) -> NixlTransfer:
         """One transfer: each KV cache group's views with that group's block lists."""
-        senders = [int(peer["rank"]) for peer in plan["peers"] if peer["sends"]]
+        senders = [peer.rank for peer in plan.peers if peer.sends]
         producer = self.producers[load.handover.instance]
         sender_pools = {rank: pool_addresses(producer.documents[rank]) for rank in senders}
         parts = []
@@ -198,18 +199,21 @@ class Pulls:
                     **kwargs,
                 )
             )
-        return _merged(parts, int(plan["expected_writers"]))
+        return _merged(parts, plan.expected_writers)
 
 
-def _only_views(plan: Mapping[str, Any], views: set[int]) -> dict[str, Any]:
-    """The plan restricted to the view pairs (and states) landing in ``views``."""
-    peers = []
-    for peer in plan["peers"]:
-        kept = dict(peer)
-        kept["views"] = [v for v in peer.get("views", []) if int(v["dst_view"]) in views]
-        kept["states"] = [s for s in peer.get("states", []) if int(s["dst_view"]) in views]
-        peers.append(kept)
-    return {**plan, "peers": peers}
+def _only_views(plan: Plan, views: set[int]) -> Plan:
+    """The plan restricted to the view pairs (and states) landing in ``views``; a rank left with
+    none sends nothing here (the whole plan's writers still notify, ``_merged``)."""
+    peers = tuple(
+        replace(
+            peer,
+            views=tuple(view for view in peer.views if view.dst_view in views),
+            states=tuple(state for state in peer.states if state.dst_view in views),
+        )
+        for peer in plan.peers
+    )
+    return replace(plan, peers=peers)
 
 
 def _merged(parts: Sequence[NixlTransfer], writers: int) -> NixlTransfer:

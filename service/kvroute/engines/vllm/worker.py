@@ -148,6 +148,7 @@ class Worker:
         self.endpoint.register(backing)
         document = {
             **cache.document,
+            **settings.registration_members(),
             "role": settings.role,
             "nixl_agent_metadata": self.endpoint.metadata,
         }
