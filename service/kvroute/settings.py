@@ -40,7 +40,10 @@ MIN_TOKEN_LENGTH = 16
 TOOLING_VARIABLES = frozenset(
     {
         "KVROUTE_TEST_POSTGRES_URL",  # the test suite's PostgreSQL database
+        "KVROUTE_TEST_WORKERS",  # scripts/test.sh: pytest-xdist workers
         "KVROUTE_PROPERTY_EXAMPLES",  # the test suite's Hypothesis example count
+        "KVROUTE_CP_PROPERTY_EXAMPLES",  # the same, for the context-parallel property tests
+        "KVROUTE_BENCH_POSTGRES_URL",  # bench/: the benchmarks' PostgreSQL database
     }
 )
 
@@ -70,6 +73,10 @@ class Settings(BaseSettings):
     rejection_log_size: int = Field(default=1000, ge=1, le=1_000_000)
     log_format: Literal["json", "console"] = "json"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    event_loop: Literal["uvloop", "asyncio"] = Field(
+        default="uvloop",
+        description="the server's event loop: uvloop (less CPU per request) or asyncio's own",
+    )
     readiness_timeout_seconds: float = Field(default=2.0, gt=0, le=60)
     # How long shutdown waits for in-flight requests after readiness flipped to 503.
     shutdown_timeout_seconds: float = Field(default=30.0, gt=0, le=600)

@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from tests.api.conftest import ADMIN, WORKER, rank_path, register
 from tests.api.documents import rank_document
 
-REAPER_WAIT_SECONDS = 5.0
+REAPER_WAIT_SECONDS = 30.0  # bounds a failing run only: a passing one waits for the round
+
+
+class RoundEnd(logging.Handler):
+    """Set by the reaper round's last act, its "reaped" line: the rank's 404 alone came before
+    the round updated the metrics, and a /metrics read in between still saw the instance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("reaped "):
+            self._seen.set()
+
+    async def wait(self) -> None:
+        await self._seen.wait()
 
 
 async def _state(client, instance: str, rank: int) -> str:
@@ -47,13 +64,16 @@ async def test_expired_rank_cannot_heartbeat_and_must_reregister(client, clock):
 async def test_reaper_removes_expired_ranks_after_grace(make_client, caplog, clock):
     caplog.set_level("INFO", logger="kvroute.api.lifecycle")
     client = await make_client(lease_grace_seconds=10, reaper_interval_seconds=0.05, clock=clock)
-    await register(client, "ctx0", 0, rank_document(lease_seconds=1))
-    clock.advance(12)  # past the lease and the grace period after it
-    async with asyncio.timeout(REAPER_WAIT_SECONDS):
-        while True:
-            if (await client.get(rank_path("ctx0", 0), headers=ADMIN)).status == 404:
-                break
-            await asyncio.sleep(0.1)
+    reaped = RoundEnd()
+    logging.getLogger("kvroute.api.lifecycle").addHandler(reaped)
+    try:
+        await register(client, "ctx0", 0, rank_document(lease_seconds=1))
+        clock.advance(12)  # past the lease and the grace period after it
+        async with asyncio.timeout(REAPER_WAIT_SECONDS):
+            await reaped.wait()
+    finally:
+        logging.getLogger("kvroute.api.lifecycle").removeHandler(reaped)
+    assert (await client.get(rank_path("ctx0", 0), headers=ADMIN)).status == 404
     text = await (await client.get("/metrics")).text()
     # The instance is gone with its last rank, and so are its series; the expiry was counted.
     assert 'instance="ctx0"' not in text

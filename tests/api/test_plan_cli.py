@@ -59,6 +59,22 @@ def test_local_plan_as_json_names_the_options(documents, capsys) -> None:
     assert [peer["rank"] for peer in plan["peers"] if peer["sends"]] == [2, 3]
 
 
+def test_a_zigzag_sender_is_planned_for_the_prompt_length_given(tmp_path, capsys) -> None:
+    senders = []
+    for cp_rank in range(2):
+        document = rank_document()
+        document.update(cp_size=2, cp_rank=cp_rank, cp_layout="zigzag")
+        senders.append(str(_write(tmp_path / f"ctx{cp_rank}.json", document)))
+    receiver = str(_write(tmp_path / "gen.json", rank_document(role="generation")))
+    args = ["plan", "--sender-doc", *senders, "--receiver-doc", receiver, "--format", "json"]
+    assert main(args) == 1
+    assert "prompt_tokens_required" in capsys.readouterr().err
+    assert main([*args, "--prompt-tokens", "10"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["prompt_tokens"] == 10
+    assert [peer["rank"] for peer in plan["peers"] if peer["sends"]] == [0, 1]
+
+
 def test_incompatible_documents_are_refused_with_the_field(tmp_path, capsys) -> None:
     sender = _write(tmp_path / "ctx.json", rank_document(head_dim=16))
     receiver = _write(tmp_path / "gen.json", rank_document(role="generation", head_dim=32))

@@ -7,6 +7,7 @@ heads and one draft layer of 1 head, so generation rank 0 hears from context ran
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from collections import Counter
 from typing import Any
 
 from aiohttp import web
@@ -322,3 +323,49 @@ async def test_different_block_sizes_plan_by_period_over_http(client: Client) ->
     assert document["fanin_bounce_safe"] is False
     text = await (await fetch(client, format="text")).text()
     assert "period view 0: 16 tokens = 4 sender blocks of 4 -> 1 receiver blocks of 16" in text
+
+
+async def test_a_zigzag_context_plan_is_built_per_prompt_length(client: Client) -> None:
+    for cp_rank in range(2):
+        document = rank_document(num_draft_layers=1)
+        document.update(cp_size=2, cp_rank=cp_rank, cp_layout="zigzag")
+        assert (await register(client, "ctx0", cp_rank, document))[0] == 201
+    generation = rank_document(role="generation", num_draft_layers=1)
+    assert (await register(client, "gen0", 0, generation))[0] == 201
+    instance = await client.get("/v1/deployments/llama/instances/ctx0", headers=ADMIN)
+    assert (await instance.json())["cp_size"] == 2
+    listed = await client.get("/v1/deployments/llama/instances", headers=ADMIN)
+    assert {i["name"]: i["cp_size"] for i in (await listed.json())["instances"]} == {
+        "ctx0": 2,
+        "gen0": 1,
+    }
+    missing = await fetch(client, 0)
+    assert missing.status == 422
+    problem = await missing.json()
+    assert (problem["code"], problem["field"], problem["local"], problem["peer"]) == (
+        "prompt_tokens_required",
+        "prompt_tokens",
+        None,
+        "zigzag",
+    )
+    bodies = {}
+    for prompt in (9, 10, 9):
+        response = await fetch(client, 0, prompt_tokens=str(prompt))
+        assert response.status == 200, await response.text()
+        bodies.setdefault(prompt, []).append(await response.json())
+    assert bodies[9][0] == bodies[9][1]  # cached per prompt length
+    assert bodies[9][0]["fingerprint"] != bodies[10][0]["fingerprint"]
+    for prompt, (body, *_) in bodies.items():
+        assert body["prompt_tokens"] == prompt
+        views = [v for peer in body["peers"] for v in peer["views"]]
+        # Every prompt token once, from the CP rank holding it.
+        held = sorted(
+            t
+            for v in views
+            if v["dst_view"] == 0
+            for f in v["period_fragments"]
+            for t in range(f[5], f[5] + f[6])
+        )
+        assert set(held) == set(range(prompt))
+        assert len(set(Counter(held).values())) == 1  # each token in every moved row once
+        assert {v["src_cp"]["layout"] for v in views} == {"zigzag"}

@@ -68,11 +68,11 @@ async def test_self_inconsistent_view_is_422(client):
     }
 
 
-async def test_prefill_context_parallel_chunks_are_refused_as_not_planned(client):
-    document = rank_document()
+async def test_prefill_context_parallel_chunks_on_a_generation_rank_are_refused(client):
+    document = rank_document(role="generation")
     document["cp_size"] = 2
     document["cp_layout"] = "zigzag"
-    problem = await _refused(client, "ctx0", 0, document)
+    problem = await _refused(client, "gen0", 0, document)
     assert (problem["status"], problem["code"], problem["field"]) == (
         422,
         "context_parallel_layout_unsupported",

@@ -104,19 +104,21 @@ async def _worker(
             await asyncio.sleep(rng.uniform(0.5, 1.5))  # long enough for a 1 s lease to end
 
 
-async def _matrix(session: aiohttp.ClientSession, base: str) -> list[dict[str, Any]]:
-    async with session.get(f"{base}/v1/deployments/{DEPLOYMENT}/compatibility") as response:
+async def _matrix(
+    session: aiohttp.ClientSession, base: str, deployment: str = DEPLOYMENT
+) -> list[dict[str, Any]]:
+    async with session.get(f"{base}/v1/deployments/{deployment}/compatibility") as response:
         if response.status == 404:
             return []  # the deployment's first rank has not registered yet
         assert response.status == 200
         return list((await response.json())["pairs"])
 
 
-async def _watch(session: aiohttp.ClientSession, base: str) -> int:
+async def _watch(session: aiohttp.ClientSession, base: str, deployment: str = DEPLOYMENT) -> int:
     """Reads the matrix during the churn; returns how many it read."""
     deadline, reads = time.monotonic() + RUN_SECONDS, 0
     while time.monotonic() < deadline:
-        pairs = await _matrix(session, base)
+        pairs = await _matrix(session, base, deployment)
         assert not [p for p in pairs if p["status"] == "incompatible"], pairs
         reads += 1
         await asyncio.sleep(0.05)

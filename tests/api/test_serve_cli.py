@@ -128,3 +128,26 @@ def test_sigterm_drains_then_exits_cleanly(tmp_path):
     assert "draining for 3s" in log
     assert "Traceback" not in log
     assert "Event loop is closed" not in log
+
+
+@pytest.mark.parametrize(("loop", "module"), [("uvloop", "uvloop"), ("asyncio", "asyncio.")])
+def test_either_event_loop_serves_and_the_log_names_it(tmp_path, loop, module):
+    server = LiveServer(
+        tmp_path,
+        tokens=(WORKER_TOKEN, ADMIN_TOKEN),
+        env={"KVROUTE_EVENT_LOOP": loop, "KVROUTE_LOG_LEVEL": "INFO"},
+    ).start()
+    try:
+        body = json.dumps(rank_document()).encode()
+        registered, _ = _status(server.url + rank_path("ctx0", 0), "PUT", body)
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert registered == 201
+    assert f"(event loop: {module}" in log
+    assert "Traceback" not in log
+
+
+def test_an_unknown_event_loop_is_refused_in_one_line(tmp_path):
+    result = run_cli(["serve", "--port", "0"], tmp_path, KVROUTE_EVENT_LOOP="tokio")
+    one_line_refusal(result, "KVROUTE_EVENT_LOOP")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 
-from kvroute.settings import TOOLING_VARIABLES, SettingsError, load_settings
+from kvroute.settings import ENV_PREFIX, TOOLING_VARIABLES, Settings, SettingsError, load_settings
 
 TOKEN = "t" * 16
 
@@ -88,6 +90,18 @@ def test_the_tooling_variables_are_not_settings_but_are_allowed(monkeypatch):
     for name in TOOLING_VARIABLES:
         monkeypatch.setenv(name, "x")
     assert load_settings().port == 8080
+
+
+def test_every_variable_the_tools_read_is_a_setting_or_a_tooling_variable():
+    """A knob of the suite, the benchmarks or the scripts that were neither would make every
+    server they start refuse to, as KVROUTE_TEST_WORKERS (documented in README) once did."""
+    root = Path(__file__).resolve().parents[2]
+    read = re.compile(r"""(?:environ(?:\.get)?\(|environ\[|getenv\(|\$\{)["']?(KVROUTE_[A-Z_]+)""")
+    sources = [*root.glob("tests/**/*.py"), *root.glob("bench/*.py"), *root.glob("scripts/*.sh")]
+    found = {name for path in sources for name in read.findall(path.read_text())}
+    settings = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
+    assert "KVROUTE_TEST_WORKERS" in found  # the scan sees scripts/test.sh
+    assert found - settings - TOOLING_VARIABLES == set()
 
 
 def test_shm_owner_uids_are_a_comma_separated_list(monkeypatch):

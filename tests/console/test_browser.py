@@ -286,3 +286,23 @@ def test_preflight_form_answers_with_the_worker_token(
     browser.find_element(By.ID, "preflight-check").click()
     message = browser.find_element(By.ID, "message")
     _wait(browser, lambda _: "model config is not JSON" in message.text)
+
+
+def test_the_deployment_page_follows_the_event_stream(
+    browser: WebDriver, console_server: Any
+) -> None:
+    """No reload and no timer: a registration elsewhere redraws the page through the events."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    server, _ = console_server
+    browser.get(server.url + "/ui/#/deployments/llama")
+    _use_token(browser, ADMIN_TOKEN)
+    _page(browser, "deployment:llama")
+    redrawn = WebDriverWait(browser, WAIT_S, ignored_exceptions=(StaleElementReferenceException,))
+    redrawn.until(lambda d: d.find_element(By.ID, "live").text.startswith("live: watching"))
+    # A generation rank like gen0: the context peers' geometry admits it (gen1, stored past the
+    # checks with another head_dim, would refuse a new context rank).
+    with KvrouteClient(server.url, token=WORKER_TOKEN) as worker:
+        worker.register("llama", "gen5", 0, rank_document(role="generation", lease_seconds=600))
+    redrawn.until(lambda d: "gen5" in [row[0] for row in _rows(d, "instances")])
+    redrawn.until(lambda d: "gen5" in d.find_element(By.ID, "live").text)

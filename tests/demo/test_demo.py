@@ -12,11 +12,14 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
 DEMO_LIMIT_S = 240
+VERIFIED = re.compile(r"verified\s*│\s*ok\s*│.*?([\d,]+) checked\s*│\s*0 wrong")
 
 
-def test_small_demo_moves_and_verifies_every_byte() -> None:
+def run_demo(*arguments: str) -> tuple[str, int]:
+    """``kvroute demo`` with ``arguments`` in a subprocess: its output, after it exited 0 and
+    reported its check with nothing wrong, and how many bytes that check compared."""
     result = subprocess.run(
-        [sys.executable, "-m", "kvroute", "demo", "--small", "--jobs", "3"],
+        [sys.executable, "-m", "kvroute", "demo", *arguments],
         capture_output=True,
         text=True,
         timeout=DEMO_LIMIT_S,
@@ -24,6 +27,13 @@ def test_small_demo_moves_and_verifies_every_byte() -> None:
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
+    verified = VERIFIED.search(output)
+    assert verified is not None, output
+    return output, int(verified.group(1).replace(",", ""))
+
+
+def test_small_demo_moves_and_verifies_every_byte() -> None:
+    output, checked = run_demo("--small", "--jobs", "3")
     assert "registered ctx0: context, TP4, 4 live ranks" in output
     assert "registered gen0: generation, TP2, 2 live ranks" in output
     assert (
@@ -33,24 +43,14 @@ def test_small_demo_moves_and_verifies_every_byte() -> None:
     assert output.count("succeeded") == 3
     for tokens in ("[3, 18)", "[18, 33)", "[33, 48)"):  # mid-block starts and ends on both sides
         assert tokens in output
-    verified = re.search(r"verified\s*│\s*ok\s*│.*?([\d,]+) checked\s*│\s*0 wrong", output)
-    assert verified is not None, output
     # Every slot of both generation ranks is checked, received or not (the cached prefix and all):
     # 6 slots of 8 tokens x 2 ranks x (4 target layers x K,V x 4 heads x 16 x 2 bytes + 1 draft
     # layer with 1 head), per token.
-    assert int(verified.group(1).replace(",", "")) == 6 * 8 * 2 * (4 * 2 * 4 * 16 * 2 + 2 * 16 * 2)
+    assert checked == 6 * 8 * 2 * (4 * 2 * 4 * 16 * 2 + 2 * 16 * 2)
 
 
 def test_small_hybrid_demo_moves_blocks_and_state_and_refuses_other_ssm_heads() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvroute", "demo", "--model", "hybrid", "--small", "--jobs", "2"],
-        capture_output=True,
-        text=True,
-        timeout=DEMO_LIMIT_S,
-        check=False,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    output, checked = run_demo("--model", "hybrid", "--small", "--jobs", "2")
     assert "registered ctx0: context, TP4, 4 live ranks" in output
     assert "registered gen0: generation, TP2, 2 live ranks" in output
     # The refused instance keeps half the d_state: 4 x 2 x 2 bytes per SSM head against 4 x 4 x 2.
@@ -63,13 +63,11 @@ def test_small_hybrid_demo_moves_blocks_and_state_and_refuses_other_ssm_heads() 
     # sides, and its state slot once.
     assert output.count("succeeded") == 2
     assert output.count("[3, 11)") == 2
-    verified = re.search(r"verified\s*│\s*ok\s*│.*?([\d,]+) checked\s*│\s*0 wrong", output)
-    assert verified is not None, output
     # Every byte of both generation pools: 6 slots (2 requests x 2 blocks of 8 tokens + 1 state
     # slot each) of max(KV block: 2 layers x K,V x 2 heads x 8 tokens x 16 x 2 bytes = 2048,
     # state: 3 Mamba layers x (4 SSM heads x 4 x 4 x 2 + 24 conv channels x 3 x 2) = 816) bytes,
     # per rank.
-    assert int(verified.group(1).replace(",", "")) == 2 * 6 * 2048
+    assert checked == 2 * 6 * 2048
     # Each request's state reaches each generation rank from its two context ranks: 816 bytes.
     assert re.search(r"│\s*0\s*│\s*0, 1\s*│\s*0, 1\s*│\s*16\s*│\s*2,048\s*│\s*816\s*│", output), (
         output
@@ -79,17 +77,9 @@ def test_small_hybrid_demo_moves_blocks_and_state_and_refuses_other_ssm_heads() 
 
 
 def test_small_mla_cp_demo_spreads_tokens_over_generation_cp_ranks() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvroute", "demo", "--model", "mla-cp", "--small", "--jobs", "2"],
-        capture_output=True,
-        text=True,
-        timeout=DEMO_LIMIT_S,
-        check=False,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    output, checked = run_demo("--model", "mla-cp", "--small", "--jobs", "2")
     assert "registered ctx0: context, TP4, 4 live ranks" in output
-    assert "registered gen0: generation, TP1, 4 live ranks" in output
+    assert "registered gen0: generation, TP1 x CP4, 4 live ranks" in output
     assert (
         "refused gen-bad: 422 context_parallel_layout_unsupported field=cp_layout local=zigzag "
         "peer=interleaved" in output
@@ -102,7 +92,18 @@ def test_small_mla_cp_demo_spreads_tokens_over_generation_cp_ranks() -> None:
     # whichever CP rank holds each token: 18 and 19 tokens.
     assert re.search(r"\[3, 21\)\s*│\s*[\d,]+\s*│\s*4,608\s*│", output), output
     assert re.search(r"\[21, 40\)\s*│\s*[\d,]+\s*│\s*4,864\s*│", output), output
-    verified = re.search(r"verified\s*│\s*ok\s*│.*?([\d,]+) checked\s*│\s*0 wrong", output)
-    assert verified is not None, output
     # Every byte of the four CP ranks' pools: 3 slots of 4 local tokens x 4 layers x 32 x 2 bytes.
-    assert int(verified.group(1).replace(",", "")) == 4 * 3 * 4 * 4 * 32 * 2
+    assert checked == 4 * 3 * 4 * 4 * 32 * 2
+
+
+def test_small_mla_cp_zigzag_demo_moves_prefill_chunks_to_decode_cp_ranks() -> None:
+    output, _ = run_demo("--model", "mla-cp-zigzag", "--small", "--jobs", "2")
+    assert "registered ctx0: context, TP2 x CP2, 4 live ranks" in output
+    assert "TP2 x CP2 (zigzag chunks)" in output
+    # Both context CP ranks (one elected TP replica each: ranks 0 and 1) write to every
+    # generation CP rank: zig-zag chunks and interleave 1 share tokens on every pair.
+    assert len(re.findall(r"│\s*[0-3]\s*│\s*0, 1, 2, 3\s*│\s*0, 1\s*│", output)) == 4, output
+    assert output.count("succeeded") == 2
+    # Tokens [3, 42) of a 42-token prompt, 4 layers x 32 elements x 2 bytes each.
+    assert re.search(r"\[3, 22\)\s*│\s*[\d,]+\s*│\s*4,864\s*│", output), output
+    assert re.search(r"\[22, 42\)\s*│\s*[\d,]+\s*│\s*5,120\s*│", output), output

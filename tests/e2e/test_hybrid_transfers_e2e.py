@@ -31,7 +31,7 @@ from tests.e2e.test_transfers_e2e import (
 )
 from tests.hybrid import HYBRID
 from tests.transfer.conftest import Owners
-from tests.transfer.layouts import seeded_bytes
+from tests.transfer.shm_owner import seeded_bytes
 from tests.truth import Truth, window_starts
 from tests.world import Side
 

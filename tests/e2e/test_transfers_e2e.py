@@ -24,7 +24,7 @@ from aiohttp.test_utils import TestClient
 from kvroute.api import create_app
 from kvroute.settings import Settings
 from tests.transfer.conftest import Owners
-from tests.transfer.layouts import seeded_bytes
+from tests.transfer.shm_owner import seeded_bytes
 from tests.truth import Truth
 from tests.world import Layout, Side, ViewClass, layout_rank
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.faults.conftest import query
 from tests.faults.transfers import JOB_WAIT_S, call, register_world, submit, wait_final
-from tests.transfer.layouts import seeded_bytes
+from tests.transfer.shm_owner import seeded_bytes
 
 pytestmark = pytest.mark.slow
 

@@ -26,11 +26,18 @@ from kvroute.api.keys import (
     spec_text_key,
     spec_validator_key,
 )
-from kvroute.api.lifecycle import database_context, drain_middleware, reaper_context, start_draining
+from kvroute.api.lifecycle import (
+    close_event_streams,
+    database_context,
+    drain_middleware,
+    events_context,
+    reaper_context,
+    start_draining,
+)
 from kvroute.api.metrics import Metrics
 from kvroute.api.plans import plan_context
 from kvroute.api.routes import add_endpoints
-from kvroute.api.spec import SpecValidator, load_spec, spec_bytes
+from kvroute.api.spec import spec_bytes, spec_validator
 from kvroute.api.transfers import transfer_context
 from kvroute.api.validation import validation_middleware
 from kvroute.settings import Settings
@@ -55,11 +62,13 @@ def create_app(settings: Settings, *, clock: Clock = system_clock) -> web.Applic
     app[metrics_key] = Metrics.create(database_backend=backend)
     text = spec_bytes()
     app[spec_text_key] = text
-    app[spec_validator_key] = SpecValidator(load_spec(text))
+    app[spec_validator_key] = spec_validator(text)
     add_endpoints(app)
     app.cleanup_ctx.append(database_context)
     app.cleanup_ctx.append(plan_context)
+    app.cleanup_ctx.append(events_context)
     app.cleanup_ctx.append(reaper_context)
     app.cleanup_ctx.append(transfer_context)
     app.on_shutdown.append(start_draining)
+    app.on_shutdown.append(close_event_streams)
     return app

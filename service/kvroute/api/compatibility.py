@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from kvroute import wire
 from kvroute.api.clock import app_now
 from kvroute.api.keys import registry_key, validated_key
-from kvroute.control.compatibility import deployment_matrix
+from kvroute.control.answers import deployment_matrix
 from kvroute.pictures import compatibility_svg
 
 
@@ -19,10 +18,10 @@ async def get_compatibility(request: web.Request) -> web.Response:
         registry.sessionmaker,
         registry.registrations,
         registry.verdicts,
+        registry.answers,
         deployment,
         now=app_now(request.app),
     )
-    document = wire.to_json(matrix)
     if request[validated_key].query.get("format", "json") == "svg":
-        return web.Response(text=compatibility_svg(document), content_type="image/svg+xml")
-    return web.json_response(document)
+        return web.Response(text=compatibility_svg(matrix.document()), content_type="image/svg+xml")
+    return web.Response(body=matrix.body, content_type="application/json", charset="utf-8")

@@ -45,6 +45,7 @@ GEOMETRY_STATUS: dict[str, int] = {
     "instance": 409,
     "peer": 409,
     "plan": 409,
+    "plan_document": 422,
 }
 
 _GEOMETRY_MEMBERS = ("field", "local", "peer", "peer_instance", "peer_rank")
@@ -90,7 +91,9 @@ def _not_found(exc: Exception) -> Problem:
 
 
 def _conflict(exc: Exception) -> Problem:
-    return Problem(status=409, title="Conflict", detail=str(exc), code="conflict")
+    return Problem(
+        status=409, title="Conflict", detail=str(exc), code=getattr(exc, "code", "conflict")
+    )
 
 
 # Seconds a client should wait: a slow database recovers sooner than an unreachable one.

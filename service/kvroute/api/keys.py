@@ -16,6 +16,8 @@ from kvroute.api.metrics import Metrics
 from kvroute.api.problems import Problem
 from kvroute.api.scopes import Scope
 from kvroute.api.spec import SpecValidator, ValidatedRequest
+from kvroute.control.events import EventHub
+from kvroute.control.inventory import Inventory
 from kvroute.control.plan_answers import PlanAnswers
 from kvroute.control.plans import PlanService
 from kvroute.control.registry import Registry
@@ -50,6 +52,8 @@ engine_key = web.AppKey("engine", Engine)
 sessionmaker_key = web.AppKey("sessionmaker", SessionMaker)
 reaper_key = web.AppKey("reaper", asyncio.Task[None])
 registry_key = web.AppKey("registry", Registry)
+event_hub_key = web.AppKey("event_hub", EventHub)
+inventory_key = web.AppKey("inventory", Inventory)
 plan_service_key = web.AppKey("plan_service", PlanService)
 plan_answers_key = web.AppKey("plan_answers", PlanAnswers)
 transfer_service_key: web.AppKey[TransferService] = web.AppKey("transfer_service")

@@ -23,21 +23,27 @@ from aiohttp.typedefs import Handler
 from kvroute.api.clock import app_now
 from kvroute.api.keys import (
     engine_key,
+    event_hub_key,
     lifecycle_key,
     metrics_key,
     reaper_key,
+    registry_key,
     sessionmaker_key,
     settings_key,
 )
 from kvroute.api.problems import Problem, ProblemError
 from kvroute.api.transfers import sweep_pools
-from kvroute.store import lease_watch, registry
+from kvroute.control.events import EventHub
 from kvroute.store.engine import create_engine, dispose, make_sessionmaker
 from kvroute.store.records import RankName
 
 log = logging.getLogger(__name__)
 
 MUTATING_METHODS = frozenset({"PUT", "POST", "PATCH", "DELETE"})
+# How often the event hub reads the log without a signal: SQLite has no cross-process signal;
+# PostgreSQL's NOTIFY is the signal and this only a safety net.
+SQLITE_POLL_SECONDS = 0.25
+POSTGRES_POLL_SECONDS = 1.0
 
 
 async def database_context(app: web.Application) -> AsyncIterator[None]:
@@ -47,6 +53,26 @@ async def database_context(app: web.Application) -> AsyncIterator[None]:
     app[sessionmaker_key] = make_sessionmaker(engine)
     yield
     await dispose(engine)
+
+
+async def events_context(app: web.Application) -> AsyncIterator[None]:
+    """The event hub (after ``plan_context``: it tells the registry's changes to the hub)."""
+    settings = app[settings_key]
+    hub = EventHub(
+        app[sessionmaker_key],
+        clock=lambda: app_now(app),
+        poll_seconds=SQLITE_POLL_SECONDS if settings.is_sqlite else POSTGRES_POLL_SECONDS,
+    )
+    app[event_hub_key] = hub
+    app[registry_key].changed = hub.poke
+    hub.start()
+    yield
+    await hub.close()
+
+
+async def close_event_streams(app: web.Application) -> None:
+    """``on_shutdown``: event streams never end by themselves; end them before the drain waits."""
+    await app[event_hub_key].close()
 
 
 async def reaper_context(app: web.Application) -> AsyncIterator[None]:
@@ -78,28 +104,28 @@ async def _reap_round(
     app: web.Application, *, since: datetime, now: datetime, grace: timedelta
 ) -> None:
     """Reports the leases that ended since the last round, removes the long-expired ranks."""
-    sessionmaker, metrics = app[sessionmaker_key], app[metrics_key]
-    expired = await lease_watch.expired_between(sessionmaker, after=since, until=now)
-    reaped = await registry.reap_expired(sessionmaker, now=now, grace=grace)
-    counts = await lease_watch.rank_counts(sessionmaker, now=now)
+    metrics = app[metrics_key]
+    done = await app[registry_key].reap(since=since, now=now, grace=grace)
     await sweep_pools(app, now)  # pools of ranks that expired, or changed on another replica
     metrics.database_up.set(1)
-    metrics.count_expired(expired)
-    metrics.set_rank_counts(counts)
-    for name, ended in expired:
+    metrics.count_expired(done.expired)
+    metrics.set_rank_counts(done.counts)
+    # Engine leases that ended with their ranks (reaped above, or never attached any).
+    await app[registry_key].reap_engine_leases(cutoff=now - grace)
+    for name, ended in done.expired:
         log.warning(
             "lease expired: %s (no heartbeat since its lease ended at %s)",
             name,
             ended.isoformat(),
             extra={"fields": {"event": "lease_expired", **_rank_fields(name)}},
         )
-    if reaped:
+    if removed := done.reaped:
         log.info(
             "reaped %d ranks whose lease expired over %gs ago: %s",
-            len(reaped),
+            len(removed),
             grace.total_seconds(),
-            ", ".join(map(str, reaped)),
-            extra={"fields": {"event": "ranks_reaped", "ranks": list(map(_rank_fields, reaped))}},
+            ", ".join(map(str, removed)),
+            extra={"fields": {"event": "ranks_reaped", "ranks": list(map(_rank_fields, removed))}},
         )
 
 

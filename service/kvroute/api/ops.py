@@ -10,16 +10,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvroute.api.clock import app_now
 from kvroute.api.keys import (
+    inventory_key,
     lifecycle_key,
     metrics_key,
-    sessionmaker_key,
     settings_key,
     spec_text_key,
 )
 from kvroute.api.problems import DEFAULT_RETRY_AFTER_S
 from kvroute.api.transfers import transfer_checks
-from kvroute.store import lease_watch
-from kvroute.store.engine import ping
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +46,7 @@ async def _database_check(request: web.Request) -> str:
     timeout = request.app[settings_key].readiness_timeout_seconds
     try:
         async with asyncio.timeout(timeout):
-            await ping(request.app[sessionmaker_key])
+            await request.app[inventory_key].ping()
     except TimeoutError:
         return f"no answer within {timeout:g}s"
     except Exception as exc:  # any failure means "not ready"; the reason is the answer
@@ -61,7 +59,7 @@ async def metrics(request: web.Request) -> web.Response:
     gauges = app[metrics_key]
     try:
         async with asyncio.timeout(app[settings_key].readiness_timeout_seconds):
-            counts = await lease_watch.rank_counts(app[sessionmaker_key], now=app_now(app))
+            counts = await app[inventory_key].rank_counts(now=app_now(app))
     except Exception:
         # A scrape must not fail with the database; the rank gauges keep their last values.
         log.warning("could not refresh the rank gauges", exc_info=True)

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from kvroute.api.clock import app_now
 from kvroute.api.keys import (
+    inventory_key,
     metrics_key,
     plan_answers_key,
     plan_service_key,
@@ -24,6 +25,7 @@ from kvroute.api.keys import (
     settings_key,
     validated_key,
 )
+from kvroute.control.inventory import Inventory
 from kvroute.control.plan_answers import MEDIA_TYPES, EncodedPlan, PlanAnswers, PlanMetrics
 from kvroute.control.plans import PlanKey, PlanService, PlanUnavailable
 from kvroute.control.registry import Registry
@@ -32,11 +34,13 @@ from kvroute.store.errors import NotFound
 
 
 async def plan_context(app: web.Application) -> AsyncIterator[None]:
-    """The registry and plan services of the app, over its sessionmaker (after ``database_context``)."""
+    """The registry, inventory and plan services of the app, over its sessionmaker (after
+    ``database_context``): every handler and the reaper reach the store through these."""
     registry = Registry(
         app[sessionmaker_key], rejection_log_size=app[settings_key].rejection_log_size
     )
     app[registry_key] = registry
+    app[inventory_key] = Inventory(app[sessionmaker_key])
     service = PlanService(app[sessionmaker_key], registry.registrations)
     app[plan_service_key] = service
     app[plan_answers_key] = PlanAnswers(service, PlanMetrics.create(app[metrics_key].registry))
@@ -82,6 +86,7 @@ def _plan_key(request: web.Request, receiver_rank: int) -> PlanKey:
         query["receiver"],
         receiver_rank,
         query.get("sender_dp_rank", 0),
+        query.get("prompt_tokens"),
     )
 
 

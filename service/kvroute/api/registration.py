@@ -1,7 +1,7 @@
 """Rank registration handlers: register, read, renew and remove one rank.
 
 Handlers only translate: the validated request becomes a ``RankRegistration`` and a call into
-``kvroute.store.registry``, whose records become JSON. Refusals propagate as
+``kvroute.control`` (``Registry`` writes, ``Inventory`` reads), whose records become JSON. Refusals propagate as
 ``GeometryError`` to the error boundary, after being counted here.
 """
 
@@ -14,10 +14,10 @@ from aiohttp import web
 
 from kvroute import wire
 from kvroute.api.clock import app_now
-from kvroute.api.keys import metrics_key, registry_key, sessionmaker_key, validated_key
+from kvroute.api.keys import inventory_key, metrics_key, registry_key, validated_key
 from kvroute.api.transfers import pools_deleted, pools_registered
 from kvroute.geometry import GeometryError, RankRegistration
-from kvroute.store import registry
+from kvroute.geometry.validate import check_self
 
 
 def rank_address(request: web.Request) -> tuple[str, str, int]:
@@ -32,7 +32,12 @@ async def put_rank(request: web.Request) -> web.Response:
     now = app_now(request.app)
     try:
         registration = await _parse(request, deployment, instance, rank, now)
-        outcome = await app[registry_key].register(registration, now=now)
+        outcome = await app[registry_key].register(
+            registration,
+            now=now,
+            engine_lease=request[validated_key].query.get("engine_lease"),
+            checked=True,
+        )
     except GeometryError as error:
         metrics.registrations.labels(result="rejected").inc()
         metrics.rejections.labels(code=error.code, deployment=deployment).inc()
@@ -46,11 +51,13 @@ async def put_rank(request: web.Request) -> web.Response:
 async def _parse(
     request: web.Request, deployment: str, instance: str, rank: int, now: datetime
 ) -> RankRegistration:
-    """The typed registration; a malformed document is logged as a refusal like any other."""
+    """The typed registration, self-checked and digested; a malformed document is logged as a
+    refusal like any other."""
     try:
-        # Milliseconds for the largest documents the limits allow: not on the event loop.
+        # Milliseconds for the largest documents the limits allow: not on the event loop, and in one
+        # trip to a thread rather than two (a trip costs the loop more than checking a fleet rank).
         return await asyncio.to_thread(
-            RankRegistration.from_json,
+            _checked,
             request[validated_key].body,
             deployment=deployment,
             instance=instance,
@@ -63,10 +70,19 @@ async def _parse(
         raise
 
 
+def _checked(body: object, *, deployment: str, instance: str, rank: int) -> RankRegistration:
+    """The document parsed, then what admission's ``prepare`` does: the document's own checks and
+    the digests and face admission reads under the deployment's lock (refused in that order)."""
+    reg = RankRegistration.from_json(body, deployment=deployment, instance=instance, rank=rank)
+    check_self(reg)
+    _ = reg.class_digest, reg.canonical_digest, reg.instance_face_id
+    return reg
+
+
 async def get_rank(request: web.Request) -> web.Response:
     deployment, instance, rank = rank_address(request)
-    record = await registry.get_rank(
-        request.app[sessionmaker_key], deployment, instance, rank, now=app_now(request.app)
+    record = await request.app[inventory_key].rank(
+        deployment, instance, rank, now=app_now(request.app)
     )
     return web.json_response(wire.to_json(record))
 
@@ -81,6 +97,8 @@ async def heartbeat(request: web.Request) -> web.Response:
 
 async def delete_rank(request: web.Request) -> web.Response:
     deployment, instance, rank = rank_address(request)
-    await registry.delete_rank(request.app[sessionmaker_key], deployment, instance, rank)
+    await request.app[registry_key].delete_rank(
+        deployment, instance, rank, now=app_now(request.app)
+    )
     pools_deleted(request.app, deployment, instance, rank)
     return web.Response(status=204)

@@ -14,8 +14,11 @@ from aiohttp import web
 from kvroute.api import (
     compatibility,
     console,
+    events,
     inventory,
+    leases,
     ops,
+    pairing,
     plans,
     preflight,
     registration,
@@ -28,6 +31,7 @@ RANK = "/v1/deployments/{deployment}/instances/{instance}/ranks/{rank}"
 INSTANCE = "/v1/deployments/{deployment}/instances/{instance}"
 DEPLOYMENT = "/v1/deployments/{deployment}"
 TRANSFER = "/v1/transfers/{job_id}"
+LEASE = "/v1/deployments/{deployment}/leases/{lease_id}"
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,14 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", RANK, registration.get_rank, Scope.WORKER),
     Endpoint("DELETE", RANK, registration.delete_rank, Scope.ADMIN),
     Endpoint("POST", RANK + "/heartbeat", registration.heartbeat, Scope.WORKER),
+    # Engine leases: one lease keeps many ranks; revoking it removes them (like a rank delete).
+    Endpoint("POST", DEPLOYMENT + "/leases", leases.grant_lease, Scope.WORKER),
+    Endpoint("GET", LEASE, leases.get_lease, Scope.WORKER),
+    Endpoint("POST", LEASE + "/heartbeat", leases.renew_lease, Scope.WORKER),
+    Endpoint("DELETE", LEASE, leases.revoke_lease, Scope.ADMIN),
     Endpoint("GET", "/v1/deployments", inventory.list_deployments, Scope.ADMIN),
     Endpoint("GET", "/v1/deployments/{deployment}", inventory.get_deployment, Scope.ADMIN),
+    Endpoint("PATCH", DEPLOYMENT, pairing.patch_deployment, Scope.ADMIN),
     Endpoint(
         "GET", "/v1/deployments/{deployment}/instances", inventory.list_instances, Scope.ADMIN
     ),
@@ -59,6 +69,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     ),
     Endpoint("POST", "/v1/preflight", preflight.post_preflight, Scope.WORKER),
     Endpoint("GET", DEPLOYMENT + "/compatibility", compatibility.get_compatibility, Scope.ADMIN),
+    Endpoint("GET", DEPLOYMENT + "/pairs", pairing.get_pairs, Scope.WORKER),
+    # Watch instead of poll: the deployment's changes as server-sent events, resumable.
+    Endpoint("GET", DEPLOYMENT + "/events", events.stream_events, Scope.WORKER),
     Endpoint("POST", DEPLOYMENT + "/transfers", transfers.post_transfer, Scope.WORKER),
     Endpoint("GET", DEPLOYMENT + "/transfers", transfers.list_transfers, Scope.ADMIN),
     Endpoint("GET", TRANSFER, transfers.get_transfer, Scope.WORKER),

@@ -7,6 +7,7 @@ wheel), so an editable checkout and a container image load the same document.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -135,6 +136,14 @@ class SpecValidator:
                     )
             for value in values:
                 parameter.check(value)
+
+
+@functools.lru_cache(maxsize=4)
+def spec_validator(text: bytes) -> SpecValidator:
+    """The checked validator of one spec text. Checking takes most of a second and its verdict
+    depends on the bytes only, so a process that builds apps again (the test suite builds
+    hundreds) checks each text once; the validator holds compiled schemas and is never mutated."""
+    return SpecValidator(load_spec(text))
 
 
 def strict_parameters(

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from kvroute import wire
-from kvroute.api.clock import app_now
+from kvroute.api.clock import app_now, clock_key
 from kvroute.api.keys import (
     copy_engine_key,
+    inventory_key,
     metrics_key,
     plan_service_key,
     sessionmaker_key,
@@ -28,7 +29,6 @@ from kvroute.api.keys import (
     validated_key,
 )
 from kvroute.api.problems import Problem, ProblemError
-from kvroute.store import jobs
 
 if TYPE_CHECKING:
     from kvroute.control.transfers import TransferService
@@ -45,7 +45,7 @@ async def transfer_context(app: web.Application) -> AsyncIterator[None]:
     """Start the worker pool; on shutdown (readiness is already 503) drain it, then unmap pools."""
     try:
         from kvroute.control.transfers import TransferService
-        from kvroute.transfer.memory import default_backends
+        from kvroute.transfer.backends import default_backends
         from kvroute.transfer.opened import PoolMemoryCache
     except ImportError as error:
         log.warning("transfer endpoints disabled: %s (%s)", NO_DATA_PLANE, error)
@@ -66,6 +66,7 @@ async def transfer_context(app: web.Application) -> AsyncIterator[None]:
             max_open=settings.transfer_max_open_pools,
         ),
         replica=settings.replica_id,
+        clock=app[clock_key],
     )
     await service.start(now=app_now(app))
     app[transfer_service_key] = service
@@ -107,26 +108,11 @@ def transfer_checks(app: web.Application) -> dict[str, str]:
 
 async def post_transfer(request: web.Request) -> web.Response:
     service = _service(request.app)
-    from kvroute.control.transfers import TransferRequest  # importable: the service exists
-
     validated = request[validated_key]
-    body = validated.body
-    transfer = TransferRequest(
-        deployment=validated.path["deployment"],
-        sender=body["sender"],
-        receiver=body["receiver"],
-        receiver_ranks=tuple(body["receiver_ranks"]),
-        src_blocks=tuple(body["src_blocks"]),
-        dst_blocks=tuple(body["dst_blocks"]),
-        sender_dp_rank=body.get("sender_dp_rank", 0),
-        tokens=(body["tokens"]["start"], body["tokens"]["end"]) if "tokens" in body else None,
-        src_first_token=body.get("src_first_token"),
-        dst_first_token=body.get("dst_first_token"),
-        src_state_slot=body.get("src_state_slot"),
-        dst_state_slot=body.get("dst_state_slot"),
-        prompt_tokens=body.get("prompt_tokens"),
-    )
-    record = await service.submit(transfer, now=app_now(request.app))  # refusals: the error table
+    transfer = wire.from_json(wire.TransferRequest, validated.body)  # the schema checked it
+    deployment = validated.path["deployment"]
+    # Refusals raise; the error table answers them.
+    record = await service.submit(deployment, transfer, now=app_now(request.app))
     return web.json_response(
         wire.to_json(record), status=202, headers={"Location": f"/v1/transfers/{record.id}"}
     )
@@ -134,15 +120,15 @@ async def post_transfer(request: web.Request) -> web.Response:
 
 async def get_transfer(request: web.Request) -> web.Response:
     job_id = request[validated_key].path["job_id"]
-    record = await jobs.get_job(request.app[sessionmaker_key], job_id)
+    record = await request.app[inventory_key].transfer_job(job_id)
     return web.json_response(wire.to_json(record))
 
 
 async def list_transfers(request: web.Request) -> web.Response:
     validated = request[validated_key]
     deployment = validated.path["deployment"]
-    records = await jobs.list_jobs(
-        request.app[sessionmaker_key], deployment, limit=validated.query.get("limit", 100)
+    records = await request.app[inventory_key].transfer_jobs(
+        deployment, limit=validated.query.get("limit", 100)
     )
     return web.json_response(
         {"deployment": deployment, "transfers": [wire.to_json(record) for record in records]}

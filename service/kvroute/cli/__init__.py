@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-# Top-level modules of the ``server`` extra's distributions.
+# Top-level modules of the ``server`` extra's distributions (``uvloop`` is imported only when
+# ``kvroute serve`` starts its loop, which names the missing module itself).
 SERVER_MODULES = frozenset(
     {
         "alembic",
@@ -24,6 +25,7 @@ SERVER_MODULES = frozenset(
         "pydantic_settings",
         "rich",
         "sqlalchemy",
+        "uvloop",
         "yaml",
     }
 )

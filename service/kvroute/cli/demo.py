@@ -190,10 +190,9 @@ def plan_table(plans: list[Any], model: Any) -> Table:
     for column in (*columns, "bounce-safe"):
         table.add_column(column, justify="right")
     for plan in plans:
-        peers = plan.document["peers"]
         cells = [
             str(plan.receiver_rank),
-            ", ".join(str(p["rank"]) for p in peers),
+            ", ".join(str(peer.rank) for peer in plan.plan.peers),
             ", ".join(str(r) for r in plan.sending_ranks),
             str(plan.fragments_per_block),
             f"{plan.bytes_per_block:,}",
@@ -258,8 +257,14 @@ def _model(args: argparse.Namespace) -> tuple[ModuleType, Any, list[dict[str, An
             "kvroute demo moves bytes with torch, which is not installed: "
             "pip install 'kvroute[server,transfer]'"
         ) from None
-    if args.model == "mla-cp":
-        model = replace(demo_mla.SMALL if args.small else demo_mla.FULL, jobs=args.jobs)
+    if args.model in ("mla-cp", "mla-cp-zigzag"):
+        zigzag = args.model == "mla-cp-zigzag"
+        small, full = (
+            (demo_mla.SMALL_ZIGZAG, demo_mla.FULL_ZIGZAG)
+            if zigzag
+            else (demo_mla.SMALL, demo_mla.FULL)
+        )
+        model = replace(small if args.small else full, jobs=args.jobs)
         return demo_mla, model, demo_mla.requests(model, args.jobs)
     if args.model == "hybrid":
         base = demo_hybrid.SMALL if args.small else demo_hybrid.FULL
@@ -290,14 +295,20 @@ def run(args: argparse.Namespace) -> int:
             with KvrouteClient(url, token=admin_token) as admin:
                 for instance in admin.instances(demo.DEPLOYMENT):
                     console.print(
-                        f"registered {instance.name}: {instance.role}, TP{instance.tp_size}, {instance.live_ranks} live ranks"
+                        f"registered {instance.name}: {instance.role}, TP{instance.tp_size}"
+                        + (f" x CP{instance.cp_size}" if instance.cp_size > 1 else "")
+                        + f", {instance.live_ranks} live ranks"
                     )
                 refusal = refuse_incompatible(admin, demo, model)
                 if refusal is None:
                     console.print("[red]an incompatible instance was accepted[/]")
                     return 1
                 _print_refusal(refusal)
-                plans = admin.get_plans(demo.DEPLOYMENT, sender="ctx0", receiver="gen0")
+                # A sender holding prefill CP chunks is planned for the requests' prompt length.
+                prompt = requests[0].get("prompt_tokens")
+                plans = admin.get_plans(
+                    demo.DEPLOYMENT, sender="ctx0", receiver="gen0", prompt_tokens=prompt
+                )
                 console.print(plan_table(plans, model))
                 with Progress(console=console) as progress:
                     statuses = run_jobs(admin, demo, model, requests, progress)
@@ -317,11 +328,12 @@ def add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     parser.add_argument(
         "--model",
-        choices=["llama", "hybrid", "mla-cp"],
+        choices=["llama", "hybrid", "mla-cp", "mla-cp-zigzag"],
         default="llama",
         help="llama: a Llama-3-8B-like model with an Eagle draft; hybrid: a Nemotron-H-like model "
         "(Mamba2 state and attention KV in one pool per rank); mla-cp: a DeepSeek-like MLA model, "
-        "context TP4 -> generation TP1 x CP4 (decode context parallel, interleave 1)",
+        "context TP4 -> generation TP1 x CP4 (decode context parallel, interleave 1); "
+        "mla-cp-zigzag: the same from context TP2 x CP2 holding zig-zag prefill chunks",
     )
     parser.add_argument("--small", action="store_true", help="a few layers with small heads")
     parser.add_argument(

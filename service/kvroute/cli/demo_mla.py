@@ -43,6 +43,8 @@ class MlaModel:
     generation_cp: int = 4
     interleave: int = 1
     jobs: int = 2
+    context_cp: int = 1  # > 1: the context ranks hold prefill chunks of each prompt
+    context_layout: str = "zigzag"  # ... split this way (contiguous or zigzag)
 
     def tokens(self, role: str) -> int:
         return self.tokens_per_block if role == "context" else self.generation_tokens_per_block
@@ -51,16 +53,29 @@ class MlaModel:
         return self.context_tp if role == "context" else self.generation_tp
 
     def cp(self, role: str) -> int:
-        return 1 if role == "context" else self.generation_cp
+        return self.context_cp if role == "context" else self.generation_cp
+
+    def layout(self, role: str) -> str:
+        return self.context_layout if role == "context" and self.context_cp > 1 else "interleaved"
+
+    def chunk(self, cp_rank: int) -> torch.Tensor:
+        """A context CP rank's prompt positions in local order: torch.tensor_split's chunks (cp of
+        them, or 2 cp for zig-zag: rank r takes chunks r and 2 cp - 1 - r), back to back."""
+        if self.context_cp == 1:
+            return torch.arange(self.prompt_tokens)
+        cp, zigzag = self.context_cp, self.context_layout == "zigzag"
+        parts = torch.tensor_split(torch.arange(self.prompt_tokens), 2 * cp if zigzag else cp)
+        return torch.cat(
+            [parts[cp_rank], parts[2 * cp - 1 - cp_rank]] if zigzag else [parts[cp_rank]]
+        )
 
     def ranks(self, role: str) -> int:
         return self.tp(role) * self.cp(role)
 
     def label(self, role: str) -> str:
-        cp = self.cp(role)
-        return f"TP{self.tp(role)}" + (
-            f" x CP{cp} (interleave {self.interleave})" if cp > 1 else ""
-        )
+        cp, layout = self.cp(role), self.layout(role)
+        deal = f"interleave {self.interleave}" if layout == "interleaved" else f"{layout} chunks"
+        return f"TP{self.tp(role)}" + (f" x CP{cp} ({deal})" if cp > 1 else "")
 
     def owner(self, position: int) -> tuple[int, int]:
         """(generation CP rank, local position) of a prompt position: chunks of ``interleave``
@@ -74,7 +89,8 @@ class MlaModel:
 
     def slots(self, role: str) -> int:
         if role == "context":
-            return -(-self.prompt_tokens // self.tokens_per_block)
+            most = max(len(self.chunk(c)) for c in range(self.context_cp))
+            return -(-most // self.tokens_per_block)
         return -(-self.held(0, self.prompt_tokens) // self.generation_tokens_per_block)
 
     def layer_bytes(self, role: str) -> int:
@@ -89,6 +105,9 @@ class MlaModel:
 # context blocks of 64 and generation blocks of 32 local tokens (128 prompt tokens over CP4).
 FULL = MlaModel(61, 576, 64, 32, 1024)
 SMALL = MlaModel(4, 32, 8, 4, 40)
+# The same with prefill context parallelism: context TP2 x CP2 holding zig-zag chunks.
+FULL_ZIGZAG = MlaModel(61, 576, 64, 32, 1024, context_tp=2, context_cp=2)
+SMALL_ZIGZAG = MlaModel(4, 32, 8, 4, 42, context_tp=2, context_cp=2)
 
 
 def requests(model: MlaModel, jobs: int) -> list[dict[str, Any]]:
@@ -103,13 +122,18 @@ def requests(model: MlaModel, jobs: int) -> list[dict[str, Any]]:
     for first, last in pairwise(bounds):
         dst_first = model.held(last_cp, first) // dst_tokens  # the earliest block any rank needs
         dst_end = -(-model.held(0, last) // dst_tokens)
-        result.append(
-            {
-                "src_blocks": list(range(first // src_tokens, -(-last // src_tokens))),
-                "dst_blocks": [model.receiver_slot(b) for b in range(dst_first, dst_end)],
-                "tokens": (first, last),
-            }
-        )
+        request: dict[str, Any] = {
+            "src_blocks": list(range(first // src_tokens, -(-last // src_tokens))),
+            "dst_blocks": [model.receiver_slot(b) for b in range(dst_first, dst_end)],
+            "tokens": (first, last),
+        }
+        if model.context_cp > 1:  # chunks: every context CP rank's whole list, for this prompt
+            request.update(
+                src_blocks=list(range(model.slots("context"))),
+                src_first_token=0,
+                prompt_tokens=model.prompt_tokens,
+            )
+        result.append(request)
     return result
 
 
@@ -142,7 +166,7 @@ def document(
         "pp_rank": 0,
         "cp_size": cp,
         "cp_rank": rank % cp,
-        "cp_layout": "interleaved",
+        "cp_layout": model.layout(role),
         "cp_interleave": model.interleave,
         "layers_per_stage": [model.layers],
         "tokens_per_block": tokens,
@@ -185,11 +209,14 @@ def _words(pool: torch.Tensor, model: MlaModel, role: str) -> torch.Tensor:
     return pool.view(torch.int16).view(shape)
 
 
-def fill(model: MlaModel, pool: torch.Tensor) -> None:
-    """A context rank's blocks: slot ``s`` holds prompt positions [s * tpb, (s + 1) * tpb)."""
+def fill(model: MlaModel, pool: torch.Tensor, cp_rank: int) -> None:
+    """A context rank's blocks: slot ``s`` holds its local positions [s * tpb, (s + 1) * tpb), the
+    prompt positions [s * tpb, (s + 1) * tpb) without CP, else its chunks' (``MlaModel.chunk``)."""
     words, tokens = _words(pool, model, "context"), model.tokens_per_block
+    held = model.chunk(cp_rank)
     for block in range(model.slots("context")):
-        words[block] = truth(model, torch.arange(block * tokens, (block + 1) * tokens))
+        positions = held[block * tokens : (block + 1) * tokens]
+        words[block, :, : len(positions)] = truth(model, positions)
 
 
 def expected(model: MlaModel, cp_rank: int, moved: tuple[int, int]) -> torch.Tensor:
@@ -226,7 +253,7 @@ def serve(spec: WorkerSpec[MlaModel], commands: Queue, replies: Queue) -> None:
         pool = memory.tensor
         pool.zero_()
         if spec.role == "context":
-            fill(model, pool)
+            fill(model, pool, spec.tp_rank % model.context_cp)
         doc = document(model, spec.role, spec.tp_rank, memory.descriptor())
         answer_commands(spec, DEPLOYMENT, doc, (commands, replies), partial(verify, spec, pool))
     finally:

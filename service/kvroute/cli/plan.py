@@ -26,7 +26,13 @@ from typing import Any
 
 from rich.console import Console
 
-from kvroute.geometry import GeometryError, RankRegistration, build_plan, check_registration
+from kvroute.geometry import (
+    GeometryError,
+    RankRegistration,
+    build_plan,
+    check_registration,
+    missing_ranks,
+)
 from kvroute.pictures import plan_svg
 from kvroute.render import plan_text
 
@@ -73,6 +79,11 @@ def add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument("--receiver", default="gen0", help="receiver (generation) instance name")
     parser.add_argument("--rank", type=int, help="receiver rank (local default: from its document)")
     parser.add_argument("--sender-dp-rank", type=int, default=0, help="sender attention-DP group")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        help="prompt length, for a sender whose CP ranks hold prefill chunks (contiguous, zigzag)",
+    )
     parser.add_argument("--format", choices=("text", "json", "svg"), default="text")
     parser.set_defaults(run=run_plan)
 
@@ -145,7 +156,7 @@ def sender_ranks(args: argparse.Namespace, deployment: str) -> list[RankRegistra
         check_registration(sender, senders, [])
         senders.append(sender)
     expected = senders[0].tp_size * senders[0].pp_size * senders[0].cp_size
-    missing = sorted(set(range(expected)) - {sender.rank for sender in senders})
+    missing = missing_ranks(expected, (sender.rank for sender in senders))
     if missing:
         given = ",".join(str(sender.rank) for sender in sorted(senders, key=lambda s: s.rank))
         raise IncompleteSender(
@@ -164,7 +175,9 @@ def local_plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.rank is not None:
         receiver = replace(receiver, rank=args.rank)
     check_registration(receiver, [], senders)
-    plan = build_plan(senders, receiver, sender_dp_rank=args.sender_dp_rank)
+    plan = build_plan(
+        senders, receiver, sender_dp_rank=args.sender_dp_rank, prompt_tokens=args.prompt_tokens
+    )
     return plan.to_json()
 
 
@@ -173,15 +186,16 @@ def fetch_plan(args: argparse.Namespace) -> str:
         raise PlanCommandError("--rank (the receiver rank) is required with --url")
     if args.deployment is None:
         raise PlanCommandError("--deployment is required with --url")
-    query = urllib.parse.urlencode(
-        {
-            "sender": args.sender,
-            "receiver": args.receiver,
-            "receiver_rank": args.rank,
-            "sender_dp_rank": args.sender_dp_rank,
-            "format": args.format,
-        }
-    )
+    params: dict[str, Any] = {
+        "sender": args.sender,
+        "receiver": args.receiver,
+        "receiver_rank": args.rank,
+        "sender_dp_rank": args.sender_dp_rank,
+        "format": args.format,
+    }
+    if args.prompt_tokens is not None:
+        params["prompt_tokens"] = args.prompt_tokens
+    query = urllib.parse.urlencode(params)
     deployment = urllib.parse.quote(args.deployment, safe="")
     url = f"{args.url.rstrip('/')}/v1/deployments/{deployment}/plans?{query}"
     request = urllib.request.Request(url)

@@ -19,12 +19,14 @@ from kvroute.store.admission import BatchResult, Outcome
 
 MAX_BATCH = 64  # bounds one transaction's lock hold and its statements' sizes
 
-AdmitBatch = Callable[[list[RankRegistration], datetime], Awaitable[BatchResult]]
+# (candidates, their engine leases or None, now) -> the batch's result
+AdmitBatch = Callable[[list[RankRegistration], list[str | None], datetime], Awaitable[BatchResult]]
 
 
 @dataclass
 class _Waiting:
     reg: RankRegistration
+    lease: str | None
     now: datetime
     answer: asyncio.Future[Outcome]
 
@@ -37,9 +39,12 @@ class Admissions:
         self._queues: dict[str, list[_Waiting]] = {}
         self._drains: dict[str, asyncio.Task[None]] = {}
 
-    async def submit(self, reg: RankRegistration, now: datetime) -> Outcome:
-        """The registration's outcome (a refusal is returned, not raised)."""
-        waiting = _Waiting(reg, now, asyncio.get_running_loop().create_future())
+    async def submit(
+        self, reg: RankRegistration, now: datetime, lease: str | None = None
+    ) -> Outcome:
+        """The registration's outcome (a refusal is returned, not raised); ``lease`` names the
+        engine lease that is to keep the rank."""
+        waiting = _Waiting(reg, lease, now, asyncio.get_running_loop().create_future())
         self._queues.setdefault(reg.deployment, []).append(waiting)
         if reg.deployment not in self._drains:
             self._drains[reg.deployment] = asyncio.create_task(
@@ -54,7 +59,9 @@ class Admissions:
                 batch = _take(queue)
                 try:
                     result = await self._admit_batch(
-                        [waiting.reg for waiting in batch], max(w.now for w in batch)
+                        [waiting.reg for waiting in batch],
+                        [waiting.lease for waiting in batch],
+                        max(w.now for w in batch),
                     )
                 except Exception as error:  # the database failed the whole batch
                     for waiting in batch:

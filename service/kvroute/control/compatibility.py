@@ -5,27 +5,43 @@ can still hold pairs that would refuse each other: rows admitted before a rule e
 kvroute), or ranks checked against peers that were expired at the time. The matrix re-runs the
 boundary's peer check on the live registrations, every rank of a generation instance against all
 ranks of a context instance, and names the first refusal. It reads the verdicts admission memoized
-per pair of geometry classes (``geometry.classes``), so a fleet of identical instances costs a few
-dictionary lookups per pair. An instance with
-missing or expired ranks is reported as incomplete: its pairs are not guessed at.
+per pair of geometry classes (``geometry.classes``), and a cell's outcome is a function of the two
+instances' *signatures* (each live rank's number and class), so it is computed once per pair of
+signatures: a fleet of 256 identical instances checks one pair and fills 16,384 cells from it
+(``kvroute.control.answers`` then keeps the rendering until the deployment's state changes). An
+instance with missing or expired ranks is reported as incomplete: its pairs are not guessed at.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvroute import wire
-from kvroute.geometry import GeometryError, RankRegistration, check_peers
-from kvroute.geometry.classes import VerdictMemo, check_peers_by_class, representatives
-from kvroute.store.engine import SessionMaker
-from kvroute.store.registrations import RegistrationCache, RegistrationMoved
-from kvroute.store.snapshots import deployment_states
+from kvroute.geometry import GeometryError, RankRegistration, check_peers, missing_ranks
+from kvroute.geometry.classes import (
+    VerdictMemo,
+    check_peers_by_class,
+    memoized_verdict,
+    representatives,
+)
+from kvroute.geometry.domains import (
+    DomainValue,
+    PairingPolicy,
+    instance_domains,
+    required_exclusion,
+    shared_domains,
+)
+from kvroute.store.registrations import RegistrationCache
+from kvroute.store.snapshots import InstanceState
 
+NO_POLICY = PairingPolicy()
 # Reads of the generations and documents before a matrix gives up on a deployment in churn.
 MATRIX_READS = 5
+
+
+Signature = tuple[tuple[int, str], ...]  # (rank, class digest) of each live rank, by rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,18 +50,31 @@ class InstanceRanks:
     role: str
     expected_ranks: int
     live: tuple[RankRegistration, ...]  # ordered by rank
+    # Derived once: every cell of the instance's row or column reads them.
+    missing_tuple: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    signature: Signature = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        missing = missing_ranks(self.expected_ranks, (reg.rank for reg in self.live))
+        object.__setattr__(self, "missing_tuple", tuple(missing))
+        signature = tuple((reg.rank, reg.class_digest) for reg in self.live)
+        object.__setattr__(self, "signature", signature)
 
     @property
     def missing(self) -> list[int]:
-        return sorted(set(range(self.expected_ranks)) - {reg.rank for reg in self.live})
+        return list(self.missing_tuple)
+
+    @property
+    def domains(self) -> dict[str, DomainValue]:
+        return instance_domains(reg.topology for reg in self.live)
 
     def summary(self) -> wire.CompatibilityInstance:
         return wire.CompatibilityInstance(
             instance=self.name,
             expected_ranks=self.expected_ranks,
             live_ranks=tuple(reg.rank for reg in self.live),
-            missing_ranks=tuple(self.missing),
-            complete=not self.missing,
+            missing_ranks=self.missing_tuple,
+            complete=not self.missing_tuple,
         )
 
 
@@ -73,47 +102,117 @@ def _refusal(
     }
 
 
+# A cell's outcome: the position in the generation instance's ``live`` of the first rank that
+# refuses the context instance, None when none does. It is a function of the two instances'
+# signatures (the verdicts are functions of class pairs; the representatives and the first
+# failing receiver follow rank order), so a matrix computes it once per pair of signatures.
+Outcome = int | None
+
+
+def first_refusing(
+    generation: InstanceRanks, senders: Sequence[RankRegistration], memo: VerdictMemo
+) -> Outcome:
+    """Where ``check_peers_by_class`` would first raise for the generation's ranks in rank order."""
+    passed: set[str] = set()
+    for index, receiver in enumerate(generation.live):
+        if receiver.class_digest in passed:
+            continue
+        if any(memoized_verdict(memo, receiver, peer) is not None for peer in senders):
+            return index
+        passed.add(receiver.class_digest)
+    return None
+
+
 def pair_verdict(
     context: InstanceRanks,
     generation: InstanceRanks,
     senders: Sequence[RankRegistration],
     memo: VerdictMemo,
+    outcome: Outcome
+    | Callable[[InstanceRanks, Sequence[RankRegistration], VerdictMemo], Outcome] = (
+        first_refusing
+    ),
 ) -> wire.CompatibilityPair:
     """One cell of the matrix; ``local`` is the generation rank's value, ``peer`` the context's.
 
-    ``senders`` are the context instance's class representatives; a receiver whose class already
-    passed needs no second look.
+    ``senders`` are the context instance's class representatives; ``outcome`` the cell's outcome
+    when known (a callable computes it, only for a complete pair).
     """
     names = {"context": context.name, "generation": generation.name}
-    incomplete = {side.name: side.missing for side in (context, generation) if side.missing}
-    if incomplete:
+    if context.missing_tuple or generation.missing_tuple:
+        incomplete = {
+            side.name: side.missing for side in (context, generation) if side.missing_tuple
+        }
         return wire.CompatibilityPair(
             **names, status="incomplete", compatible=None, missing_ranks=incomplete
         )
-    passed: set[str] = set()
-    for receiver in generation.live:
-        if receiver.class_digest in passed:
-            continue
-        try:
-            check_peers_by_class(receiver, senders, memo)
-        except GeometryError as error:
-            refusal = _refusal(error, receiver, context.live)
-            return wire.CompatibilityPair(
-                **names, status="incompatible", compatible=False, refusal=refusal
-            )
-        passed.add(receiver.class_digest)
-    return wire.CompatibilityPair(**names, status="compatible", compatible=True)
+    index = outcome(generation, senders, memo) if callable(outcome) else outcome
+    if index is None:
+        return wire.CompatibilityPair(**names, status="compatible", compatible=True)
+    receiver = generation.live[index]
+    try:
+        check_peers_by_class(receiver, senders, memo)  # the exact error, naming these instances
+    except GeometryError as error:
+        refusal = _refusal(error, receiver, context.live)
+        return wire.CompatibilityPair(
+            **names, status="incompatible", compatible=False, refusal=refusal
+        )
+    raise AssertionError(f"verdict memo disagrees with check_peers for {receiver.label()}")
+
+
+def with_pairing(
+    cell: wire.CompatibilityPair,
+    policy: PairingPolicy,
+    domains: tuple[dict[str, DomainValue], dict[str, DomainValue]],
+) -> wire.CompatibilityPair:
+    """The cell with its pairing under ``policy`` (none without one): allowed when compatible and
+    within every required domain, the domains both share, and the topology exclusion if any."""
+    if policy.empty:
+        return cell
+    mine, theirs = domains
+    exclusion = required_exclusion(policy, (cell.generation, mine), (cell.context, theirs))
+    pairing: dict[str, Any] = {
+        "allowed": bool(cell.compatible) and exclusion is None,
+        "shared_domains": shared_domains(mine, theirs),
+    }
+    if exclusion is not None:
+        pairing["exclusion"] = exclusion
+    return replace(cell, pairing=pairing)
 
 
 def compatibility_matrix(
-    deployment: str, instances: Sequence[InstanceRanks], memo: VerdictMemo
+    deployment: str,
+    instances: Sequence[InstanceRanks],
+    memo: VerdictMemo,
+    policy: PairingPolicy = NO_POLICY,
+    *,
+    only: str | None = None,
 ) -> wire.Compatibility:
+    """The matrix, or with ``only`` the column of that one generation instance.
+
+    Cells cost per pair of instance signatures, not per pair of ranks: a fleet of identical
+    instances checks one pair of instances and copies the answer into every cell.
+    """
     contexts = [item for item in instances if item.role == "context"]
-    generations = [item for item in instances if item.role == "generation"]
+    generations = [
+        item for item in instances if item.role == "generation" and only in (None, item.name)
+    ]
+    domains = {item.name: item.domains for item in instances} if not policy.empty else {}
+    # Signatures as small numbers: a cell then hashes two ints, not two tuples of 32 pairs.
+    numbers: dict[Signature, int] = {}
+    number = {item.name: numbers.setdefault(item.signature, len(numbers)) for item in instances}
+    outcomes: dict[tuple[int, int], Outcome] = {}
     pairs = []
     for context in contexts:
         senders = representatives(context.live)
-        pairs += [pair_verdict(context, g, senders, memo) for g in generations]
+        for g in generations:
+            key = (number[context.name], number[g.name])
+            if key not in outcomes and not (context.missing_tuple or g.missing_tuple):
+                outcomes[key] = first_refusing(g, senders, memo)
+            cell = pair_verdict(context, g, senders, memo, outcomes.get(key))
+            pairs.append(
+                with_pairing(cell, policy, (domains.get(g.name, {}), domains.get(context.name, {})))
+            )
     return wire.Compatibility(
         deployment=deployment,
         context=tuple(item.summary() for item in contexts),
@@ -122,34 +221,20 @@ def compatibility_matrix(
     )
 
 
-async def deployment_matrix(
-    sessionmaker: SessionMaker,
-    registrations: RegistrationCache,
-    verdicts: VerdictMemo,
-    deployment: str,
-    *,
-    now: datetime,
-) -> wire.Compatibility:
-    """The matrix of the deployment's live registrations; ``NotFound`` for an unknown one."""
-    for attempt in range(1, MATRIX_READS + 1):
-        states = await deployment_states(sessionmaker, deployment, now=now)
-        wanted = [(s.instance, rank, gen) for s in states for rank, gen in s.live.items()]
-        try:
-            live = await registrations.at(deployment, wanted)
-            break
-        except RegistrationMoved:
-            # A rank re-registered between the two reads: a read-only view just reads again.
-            if attempt == MATRIX_READS:
-                raise
-    instances = [
+async def instances_at(
+    registrations: RegistrationCache, deployment: str, states: Sequence[InstanceState]
+) -> list[InstanceRanks]:
+    """The instances with their live registrations at the generations ``states`` saw; raises
+    ``RegistrationMoved`` when a rank has moved on since."""
+    wanted = [(s.instance, rank, gen) for s in states for rank, gen in s.live.items()]
+    live = iter(await registrations.at(deployment, wanted))
+    # ``wanted`` lists each instance's ranks together, in rank order: cut ``live`` the same way.
+    return [
         InstanceRanks(
             state.instance,
             state.role,
             state.expected_ranks,
-            tuple(reg for reg in live if reg.instance == state.instance),
+            tuple(next(live) for _ in state.live),
         )
         for state in states
     ]
-    # On the event loop: verdicts are memoized per pair of geometry classes (shared with
-    # admission, which runs here too), so only a class pair never seen before costs a check.
-    return compatibility_matrix(deployment, instances, verdicts)

@@ -15,18 +15,23 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 from cachetools import LRUCache
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvroute.control.plans import PlanKey, PlanService, PlanUnavailable, ServedPlan
+from kvroute.control.plans import (
+    PlanKey,
+    PlanService,
+    PlanUnavailable,
+    ServedPlan,
+    require_complete,
+)
 from kvroute.geometry import GeometryError
 from kvroute.pictures import plan_svg
 from kvroute.render import plan_text
 from kvroute.store.snapshots import instance_state
 
-PlanFormat = Literal["json", "text", "svg"]
 # A plan set is re-read when a sender rank re-registers between two of its plans; past this many
 # reads the instance is changing too fast to answer one consistent set.
 PLAN_SET_ATTEMPTS = 3
@@ -173,13 +178,8 @@ class PlanAnswers:
         sessionmaker = self.service.sessionmaker
         for _ in range(PLAN_SET_ATTEMPTS):
             receiver = await instance_state(sessionmaker, key.deployment, key.receiver, now=now)
-            missing = sorted(set(range(receiver.expected_ranks)) - set(receiver.live))
-            if missing and receiver.role == "generation":
-                live = ",".join(map(str, sorted(receiver.live))) or "none"
-                raise PlanUnavailable(
-                    f"receiver instance {key.receiver} has ranks {live} of {receiver.expected_ranks} "
-                    f"live (missing or expired: {','.join(map(str, missing))})"
-                )
+            if receiver.role == "generation":  # other roles: the plans refuse them by role
+                require_complete("receiver", receiver)
             plans = [
                 await self.answer(
                     replace(key, receiver_rank=rank), plan_format, now=now, period=period

@@ -37,6 +37,7 @@ class PlanKey:
     receiver: str
     receiver_rank: int
     sender_dp_rank: int = 0
+    prompt_tokens: int | None = None  # a chunked (prefill CP) sender's plan is per prompt length
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,11 +70,18 @@ class PlanService:
         sender, receiver = states[key.sender], states[key.receiver]
         _require_live(sender, receiver, key.receiver_rank)
         generations = (tuple(sorted(sender.live.items())), receiver.live[key.receiver_rank])
-        hit = self._plans.get(key)
-        if hit is not None and hit[0] == generations:
-            return replace(hit[1], cached=True, build_seconds=None)
+        # A plan that serves any prompt is cached without the prompt length; only a chunked
+        # sender's plan, built for one prompt length, is cached under it.
+        general = replace(key, prompt_tokens=None)
+        for cache_key in (general, key):
+            hit = self._plans.get(cache_key)
+            if hit is not None and hit[0] == generations:
+                return replace(hit[1], cached=True, build_seconds=None)
         served = await self._build(key, sender, receiver.live[key.receiver_rank])
-        self._plans[key] = (generations, served)
+        self._plans[key if served.plan.prompt_tokens is not None else general] = (
+            generations,
+            served,
+        )
         return served
 
     async def _build(
@@ -89,7 +97,11 @@ class PlanService:
         started = time.perf_counter()
         # Planning is CPU-bound (milliseconds for per-token NHD plans): keep it off the event loop.
         plan = await asyncio.to_thread(
-            build_plan, senders, receiver, sender_dp_rank=key.sender_dp_rank
+            build_plan,
+            senders,
+            receiver,
+            sender_dp_rank=key.sender_dp_rank,
+            prompt_tokens=key.prompt_tokens,
         )
         elapsed = time.perf_counter() - started
         sender_generations = dict(sorted(sender.live.items()))
@@ -97,6 +109,17 @@ class PlanService:
             sender_generations=sender_generations, receiver_generation=receiver_generation
         )
         return ServedPlan(plan, sender_generations, receiver_generation, document, False, elapsed)
+
+
+def require_complete(side: str, state: InstanceState) -> None:
+    """Every rank of the instance is live, or ``PlanUnavailable`` naming the live and the missing."""
+    missing = state.missing
+    if missing:
+        live = ",".join(map(str, sorted(state.live))) or "none"
+        raise PlanUnavailable(
+            f"{side} instance {state.instance} has ranks {live} of {state.expected_ranks} live "
+            f"(missing or expired: {','.join(map(str, missing))})"
+        )
 
 
 def _require_live(sender: InstanceState, receiver: InstanceState, receiver_rank: int) -> None:
@@ -112,13 +135,7 @@ def _require_live(sender: InstanceState, receiver: InstanceState, receiver_rank:
                 peer=role,
                 stage="plan",
             )
-    missing = sorted(set(range(sender.expected_ranks)) - set(sender.live))
-    if missing:
-        live = ",".join(map(str, sorted(sender.live))) or "none"
-        raise PlanUnavailable(
-            f"sender instance {sender.instance} has ranks {live} of {sender.expected_ranks} live "
-            f"(missing or expired: {','.join(map(str, missing))})"
-        )
+    require_complete("sender", sender)
     if receiver_rank not in receiver.live:
         state = "expired" if receiver_rank in receiver.expired else "not registered"
         raise PlanUnavailable(

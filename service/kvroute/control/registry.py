@@ -10,37 +10,72 @@ to agree on them.
 
 from __future__ import annotations
 
-from datetime import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from cachetools import LRUCache
 
 from kvroute.control.admissions import Admissions
+from kvroute.control.answers import AnswerCache
+from kvroute.control.renewals import Renewals
 from kvroute.geometry import GeometryError, RankRegistration
 from kvroute.geometry.classes import Verdict
-from kvroute.store import admission, registry
+from kvroute.store import admission, engine_leases, events, lease_watch, registry
 from kvroute.store.engine import SessionMaker
-from kvroute.store.records import RegisterOutcome
+from kvroute.store.errors import LeaseExpired
+from kvroute.store.records import LeaseRecord, RankName, RegisterOutcome
 from kvroute.store.registrations import RegistrationCache
 
 VERDICT_CACHE_SIZE = 65_536  # pairs of geometry classes: a fleet has tens
 
 
+@dataclass(frozen=True, slots=True)
+class ReapRound:
+    """One round of the lease reaper: leases that ended in its window, ranks it removed (their
+    lease ended over the grace period ago) and the rank counts per instance afterwards."""
+
+    expired: list[tuple[RankName, datetime]]
+    reaped: list[RankName]
+    counts: dict[tuple[str, str], tuple[int, int]]
+
+
 class Registry:
+    """The rank registry's writes: admission, refusals, heartbeats, engine leases, deletions and
+    the reaper's rounds."""
+
     def __init__(self, sessionmaker: SessionMaker, *, rejection_log_size: int) -> None:
         self.sessionmaker = sessionmaker
         self.rejection_log_size = rejection_log_size
         self.registrations = RegistrationCache(sessionmaker)
         self.verdicts: LRUCache[tuple[str, str], Verdict] = LRUCache(VERDICT_CACHE_SIZE)
+        # The matrix and pairs answers as last rendered, with the state they were computed from.
+        self.answers = AnswerCache()
         self._admissions = Admissions(self._admit_batch)
+        # Called after each change this process commits (the event hub reads the log at once).
+        self.changed: Callable[[str], None] = lambda deployment: None
+        self._renewals = Renewals(sessionmaker)
 
-    async def register(self, reg: RankRegistration, *, now: datetime) -> RegisterOutcome:
-        """Admits, renews or re-registers ``reg`` in the next batch of its deployment; a refusal is
-        logged and raised as its ``GeometryError``, changing nothing."""
+    async def register(
+        self,
+        reg: RankRegistration,
+        *,
+        now: datetime,
+        engine_lease: str | None = None,
+        checked: bool = False,
+    ) -> RegisterOutcome:
+        """Admits, renews or re-registers ``reg`` in the next batch of its deployment, kept by
+        ``engine_lease`` when given (else by a lease of its own); a refusal is logged and raised as
+        its ``GeometryError``, changing nothing. A lease that is not live raises ``LeaseExpired``
+        (not a refusal: nothing is logged). ``checked``: the caller already ran
+        ``admission.prepare``'s checks (and refused their failures as this would)."""
         try:
-            await admission.prepare(reg)
-            outcome = await self._admissions.submit(reg, now)
-            if isinstance(outcome, GeometryError):
+            if not checked:
+                await admission.prepare(reg)
+            outcome = await self._admissions.submit(reg, now, engine_lease)
+            if isinstance(outcome, (GeometryError, LeaseExpired)):
                 raise outcome
+            self.changed(reg.deployment)
         except GeometryError as error:
             await self.refuse(
                 error, deployment=reg.deployment, instance=reg.instance, rank=reg.rank, now=now
@@ -49,7 +84,7 @@ class Registry:
         return outcome
 
     async def _admit_batch(
-        self, candidates: list[RankRegistration], now: datetime
+        self, candidates: list[RankRegistration], leases: list[str | None], now: datetime
     ) -> admission.BatchResult:
         return await admission.admit_batch(
             self.sessionmaker,
@@ -57,6 +92,7 @@ class Registry:
             now=now,
             registrations=self.registrations,
             verdicts=self.verdicts,
+            leases=leases,
         )
 
     async def dry_run(
@@ -89,4 +125,52 @@ class Registry:
     async def heartbeat(
         self, deployment: str, instance: str, rank: int, *, now: datetime
     ) -> datetime:
-        return await registry.heartbeat(self.sessionmaker, deployment, instance, rank, now=now)
+        return await self._renewals.heartbeat(deployment, instance, rank, now=now)
+
+    # Engine leases: one lease keeps many ranks (``kvroute.store.engine_leases``).
+
+    async def grant_lease(
+        self, deployment: str, lease_seconds: int, *, now: datetime
+    ) -> LeaseRecord:
+        return await engine_leases.grant(self.sessionmaker, deployment, lease_seconds, now=now)
+
+    async def renew_lease(self, deployment: str, lease_id: str, *, now: datetime) -> LeaseRecord:
+        return await self._renewals.renew_lease(deployment, lease_id, now=now)
+
+    async def lease(self, deployment: str, lease_id: str) -> LeaseRecord:
+        return await engine_leases.get(self.sessionmaker, deployment, lease_id)
+
+    async def revoke_lease(
+        self, deployment: str, lease_id: str, *, now: datetime
+    ) -> tuple[tuple[str, int], ...]:
+        """Removes the lease and the ranks it keeps; returns those ranks."""
+        ranks = await engine_leases.revoke(self.sessionmaker, deployment, lease_id, now=now)
+        self.changed(deployment)
+        return ranks
+
+    # Deletions (admin).
+
+    async def delete_rank(
+        self, deployment: str, instance: str, rank: int, *, now: datetime
+    ) -> None:
+        await registry.delete_rank(self.sessionmaker, deployment, instance, rank, now=now)
+        self.changed(deployment)
+
+    async def delete_instance(self, deployment: str, instance: str, *, now: datetime) -> None:
+        await registry.delete_instance(self.sessionmaker, deployment, instance, now=now)
+        self.changed(deployment)
+
+    # The lease reaper (``api.lifecycle``).
+
+    async def reap(self, *, since: datetime, now: datetime, grace: timedelta) -> ReapRound:
+        """Reports the leases that ended in ``(since, now]`` and removes the long-expired ranks."""
+        expired = await lease_watch.expired_between(self.sessionmaker, after=since, until=now)
+        reaped = await registry.reap_expired(self.sessionmaker, now=now, grace=grace)
+        counts = await lease_watch.rank_counts(self.sessionmaker, now=now)
+        return ReapRound(expired, reaped, counts)
+
+    async def reap_engine_leases(self, *, cutoff: datetime) -> None:
+        """Removes the engine leases that ended by ``cutoff`` with their ranks (reaped before),
+        or that never attached any, and trims the event log."""
+        await engine_leases.reap_expired(self.sessionmaker, cutoff=cutoff)
+        await events.trim(self.sessionmaker)

@@ -9,63 +9,38 @@ for in one statement; so each request's answer still comes from a read that bega
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from datetime import datetime
 
+from kvroute.control.waves import Waves
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import NotFound
 from kvroute.store.snapshots import InstanceState, instance_states
 
 States = dict[str, InstanceState]
-Waiting = tuple[set[str], datetime, "asyncio.Future[States]"]  # instances, clock reading, answer
+Asked = tuple[frozenset[str], datetime]  # instances, clock reading
 
 
 class StateReads:
     def __init__(self, sessionmaker: SessionMaker) -> None:
         self._sessionmaker = sessionmaker
-        self._waiting: dict[str, list[Waiting]] = {}
-        self._reading: set[str] = set()
+        self._waves: Waves[Asked, States] = Waves(self._read, name="state-reads")
 
     async def states(
         self, deployment: str, instances: Sequence[str], *, now: datetime
     ) -> dict[str, InstanceState]:
         """``instance_states`` of the instances, from a read that started after this call."""
-        answer: asyncio.Future[States] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(deployment, []).append((set(instances), now, answer))
-        if deployment not in self._reading:
-            self._reading.add(deployment)
-            asyncio.get_running_loop().create_task(self._read_waves(deployment))
-        states = await answer
+        states = await self._waves.submit(deployment, (frozenset(instances), now))
         missing = [name for name in instances if name not in states]
         if missing:
             raise NotFound(f"instance {missing[0]!r} of deployment {deployment!r} does not exist")
         return {name: states[name] for name in instances}
 
-    async def _read_waves(self, deployment: str) -> None:
-        try:
-            while wave := self._waiting.pop(deployment, []):
-                await self._read(deployment, wave)
-        finally:
-            self._reading.discard(deployment)
-
-    async def _read(
-        self,
-        deployment: str,
-        wave: list[Waiting],
-    ) -> None:
-        names = sorted(set().union(*(wanted for wanted, _, _ in wave)))
+    async def _read(self, deployment: str, wave: list[Asked]) -> list[States]:
+        names = sorted(set().union(*(wanted for wanted, _ in wave)))
         # Leases are judged at the latest clock reading among the wave's requests.
-        now = max(at for _, at, _ in wave)
-        try:
-            states = await instance_states(
-                self._sessionmaker, deployment, names, now=now, missing_ok=True
-            )
-        except Exception as error:
-            for _, _, answer in wave:
-                if not answer.done():
-                    answer.set_exception(error)
-            return
-        for _, _, answer in wave:
-            if not answer.done():
-                answer.set_result(states)
+        now = max(at for _, at in wave)
+        states = await instance_states(
+            self._sessionmaker, deployment, names, now=now, missing_ok=True
+        )
+        return [states] * len(wave)

@@ -275,6 +275,7 @@ async function deploymentPage(name) {
   done(
     `deployment:${name}`,
     el("h2", { id: "deployment-name" }, `Deployment ${name}`),
+    el("p", { id: "live", role: "status" }, liveText()),
     el("p", {}, `${deployment.live_ranks} live ranks, ${deployment.expired_ranks} expired, since ${deployment.created_at}`),
     ...instancesSection(instances),
     ...(await compatibilitySection(name, matrix)),
@@ -308,9 +309,12 @@ async function route() {
   const hash = location.hash || "#/";
   show("");
   try {
+    const deployment = hash.startsWith("#/deployments/") ? decodeURIComponent(hash.slice("#/deployments/".length)) : null;
+    // The deployment page redraws on each change of the deployment (watch.js), not on a timer.
+    followDeployment(deployment, () => deploymentPage(deployment).catch(failed));
     if (hash === "#/refusals") await refusalsPage();
     else if (hash === "#/preflight") preflightPage();
-    else if (hash.startsWith("#/deployments/")) await deploymentPage(decodeURIComponent(hash.slice("#/deployments/".length)));
+    else if (deployment !== null) await deploymentPage(deployment);
     else await deploymentsPage();
   } catch (error) {
     done("error");

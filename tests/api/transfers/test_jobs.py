@@ -18,7 +18,7 @@ from kvroute.api.keys import sessionmaker_key, transfer_service_key
 from kvroute.store import jobs
 from kvroute.store.engine import create_engine, make_sessionmaker
 from kvroute.store.jobs import INTERRUPTED
-from kvroute.store.models import TransferJob as JobRow
+from kvroute.store.models import TransferJobRow as JobRow
 from tests.api.conftest import ADMIN, WORKER
 from tests.api.transfers.world import (
     GATE_S,

@@ -3,7 +3,6 @@ a job can run), ``service`` (the facade the REST layer calls). Importing this pa
 data plane (torch); the app does so only when it starts its worker pool.
 """
 
-from kvroute.control.transfers.legs import TransferRequest
 from kvroute.control.transfers.service import ForeignJob, TransferService
 
-__all__ = ["ForeignJob", "TransferRequest", "TransferService"]
+__all__ = ["ForeignJob", "TransferService"]

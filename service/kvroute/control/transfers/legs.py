@@ -14,6 +14,7 @@ from datetime import datetime
 
 from cachetools import LRUCache
 
+from kvroute import wire
 from kvroute.control.plans import PlanKey, PlanService, PlanUnavailable, ServedPlan
 from kvroute.geometry import Pool
 from kvroute.store.registrations import RankAt, RegistrationMoved
@@ -26,30 +27,6 @@ from kvroute.transfer.plan import CopyPlan
 _BlockTarget = tuple[str, tuple[int, ...], str, int, Pool]  # list name, ids, instance, rank, pool
 COPY_PLAN_CACHE_SIZE = 1024  # compiled plans are immutable, keyed by fingerprint
 BLOCK_LISTS = ("src_blocks", "dst_blocks")
-
-
-@dataclass(frozen=True, slots=True)
-class TransferRequest:
-    """One ``POST /v1/deployments/{d}/transfers`` body, after schema validation."""
-
-    deployment: str
-    sender: str
-    receiver: str
-    receiver_ranks: tuple[int, ...]
-    src_blocks: tuple[int, ...]
-    dst_blocks: tuple[int, ...]
-    sender_dp_rank: int = 0
-    tokens: tuple[int, int] | None = None  # [start, end) to move; None: the lists pair up
-    src_first_token: int | None = None
-    dst_first_token: int | None = None
-    src_state_slot: int | None = None  # the request's recurrent-state slot on every sender rank
-    dst_state_slot: int | None = None
-    prompt_tokens: int | None = None  # sliding windows' prompt length; default: the range's end
-
-    @property
-    def names_tokens(self) -> bool:
-        """The request names a token range or a first token: the lists hold runs of the prompt."""
-        return (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,14 +49,18 @@ class LegResolver:
         self._memories = memories
         self._copy_plans: LRUCache[str, CopyPlan] = LRUCache(COPY_PLAN_CACHE_SIZE)
 
-    async def legs(self, request: TransferRequest, *, now: datetime) -> list[Leg]:
+    async def legs(
+        self, deployment: str, request: wire.TransferRequest, *, now: datetime
+    ) -> list[Leg]:
         """Every receiver rank's leg, each block id checked against the pools it addresses."""
-        legs = [await self._leg(request, rank, now) for rank in request.receiver_ranks]
+        legs = [await self._leg(deployment, request, rank, now) for rank in request.receiver_ranks]
         for leg in legs:
             _check_blocks(request, leg)
         return legs
 
-    def open(self, request: TransferRequest, legs: Iterable[Leg]) -> list[TransferLeg]:
+    def open(
+        self, deployment: str, request: wire.TransferRequest, legs: Iterable[Leg]
+    ) -> list[TransferLeg]:
         """Maps every pool a job touches (blocking: a backend may map memory or a device).
 
         Each pool is one use of the shared cache until ``release(job_memories(...))``; a pool
@@ -91,11 +72,12 @@ class LegResolver:
                 src, dst = {}, {}
                 for rank, pool_id in sending_pools(leg.copy_plan):
                     at = (request.sender, rank, leg.sender_generations[rank])
-                    src[rank, pool_id] = self._open(request, leg.sender_pools[rank, pool_id], at)
+                    pool = leg.sender_pools[rank, pool_id]
+                    src[rank, pool_id] = self._open(deployment, pool, at)
                     opened.append(src[rank, pool_id])
                 for pool_id in receiving_pools(leg.copy_plan):
                     at = (request.receiver, leg.receiver_rank, leg.receiver_generation)
-                    dst[pool_id] = self._open(request, leg.receiver_pools[pool_id], at)
+                    dst[pool_id] = self._open(deployment, leg.receiver_pools[pool_id], at)
                     opened.append(dst[pool_id])
                 legs_opened.append(TransferLeg(leg.copy_plan, src, dst))
         except BaseException:
@@ -103,20 +85,23 @@ class LegResolver:
             raise
         return legs_opened
 
-    async def _leg(self, request: TransferRequest, receiver_rank: int, now: datetime) -> Leg:
+    async def _leg(
+        self, deployment: str, request: wire.TransferRequest, receiver_rank: int, now: datetime
+    ) -> Leg:
         key = PlanKey(
-            request.deployment,
+            deployment,
             request.sender,
             request.receiver,
             receiver_rank,
             request.sender_dp_rank,
+            request.prompt_tokens,
         )
         served = await self._plans.get(key, now=now)
         copy_plan = self._copy_plan(served)
         senders = {rank for rank, _ in sending_pools(copy_plan)}
         wanted = [(request.sender, rank, served.sender_generations[rank]) for rank in senders]
         wanted.append((request.receiver, receiver_rank, served.receiver_generation))
-        pools = await self._pools(request.deployment, wanted)
+        pools = await self._pools(deployment, wanted)
         return Leg(
             copy_plan,
             receiver_rank,
@@ -148,9 +133,9 @@ class LegResolver:
             raise PlanUnavailable(f"{moved} (while the job was checked)") from None
         return {(reg.instance, reg.rank): reg.pools for reg in registrations}
 
-    def _open(self, request: TransferRequest, pool: Pool, at: RankAt) -> PoolMemory:
+    def _open(self, deployment: str, pool: Pool, at: RankAt) -> PoolMemory:
         instance, rank, generation = at
-        owner = PoolOwner(request.deployment, instance, rank, generation)
+        owner = PoolOwner(deployment, instance, rank, generation)
         try:
             return self._memories.open_pool(pool.memory, pool, owner)
         except PoolMemoryError as error:
@@ -185,7 +170,7 @@ def receiving_pools(plan: CopyPlan, *, state: bool | None = None) -> list[int]:
     )
 
 
-def _block_targets(request: TransferRequest, leg: Leg) -> Iterator[_BlockTarget]:
+def _block_targets(request: wire.TransferRequest, leg: Leg) -> Iterator[_BlockTarget]:
     """Block lists against block-view pools, the state slots against state-view pools. Block ids
     outside a view's window are checked too: a list names slots of the request either way."""
     plan = leg.copy_plan
@@ -204,7 +189,7 @@ def _block_targets(request: TransferRequest, leg: Leg) -> Iterator[_BlockTarget]
             yield dst_name, dst_ids, request.receiver, leg.receiver_rank, pool
 
 
-def _check_blocks(request: TransferRequest, leg: Leg) -> None:
+def _check_blocks(request: wire.TransferRequest, leg: Leg) -> None:
     """Every block id and state slot within every pool it addresses; names the id, the pool and
     its rank. A plan that moves state needs the state slots (the engine says so by name)."""
     for name, blocks, instance, rank, pool in _block_targets(request, leg):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 from datetime import datetime
 
 from prometheus_client import CollectorRegistry
@@ -19,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from kvroute import wire
 from kvroute.control.plans import PlanService
 from kvroute.control.transfers.journal import JobJournal
-from kvroute.control.transfers.legs import Leg, LegResolver, TransferRequest, job_memories
+from kvroute.control.transfers.legs import Leg, LegResolver, job_memories
 from kvroute.control.transfers.pool_sweep import PoolSweep
 from kvroute.geometry import TokenRange, TokenRangeError
 from kvroute.job_state import JobState
@@ -31,7 +32,7 @@ from kvroute.transfer.errors import TransferValidationError, UnknownJob
 from kvroute.transfer.jobs import CopyResult, TokenWindow, TransferJob
 from kvroute.transfer.metrics import pool_gauges
 from kvroute.transfer.opened import PoolMemoryCache
-from kvroute.transfer.workers import DrainReport, WorkerPool
+from kvroute.transfer.workers import DrainReport, WorkerPool, system_clock
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class TransferService:
         engine: CopyEngine | None = None,
         memories: PoolMemoryCache | None = None,
         replica: str = "",
+        clock: Callable[[], datetime] = system_clock,
     ) -> None:
         self._sessionmaker = sessionmaker
         self.workers = workers
@@ -69,6 +71,7 @@ class TransferService:
             engine=engine,
             on_update=self._journal.on_update,
             on_done=self._release,
+            clock=clock,
         )
         self.pools = PoolSweep(sessionmaker, self._memories)
         pool_gauges(registry, self._memories)
@@ -107,14 +110,16 @@ class TransferService:
             return f"{alive} of {self.workers} transfer workers alive"
         return "ok"
 
-    async def submit(self, request: TransferRequest, *, now: datetime) -> wire.TransferJob:
+    async def submit(
+        self, deployment: str, request: wire.TransferRequest, *, now: datetime
+    ) -> wire.TransferJob:
         """Check, store and queue one job; raises before storing anything when it cannot run."""
         window = _window(request)
         await self._journal.recover(now)
-        legs = await self._legs.legs(request, now=now)
+        legs = await self._legs.legs(deployment, request, now=now)
         if not request.names_tokens:
             _check_pairs(request, legs)
-        opened = await asyncio.to_thread(self._legs.open, request, legs)
+        opened = await asyncio.to_thread(self._legs.open, deployment, request, legs)
         queued = False
         try:
             job = TransferJob(
@@ -128,7 +133,8 @@ class TransferService:
             )
             # Splits the job into its copies (refusing a gap) and counts what they move.
             totals = self.pool.engine.totals(job)
-            record = await self._journal.create(job.job_id, _row(request, legs, totals), now=now)
+            row = _row(deployment, request, legs, totals)
+            record = await self._journal.create(job.job_id, row, now=now)
             try:
                 await self.pool.submit(job)
                 queued = True  # from here the pool releases the job's pools as it ends
@@ -166,28 +172,15 @@ class TransferService:
             return await jobs.get_job(self._sessionmaker, job_id)
 
 
-def _row(request: TransferRequest, legs: list[Leg], totals: CopyResult) -> jobs.NewJob:
+def _row(
+    deployment: str, request: wire.TransferRequest, legs: list[Leg], totals: CopyResult
+) -> jobs.NewJob:
     """The job's row: the request as given, the plans it ran on and what its copies move."""
-    return jobs.NewJob(
-        deployment=request.deployment,
-        sender=request.sender,
-        receiver=request.receiver,
-        receiver_ranks=request.receiver_ranks,
-        src_blocks=request.src_blocks,
-        dst_blocks=request.dst_blocks,
-        plan_fingerprint=",".join(leg.copy_plan.fingerprint for leg in legs),
-        bytes_total=totals.bytes,
-        fragments=totals.fragments,
-        tokens=request.tokens,
-        src_first_token=request.src_first_token,
-        dst_first_token=request.dst_first_token,
-        src_state_slot=request.src_state_slot,
-        dst_state_slot=request.dst_state_slot,
-        prompt_tokens=request.prompt_tokens,
-    )
+    fingerprint = ",".join(leg.copy_plan.fingerprint for leg in legs)
+    return jobs.NewJob(deployment, request, fingerprint, totals.bytes, totals.fragments)
 
 
-def _check_pairs(request: TransferRequest, legs: list[Leg]) -> None:
+def _check_pairs(request: wire.TransferRequest, legs: list[Leg]) -> None:
     """Lists without token members pair up one to one where both sides' blocks are one size
     (view pairs planned by period then hold the tokens both lists cover, checked per job)."""
     periodic = any(view.periodic for leg in legs for p in leg.copy_plan.senders for view in p.views)
@@ -199,13 +192,14 @@ def _check_pairs(request: TransferRequest, legs: list[Leg]) -> None:
         )
 
 
-def _window(request: TransferRequest) -> TokenWindow | None:
-    """The request's token window; None for lists that pair up one to one without a prompt
-    length (a prompt length alone keeps them paired where block sizes are equal)."""
+def _window(request: wire.TransferRequest) -> TokenWindow | None:
+    """The request's token members, checked; None for lists that pair up one to one without a
+    prompt length (a prompt length alone keeps them paired where block sizes are equal)."""
     if not request.names_tokens and request.prompt_tokens is None:
         return None
     try:
-        tokens = TokenRange(*request.tokens) if request.tokens is not None else None
+        given = request.tokens
+        tokens = None if given is None else TokenRange(given.start, given.end)
     except TokenRangeError as error:
         raise TransferValidationError(error.field, error.detail) from error
     return TokenWindow(
