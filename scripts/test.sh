@@ -8,4 +8,11 @@ cd "$(dirname "$0")/.."
 bash scripts/system-packages.sh
 bash scripts/postgres.sh
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
-exec .venv/bin/python -m pytest "$@"
+# pytest-xdist: three workers on a 2-core machine, because much of the suite waits on live servers,
+# child processes and PostgreSQL rather than computing. loadfile keeps a module on one worker (its
+# module-scoped fixtures are set up once; loadgroup cannot group under pytest 9.2, where xdist's
+# group suffix no longer reaches the node id); --no-loadscope-reorder keeps the collection order,
+# in which modules with slow tests come first (tests/conftest.py). KVROUTE_TEST_WORKERS overrides
+# the count (0 runs in this process); arguments in "$@" override any of it.
+exec .venv/bin/python -m pytest -n "${KVROUTE_TEST_WORKERS:-3}" --dist loadfile \
+    --no-loadscope-reorder "$@"

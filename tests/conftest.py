@@ -9,6 +9,12 @@ Several pytest processes on this machine may share the PostgreSQL database (each
 own suite), so a PostgreSQL test holds an exclusive file lock for its duration; tests of different
 processes interleave but never overlap. Select one backend with ``-m postgres`` / ``-m "not
 postgres"``; ``KVROUTE_TEST_POSTGRES_URL`` points the suite at another server or database.
+
+Under pytest-xdist (``scripts/test.sh`` runs the suite that way) each worker has its own database,
+the URL's name suffixed with the worker id (``kvroute_test_gw0``), so the workers of one run never
+wait for each other's lock; a module's tests run on one worker (``--dist loadfile``: module-scoped
+fixtures such as live servers, the browser and owner processes are set up once), modules with slow
+tests first.
 """
 
 from __future__ import annotations
@@ -30,10 +36,34 @@ from sqlalchemy.engine import make_url
 from kvroute.store import migrate
 from kvroute.store.models import Base
 
-POSTGRES_URL = os.environ.get(
-    "KVROUTE_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/kvroute_test"
-)
 LOCK_WAIT_SECONDS = 600.0
+
+
+def _worker_url(url: str) -> str:
+    """``url`` with the pytest-xdist worker id appended to its database name (unchanged without
+    xdist)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return url
+    parsed = make_url(url)
+    return parsed.set(database=f"{parsed.database}_{worker}").render_as_string(hide_password=False)
+
+
+POSTGRES_URL = _worker_url(
+    os.environ.get(
+        "KVROUTE_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/kvroute_test"
+    )
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under xdist (only workers collect), modules with slow tests first, each in its own order: with
+    ``--dist loadfile`` and ``--no-loadscope-reorder`` they start first and the short ones fill in
+    around them."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 def _asyncpg_dsn(url: str, database: str | None = None) -> str:

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvroute.geometry import (
     PeriodMap,
+    Spread,
     TokenRange,
     check_covered,
     prompt_length,
@@ -50,10 +51,10 @@ class Request:
         if pairs and "fragments" in view:
             return self._pairs(view, self.src_blocks, self.dst_blocks)
         period = PeriodMap.from_json(view) if "period_fragments" in view else None
-        spreads = {}
+        spreads = (Spread(), Spread())
         if period is not None:
             sizes = (period.src_tokens_per_block, period.dst_tokens_per_block)
-            spreads = {"src_spread": period.src_spread, "dst_spread": period.dst_spread}
+            spreads = (period.src_spread, period.dst_spread)
         else:
             sizes = (window["src_tokens_per_block"], window["dst_tokens_per_block"])
         span, src, dst = resolve_lists(
@@ -64,12 +65,13 @@ class Request:
             src_first_token=self.firsts[0],
             dst_first_token=self.firsts[1],
             prompt_tokens=self.prompt_tokens,
-            **spreads,
+            src_spread=spreads[0],
+            dst_spread=spreads[1],
         )
         if window is not None:
             prompt = prompt_length(self.tokens, self.prompt_tokens)
             assert prompt is not None, "a windowed plan needs the prompt length"
-            part = windowed_range(span, window_start(window["tokens"], prompt, *sizes))
+            part = windowed_range(span, window_start(window["tokens"], prompt, *sizes, spreads))
             if part is None:
                 return []
             span = part

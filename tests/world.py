@@ -16,7 +16,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvroute.geometry import RankRegistration
+import numpy as np
+
+from kvroute.geometry import RankRegistration, check_registration
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ class Side:
     shared_state_pool: bool = False  # state regions in pool 0, overlapping the block regions
     cp_size: int = 1  # context parallelism: prompt tokens dealt round robin to the CP ranks
     cp_interleave: int = 1  # ... this many at a time
+    quantization: tuple[tuple[str, Any], ...] = ()  # the document's kv_quantization members
+    cp_layout: str = "interleaved"  # or prefill chunks: "contiguous", "zigzag"
+    prompt_tokens: int = 0  # the prompt the chunks split (chunked layouts)
 
     @property
     def pp_size(self) -> int:
@@ -87,11 +92,42 @@ class Side:
             (rank % self.cp_size),
         )
 
+    @property
+    def chunked(self) -> bool:
+        return self.cp_size > 1 and self.cp_layout != "interleaved"
+
+    def chunk_tokens(self, cp_rank: int) -> np.ndarray:
+        """A chunked CP rank's prompt positions in local order: numpy's array_split of the prompt
+        into cp (contiguous) or 2 cp (zig-zag: rank r takes chunks r and 2 cp - 1 - r) chunks."""
+        c = self.cp_size
+        zigzag = self.cp_layout == "zigzag"
+        parts = np.array_split(np.arange(self.prompt_tokens), 2 * c if zigzag else c)
+        chunks = (cp_rank, 2 * c - 1 - cp_rank) if zigzag else (cp_rank,)
+        return np.concatenate([parts[chunk] for chunk in chunks])
+
     def prompt_position(self, cp_rank: int, local: Any) -> Any:
         """The prompt position at local cache position ``local`` of CP rank ``cp_rank``: chunks of
-        ``cp_interleave`` tokens dealt round robin."""
+        ``cp_interleave`` tokens dealt round robin, or the rank's prefill chunks back to back
+        (past them, positions from the prompt's end on: filler no transfer may move)."""
+        if self.chunked:
+            held, at = self.chunk_tokens(cp_rank), np.asarray(local)
+            past = self.prompt_tokens + at - len(held)
+            inside = held[np.clip(at, 0, len(held) - 1)] if len(held) else past
+            position = np.where(at < len(held), inside, past)
+            return int(position) if position.ndim == 0 else position
         n, c = self.cp_interleave, self.cp_size
         return local // n * (n * c) + cp_rank * n + local % n
+
+    def holder(self, position: int) -> tuple[int, int]:
+        """(CP rank, local position) of a prompt position (below ``prompt_tokens`` if chunked)."""
+        if self.chunked:
+            for cp_rank in range(self.cp_size):
+                found = np.flatnonzero(self.chunk_tokens(cp_rank) == position)
+                if len(found):
+                    return cp_rank, int(found[0])
+            raise ValueError(f"position {position} is past the {self.prompt_tokens}-token prompt")
+        n, c = self.cp_interleave, self.cp_size
+        return position // n % c, position // (n * c) * n + position % n
 
 
 def true_heads(total: int, tp: int, q: int) -> list[int]:
@@ -223,6 +259,7 @@ def _rank_doc(
         "cp_size": side.cp_size,
         "cp_rank": cp_rank,
         "cp_interleave": side.cp_interleave,
+        "cp_layout": side.cp_layout,
         "layers_per_stage": list(side.layers_per_stage),
         "num_draft_layers": side.num_draft_layers,
         "tokens_per_block": side.tokens_per_block,
@@ -235,6 +272,7 @@ def _rank_doc(
         "pools": pools,
         "views": views,
         "lease_seconds": 30,
+        **({"kv_quantization": dict(side.quantization)} if side.quantization else {}),
     }
 
 
@@ -274,3 +312,15 @@ def instance(
         for r, layout in enumerate(layouts)
     ]
     return regs, layouts
+
+
+def admitted(
+    classes: list[ViewClass], ctx: Side, gen: Side
+) -> tuple[list[RankRegistration], list[Layout], list[RankRegistration], list[Layout]]:
+    """Both instances of a world, each checked against the other as registration checks it (a
+    refusal raises): context ranks and layouts, then generation ranks and layouts."""
+    senders, sender_layouts = instance(ctx, classes, "ctx")
+    receivers, receiver_layouts = instance(gen, classes, "gen")
+    check_registration(senders[0], senders[1:], receivers)
+    check_registration(receivers[-1], receivers[:-1], senders)
+    return senders, sender_layouts, receivers, receiver_layouts
