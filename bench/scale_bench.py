@@ -23,6 +23,10 @@ layer order, gaps, padded slot and stride, other view and pool ids; deterministi
 the geometry, and so every verdict, stays the fleet's, but the documents all differ. Each layout
 mode runs every configuration; random-layout columns are named ``CONFIG random``.
 
+``--issue22`` runs issue 22's fleet instead (``fleet_phases.py``: 8,192 ranks of 32-rank
+instances, per-rank and engine leases side by side, renewal rounds and SSE watchers; ``--ranks``,
+``--watchers`` and ``--lease-modes`` bound it).
+
 ``--profile DIR`` records each server with py-spy (collapsed stacks, one file per server).
 ``--baseline OLD/service`` first runs the same phases against another checkout's kvroute on
 PostgreSQL (e.g. ``git worktree add /tmp/old <commit>``) and adds a column with the ratio.
@@ -52,6 +56,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
+import fleet_phases
 from kvroute.geometry import RankRegistration
 from kvroute.live import LiveServer
 from kvroute.store import migrate
@@ -76,9 +81,17 @@ RATIOS = [
     ("postgres-2", "postgres", "2 replicas / 1"),
     ("postgres random", "baseline random", "random: postgres / baseline"),
     ("postgres random", "postgres", "random / identical layouts"),
+    ("postgres engine", "postgres per-rank", "postgres: engine / per-rank"),
+    ("sqlite engine", "sqlite per-rank", "sqlite: engine / per-rank"),
+    ("postgres engine", "baseline engine", "engine: postgres / baseline"),
+    ("postgres per-rank", "baseline per-rank", "per-rank: postgres / baseline"),
 ]
 
 Request = Callable[[aiohttp.ClientSession, str], Awaitable[None]]
+
+
+# Each running server's process id by its base URL: drive() reports the CPU each phase cost it.
+SERVER_PIDS: dict[str, int] = {}
 
 
 @dataclass
@@ -86,6 +99,9 @@ class Phase:
     name: str
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)  # in submission order
+    # CPU seconds spent during the phase: the servers together, and this load generator.
+    server_cpu: float | None = None  # None: the phase did not go through drive()
+    client_cpu: float = 0.0
 
     @property
     def throughput(self) -> float:
@@ -125,10 +141,25 @@ async def drive(
             await request(session, base)
             phase.latencies[index] = time.perf_counter() - started
 
+    pids = [SERVER_PIDS[base] for base in bases if base in SERVER_PIDS]
+    cpu = _server_cpu(pids), time.process_time()
     started = time.perf_counter()
     await asyncio.gather(*(client(bases[c % len(bases)]) for c in range(CLIENTS)))
     phase.seconds = time.perf_counter() - started
+    phase.server_cpu = _server_cpu(pids) - cpu[0]
+    phase.client_cpu = time.process_time() - cpu[1]
     return phase
+
+
+def _server_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes have used so far."""
+    ticks = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            # Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+            fields = stat.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def fleet(instances: int) -> list[tuple[str, RankRegistration]]:
@@ -246,9 +277,12 @@ def servers(config: str, workdir: Path, baseline: Path | None = None) -> Iterato
                 env={"KVROUTE_REPLICA_ID": f"bench-{index}", **source},
             )
             started.append(server.start())
+            if server.process is not None:
+                SERVER_PIDS[server.url] = server.process.pid
         yield started
     finally:
         for server in started:
+            SERVER_PIDS.pop(server.url, None)
             server.stop()
 
 
@@ -323,27 +357,67 @@ def report(results: dict[str, list[Phase]]) -> None:
 
 
 def _ratio(top: Phase, bottom: Phase, measure: str) -> str:
+    """How many times better the top configuration is (time: faster; growth: the two growths)."""
+    if not top.latencies or not bottom.latencies:
+        return ""
     if measure == "req/s":
         return f"{top.throughput / bottom.throughput:.2f}x"
+    if measure == "total s":
+        return f"{bottom.seconds / top.seconds:.2f}x faster"
+    if measure in ("p50 ms", "p99 ms"):
+        fraction = 0.5 if measure == "p50 ms" else 0.99
+        return f"{bottom.percentile(fraction) / top.percentile(fraction):.2f}x faster"
+    if measure == "server CPU ms / req":  # how many times less CPU the top configuration costs
+        costs = _cpu_per_request(bottom), _cpu_per_request(top)
+        return f"{costs[0] / costs[1]:.2f}x less" if costs[0] and costs[1] else ""
     if measure.startswith("ms"):  # time: how many times faster the top configuration is
         return (
             f"{statistics.median(bottom.latencies) / statistics.median(top.latencies):.1f}x faster"
         )
+    if measure.startswith("p50 last"):
+        return f"{_growth(top).split()[0]} vs {_growth(bottom).split()[0]}"
     return ""
 
 
 def _measures(phase: Phase) -> list[tuple[str, Callable[[Phase], str]]]:
     if phase.name.startswith("compatibility"):
         return [("ms (median)", lambda p: f"{statistics.median(p.latencies) * 1e3:.0f}")]
+    if "watchers" in phase.name:
+        return [
+            ("deliveries", lambda p: f"{len(p.latencies):,}"),
+            ("p50 ms", lambda p: f"{p.percentile(0.5) * 1e3:.1f}"),
+            ("p99 ms", lambda p: f"{p.percentile(0.99) * 1e3:.1f}"),
+        ]
     rows: list[tuple[str, Callable[[Phase], str]]] = [
         ("req/s", lambda p: f"{p.throughput:.0f}"),
         ("p50 ms", lambda p: f"{p.percentile(0.5) * 1e3:.1f}"),
         ("p99 ms", lambda p: f"{p.percentile(0.99) * 1e3:.1f}"),
+        ("CPU, % of a core: server(s) / load gen", _cpu_shares),
+        ("server CPU ms / req", _cpu_cost),
     ]
-    if phase.name.startswith("register"):
+    if phase.name.startswith(("register", "renewal round", "renewals paced")):
         rows.insert(0, ("total s", lambda p: f"{p.seconds:.1f}"))
+    if phase.name.startswith("register"):
         rows.append(("p50 last / first quarter", _growth))
     return rows
+
+
+def _cpu_shares(phase: Phase) -> str:
+    if phase.server_cpu is None or not phase.seconds:
+        return ""
+    server, client = phase.server_cpu / phase.seconds, phase.client_cpu / phase.seconds
+    return f"{100 * server:.0f} / {100 * client:.0f}"
+
+
+def _cpu_per_request(phase: Phase) -> float | None:
+    if phase.server_cpu is None or not phase.latencies:
+        return None
+    return phase.server_cpu / len(phase.latencies)
+
+
+def _cpu_cost(phase: Phase) -> str:
+    cost = _cpu_per_request(phase)
+    return "" if cost is None else f"{cost * 1e3:.2f}"
 
 
 def _growth(phase: Phase) -> str:
@@ -369,7 +443,11 @@ def main() -> None:
     parser.add_argument(
         "--instances", type=int, default=INSTANCES, help="instances of each role (32: 1,024 ranks)"
     )
+    fleet_phases.add_arguments(parser)
     args = parser.parse_args()
+    if args.issue22:
+        report(fleet_phases.issue22(sys.modules[__name__], args))
+        return
     configs = args.configs.split(",")
     if args.baseline:
         configs.insert(0, "baseline")
