@@ -3,13 +3,16 @@
 A job's row is written first and the job is queued second, under the row's id: a process that dies
 with a job queued or running leaves a row that its next start marks interrupted, so no job ever ran
 unrecorded and any replica can answer ``GET`` for it. The worker pool's state changes reach the
-rows through one writer task, in the order the pool reported them.
+rows through one writer task, in the order the pool reported them. A report the database could
+not take (a timeout, a lock wait, a broken connection) is written again until it lands: a report
+dropped there left its job ``running`` in every replica's answer until this replica restarted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from datetime import UTC, datetime
 
@@ -18,9 +21,16 @@ from kvroute.job_state import JobState
 from kvroute.store import jobs
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import InvalidTransition
+from kvroute.store.faults import database_fault
 from kvroute.transfer.jobs import JobStatus
 
 log = logging.getLogger(__name__)
+
+# Backoff between attempts at one report while the database is in trouble: short at first (a
+# statement cut by a stalled process succeeds at once), then once a second, without end (close()
+# cancels the writer; the next start fails whatever is still in flight).
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 1.0
 
 
 class JobJournal:
@@ -86,12 +96,33 @@ class JobJournal:
         while True:
             status = await self._updates.get()
             try:
-                await self._store(status)
+                await self._store_until_stored(status)
             except Exception:
-                # A lost update leaves the row behind the pool; the next start fails it.
-                log.warning("could not store transfer job %s update", status.job_id, exc_info=True)
+                # Not a database fault but a bug: the row stays behind; the next start fails it.
+                log.exception("could not store transfer job %s update", status.job_id)
             finally:
                 self._updates.task_done()
+
+    async def _store_until_stored(self, status: JobStatus) -> None:
+        pause = RETRY_FIRST_S
+        for attempt in itertools.count(1):
+            try:
+                await self._store(status)
+                return
+            except Exception as error:
+                fault = database_fault(error)
+                if fault is None:
+                    raise
+                log.warning(
+                    "transfer job %s: %s not stored (attempt %d, %s); retrying in %.2f s",
+                    status.job_id,
+                    status.state,
+                    attempt,
+                    fault.cause,
+                    pause,
+                )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RETRY_MAX_S)
 
     async def _store(self, status: JobStatus) -> None:
         if status.state is JobState.QUEUED:
