@@ -57,16 +57,8 @@ def check_rank_fields(reg: RankRegistration, peer: RankRegistration) -> None:
         ):
             continue
         if mine != theirs:
-            raise GeometryError(
-                code,
-                f"{field} differs from {peer.label()}: local={mine}, peer={theirs}",
-                field=field,
-                local=mine,
-                peer=theirs,
-                stage="peer",
-                peer_instance=peer.instance,
-                peer_rank=peer.rank,
-            )
+            detail = f"{field} differs from {peer.label()}: local={mine}, peer={theirs}"
+            raise GeometryError.against(peer, code, detail, field=field, local=mine, theirs=theirs)
 
 
 def matched_pairs(reg: RankRegistration, peer: RankRegistration) -> list[MatchedPair]:

@@ -6,7 +6,7 @@ kvroute's source, and carries a stable ``code`` that clients and metrics can swi
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 Stage = Literal["schema", "self", "instance", "peer", "plan", "plan_document", "request"]
 
@@ -19,6 +19,13 @@ _TITLES: dict[Stage, str] = {
     "plan_document": "Malformed plan document",
     "request": "The request lacks what this geometry needs",
 }
+
+
+class _Ranked(Protocol):
+    @property
+    def instance(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
 
 
 class GeometryError(ValueError):
@@ -45,6 +52,22 @@ class GeometryError(ValueError):
         self.stage: Stage = stage
         self.peer_instance = peer_instance
         self.peer_rank = peer_rank
+
+    @classmethod
+    def against(
+        cls, peer: _Ranked, code: str, detail: str, *, field: str, local: Any, theirs: Any
+    ) -> GeometryError:
+        """A refusal found comparing with ``peer``: names it, and the value it holds."""
+        return cls(
+            code,
+            detail,
+            field=field,
+            local=local,
+            peer=theirs,
+            stage="peer",
+            peer_instance=peer.instance,
+            peer_rank=peer.rank,
+        )
 
     def to_problem(self) -> dict[str, Any]:
         """The RFC 9457 members of this refusal; the HTTP layer adds ``status``."""

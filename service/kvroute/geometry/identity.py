@@ -111,16 +111,8 @@ def differences(
 def check_identity(reg: _Identified, peer: _Identified) -> None:
     """The first peer stage: both ranks serve the same model with the same KV format."""
     for code, field, mine, theirs in differences(reg, peer, strict=False)[:1]:
-        raise GeometryError(
-            code,
-            f"{field} differs from {peer.label()}: local={mine}, peer={theirs}",
-            field=field,
-            local=mine,
-            peer=theirs,
-            stage="peer",
-            peer_instance=peer.instance,
-            peer_rank=peer.rank,
-        )
+        detail = f"{field} differs from {peer.label()}: local={mine}, peer={theirs}"
+        raise GeometryError.against(peer, code, detail, field=field, local=mine, theirs=theirs)
 
 
 def is_scale_view(roles: frozenset[str]) -> bool:

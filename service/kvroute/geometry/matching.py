@@ -109,16 +109,8 @@ def _match_error(
     *,
     local: object = None,
 ) -> GeometryError:
-    return GeometryError(
-        code,
-        detail,
-        field=field,
-        local=local if local is not None else view.view_id,
-        peer=peer_value,
-        stage="peer",
-        peer_instance=peer.instance,
-        peer_rank=peer.rank,
-    )
+    mine = local if local is not None else view.view_id
+    return GeometryError.against(peer, code, detail, field=field, local=mine, theirs=peer_value)
 
 
 def _span(layers: frozenset[int] | set[int]) -> str:

@@ -229,13 +229,11 @@ class PairFailer:
     ) -> GeometryError:
         index = next(i for i, view in enumerate(self.local.views) if view is self.view)
         detail = reason or f"{attribute} differs: local={mine}, peer={theirs}"
-        return GeometryError(
+        return GeometryError.against(
+            self.peer,
             code,
             f"{self.view.label()} of {self.local.label()} vs {self.peer.label()}: {detail}",
             field=f"views[{index}].{attribute}",
             local=mine,
-            peer=theirs,
-            stage="peer",
-            peer_instance=self.peer.instance,
-            peer_rank=self.peer.rank,
+            theirs=theirs,
         )

@@ -91,17 +91,15 @@ def pair_window(
     )
     if receiver is None:
         index = next(i for i, candidate in enumerate(local.views) if candidate is view)
-        raise GeometryError(
+        raise GeometryError.against(
+            peer,
             "sliding_window_mismatch",
             f"{view.label()} of {local.label()} vs {peer.label()}: the context side keeps only the "
             f"last {sender} tokens of these layers (sliding_window={sender}) but the generation "
             "side attends over all of them (no sliding_window); the stale blocks never arrive",
             field=f"views[{index}].sliding_window",
             local=view.sliding_window,
-            peer=theirs.sliding_window,
-            stage="peer",
-            peer_instance=peer.instance,
-            peer_rank=peer.rank,
+            theirs=theirs.sliding_window,
         )
     tokens = receiver if sender is None else min(sender, receiver)
     return Window(tokens, sender, receiver, src_tokens, dst_tokens)
