@@ -161,20 +161,22 @@ class EventHub:
         """Waits until the feed passes ``cursor``; False after a quiet keepalive period."""
         async with feed.grown:
             try:
-                await asyncio.wait_for(
-                    feed.grown.wait_for(lambda: feed.revision > cursor or self._closed),
-                    self.keepalive_seconds,
-                )
+                async with asyncio.timeout(self.keepalive_seconds):
+                    await feed.grown.wait_for(lambda: feed.revision > cursor or self._closed)
             except TimeoutError:
                 return False
         return True
 
     # Reading the log.
 
+    # The hub's loops end on ``_closed`` as well as on cancellation: on Python 3.11,
+    # ``asyncio.wait_for`` returns normally when its awaitable completes as the task is cancelled,
+    # and a pump that swallowed close()'s one cancel kept the app's shutdown waiting forever.
     async def _pump(self) -> None:
-        while True:
+        while not self._closed:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.poll_seconds)
+                async with asyncio.timeout(self.poll_seconds):
+                    await self._wake.wait()
                 self._wake.clear()
             for deployment, feed in list(self._feeds.items()):
                 try:
@@ -203,7 +205,7 @@ class EventHub:
 
         url = make_url(engine_of(self.sessionmaker).url).set(drivername="postgresql")
         dsn = url.render_as_string(hide_password=False)
-        while True:
+        while not self._closed:
             try:
                 await self._listen_once(await asyncpg.connect(dsn))
             except (OSError, asyncpg.PostgresError):
@@ -228,7 +230,7 @@ class EventHub:
         self._wake.set()
 
     async def _note_expiries(self) -> None:
-        while True:
+        while not self._closed:
             await asyncio.sleep(self.expiry_seconds)
             try:
                 if await log_store.note_expiries(self.sessionmaker, now=self.clock()):
