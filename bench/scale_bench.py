@@ -59,7 +59,6 @@ from sqlalchemy.engine import make_url
 import fleet_phases
 from kvroute.geometry import RankRegistration
 from kvroute.live import LiveServer
-from kvroute.store import migrate
 from layouts import relayout
 from plan_bench import Model, instance
 
@@ -75,6 +74,7 @@ POSTGRES_URL = os.environ.get(
     "KVROUTE_BENCH_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/kvroute_scale_bench"
 )
 REQUEST_TIMEOUT_SECONDS = 60.0
+SERVICE = Path(__file__).resolve().parents[1] / "service"  # the tree this bench measures
 # (configuration, configuration it is compared with, column title)
 RATIOS = [
     ("postgres", "baseline", "postgres / baseline"),
@@ -251,20 +251,21 @@ def servers(config: str, workdir: Path, baseline: Path | None = None) -> Iterato
     (its ``service`` directory) as the ``baseline`` configuration, on PostgreSQL."""
     count = 2 if config.endswith("-2") else 1
     url = None
-    source = {"PYTHONPATH": str(baseline)} if config == "baseline" and baseline else {}
+    # Each server imports kvroute from the tree it measures, never from whatever the environment
+    # has installed (an editable install of another checkout made two runs compare a tree with
+    # itself).
+    tree = baseline if config == "baseline" and baseline else SERVICE
+    source = {"PYTHONPATH": str(tree)}
     if config.startswith(("postgres", "baseline")):
         url = POSTGRES_URL
         asyncio.run(fresh_postgres(url))
-        if source:  # that checkout's own migrations
-            upgrade = [sys.executable, "-m", "kvroute", "db", "upgrade"]
-            subprocess.run(
-                upgrade,
-                env={**_plain_env(), **source, "KVROUTE_DATABASE_URL": url},
-                check=True,
-                capture_output=True,
-            )
-        else:
-            migrate.upgrade(url)
+        upgrade = [sys.executable, "-m", "kvroute", "db", "upgrade"]  # that tree's migrations
+        subprocess.run(
+            upgrade,
+            env={**_plain_env(), **source, "KVROUTE_DATABASE_URL": url},
+            check=True,
+            capture_output=True,
+        )
     started: list[LiveServer] = []
     try:
         for index in range(count):
