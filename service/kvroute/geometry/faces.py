@@ -25,7 +25,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from kvroute.geometry.identity import KvQuantization, ModelIdentity
-from kvroute.geometry.parts import Axis, Kind, Owner, Role, View
+from kvroute.geometry.parts import Axis, Kind, Owner, Role, View, view_label
 
 if TYPE_CHECKING:
     from kvroute.geometry.model import RankRegistration
@@ -73,8 +73,7 @@ class ViewFace:
         return self.axis is Axis.STATE
 
     def label(self) -> str:
-        state = " state" if self.is_state else ""
-        return f"view {self.view_id} ({self.owner}, roles={sorted(self.roles)}, {self.kind}{state})"
+        return view_label(self)
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,8 +158,13 @@ class View:
         return self.num_kv_heads is None
 
     def label(self) -> str:
-        state = " state" if self.is_state else ""
-        return f"view {self.view_id} ({self.owner}, roles={sorted(self.roles)}, {self.kind}{state})"
+        return view_label(self)
+
+
+def view_label(view: Any) -> str:
+    """How refusals name a view (a ``View`` or its face)."""
+    state = " state" if view.is_state else ""
+    return f"view {view.view_id} ({view.owner}, roles={sorted(view.roles)}, {view.kind}{state})"
 
 
 @dataclass(frozen=True, slots=True)

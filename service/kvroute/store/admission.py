@@ -60,6 +60,11 @@ from kvroute.store.registrations import RegistrationCache
 
 RANKS = RankRow.__table__
 LEASES = EngineLeaseRow.__table__
+# Admission fences what it judged expired, ranks and engine leases alike: never renewed again.
+FENCED = (
+    (RANKS, RANKS.c.lease_expires_at, "ranks_fenced"),
+    (LEASES, LEASES.c.expires_at, "leases_fenced"),
+)
 DEPLOYMENTS = DeploymentRow.__table__
 # A registration naming an engine lease that is not live is answered ``LeaseExpired``.
 Outcome = RegisterOutcome | GeometryError | LeaseExpired
@@ -277,9 +282,18 @@ async def _open(connection: AsyncConnection, deployment: str, now: datetime) -> 
         values = {"key_deployment": deployment, "now": now}
         return (await connection.execute(_opening_statement(), values)).scalar_one()
     at = await _judge_at(connection, deployment, now)
-    await _fence_expired(connection, deployment, at)
-    await engine_leases.fence_expired(connection, deployment, at)
+    for table, expiry, _ in FENCED:
+        await connection.execute(_fence(table, expiry, deployment, at))
     return at
+
+
+def _fence(table: Any, expiry: Any, deployment: Any, at: Any) -> Any:
+    """``table``'s rows of ``deployment`` whose lease ended by ``at``, fenced at ``at``."""
+    return (
+        update(table)
+        .where(table.c.deployment == deployment, expiry <= at, table.c.fenced_at.is_(None))
+        .values(fenced_at=at)
+    )
 
 
 @functools.cache
@@ -297,16 +311,7 @@ def _opening_statement() -> Any:
     ).returning(DEPLOYMENTS.c.checked_at)
     judged = judged.cte("judged")
     at = select(judged.c.checked_at).scalar_subquery()
-    fences = (
-        update(table)
-        .where(table.c.deployment == deployment, expiry <= at, table.c.fenced_at.is_(None))
-        .values(fenced_at=at)
-        .cte(name)
-        for table, expiry, name in (
-            (RANKS, RANKS.c.lease_expires_at, "ranks_fenced"),
-            (LEASES, LEASES.c.expires_at, "leases_fenced"),
-        )
-    )
+    fences = (_fence(table, expiry, deployment, at).cte(name) for table, expiry, name in FENCED)
     return select(judged.c.checked_at).add_cte(*fences)
 
 
@@ -319,15 +324,3 @@ async def _judge_at(connection: AsyncConnection, deployment: str, now: datetime)
         index_elements=[table.c.name], set_={"checked_at": newest}
     ).returning(table.c.checked_at)
     return (await connection.execute(statement)).scalar_one()
-
-
-async def _fence_expired(connection: AsyncConnection, deployment: str, at: datetime) -> None:
-    await connection.execute(
-        update(RANKS)
-        .where(
-            RANKS.c.deployment == deployment,
-            RANKS.c.lease_expires_at <= at,
-            RANKS.c.fenced_at.is_(None),
-        )
-        .values(fenced_at=at)
-    )

@@ -322,19 +322,6 @@ async def live_terms(
     return {lease: LeaseTerms(expires, seconds, lease) for lease, expires, seconds in rows}
 
 
-async def fence_expired(connection: AsyncConnection, deployment: str, at: datetime) -> None:
-    """Admission: leases that ended by ``at`` can never be renewed again."""
-    await connection.execute(
-        update(LEASES)
-        .where(
-            LEASES.c.deployment == deployment,
-            LEASES.c.expires_at <= at,
-            LEASES.c.fenced_at.is_(None),
-        )
-        .values(fenced_at=at)
-    )
-
-
 async def reap_expired(sessionmaker: SessionMaker, *, cutoff: datetime) -> int:
     """Deletes leases that ended before ``cutoff`` (their ranks, which ended no later, are reaped
     by the same round); returns how many."""
