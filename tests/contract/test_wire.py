@@ -220,6 +220,14 @@ def test_a_member_of_the_wrong_type_is_refused_not_coerced(
         wire.from_json(model, body)
 
 
+def test_an_integral_number_is_an_integer_as_json_schema_counts_it() -> None:
+    """The spec validates 5.0 as an integer, so the codec must read it as 5 (it raised, and a
+    transfer request with ``"receiver_ranks": [5675.0]`` answered 500)."""
+    decoded = wire.from_json(wire.TokenRange, {"start": 3.0, "end": 7})
+    assert decoded == wire.TokenRange(3, 7)
+    assert type(decoded.start) is int
+
+
 def test_a_role_must_be_a_string_and_a_flag_a_boolean() -> None:
     stamp = datetime(2026, 1, 1, tzinfo=UTC)
     summary = wire.RankSummary(0, "context", 1, "live", stamp, stamp)

@@ -89,7 +89,8 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _decode(hint: Any, value: Any) -> Any:
     """``value`` as ``hint`` says, or ``TypeError``: nothing is coerced (no ``"3"`` for 3, no 7.9
-    for 7, no 5 for ``"5"``, no ``true`` for 1)."""
+    for 7, no 5 for ``"5"``, no ``true`` for 1); an integral number such as 5.0 is the integer 5,
+    as JSON Schema counts it."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -111,6 +112,8 @@ def _decode(hint: Any, value: Any) -> Any:
         return {_expect(key, str, "string keys"): _decode(item, v) for key, v in mapping.items()}
     if hint is float:
         return float(_expect(value, int | float, "a number"))
+    if hint is int and isinstance(value, float) and value.is_integer():
+        return int(value)  # JSON Schema's integer: 5.0 is 5 (the spec validated it as one)
     if hint in (int, str, bool):
         return _expect(value, hint, _NOUNS[hint])
     return value
