@@ -35,7 +35,7 @@ from kvroute.geometry import (
     check_peers,
 )
 from kvroute.geometry.builder import LayerSpec, build_views
-from kvroute.geometry.document import render_pool, render_view
+from kvroute.geometry.rendering import render_pool, render_view
 
 
 @dataclass(frozen=True)

@@ -152,14 +152,13 @@ class Truth:
         )
         h, t, u = len(heads), side.tokens_per_block, cls.unit
         n, j, tok, k = np.ogrid[: len(slots), :h, :t, :u]
-        # nhd is token-major; hnd and replicated (one pseudo-head) are head-major.
-        position = tok * (h * u) + j * u + k if cls.kind == "nhd" else j * (t * u) + tok * u + k
         prompt = side.prompt_position(cp_rank, starts[n] + tok)
         shape = (len(slots), h, t, u)
         mask = np.broadcast_to((prompt >= keep.start) & (prompt < keep.stop), shape)
         assert (prompt < self.MAX_POSITIONS).all()
         for b in range(cls.buffers):
-            at = np.broadcast_to(slots[n] * stride + offset + b * h * t * u + position, shape)
+            position = _in_region(cls.kind, side.interior(c), b, (h, t, u), (j, tok, k))
+            at = np.broadcast_to(slots[n] * stride + offset + position, shape)
             ids = np.broadcast_to(self.logical_id(c, prompt, layer, b, heads[j], k), shape)
             array[at[mask]] = ids[mask]
 
@@ -190,6 +189,34 @@ class Truth:
             return np.concatenate(positions), np.concatenate(ids)
         k = np.arange(cls.unit)
         return k, self.logical_id(c, request, layer, 0, 0, k)
+
+
+def _in_region(
+    kind: str,
+    interior: tuple[str, tuple[tuple[int, int], ...]] | None,
+    b: int,
+    sizes: tuple[int, int, int],
+    at: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> np.ndarray:
+    """Offset in a layer region of byte ``k`` of head ``j``'s token ``tok`` in buffer ``b``: nhd
+    token-major, hnd and replicated (one pseudo-head) head-major, and a declared interior as its
+    definition says (a head's buffer tile ``[planes][tokens / group][group x row / planes]``, plane
+    ``p`` holding bytes ``[p x row / planes, (p + 1) x row / planes)`` of each token; inside a
+    group, token-major: any order both sides share would do)."""
+    (h, t, u), (j, tok, k) = sizes, at
+    if kind == "nhd":
+        return b * h * t * u + tok * (h * u) + j * u + k
+    if interior is None:
+        return b * h * t * u + j * (t * u) + tok * u + k
+    order, tilings = interior
+    planes, group = tilings[b]
+    buffers = len(tilings)
+    tile = (j * buffers + b) * t * u if order == "head_buffer" else (b * h + j) * t * u
+    chunk = u // planes
+    plane, inside = k // chunk, k % chunk
+    return (
+        tile + plane * t * chunk + (tok // group) * group * chunk + (tok % group) * chunk + inside
+    )
 
 
 def background(layout: Layout) -> dict[int, np.ndarray]:

@@ -66,6 +66,12 @@ class Side:
     quantization: tuple[tuple[str, Any], ...] = ()  # the document's kv_quantization members
     cp_layout: str = "interleaved"  # or prefill chunks: "contiguous", "zigzag"
     prompt_tokens: int = 0  # the prompt the chunks split (chunked layouts)
+    # (class index, interior): "head_buffer" or "buffer_head" and one (planes, token_group) per
+    # buffer, for hnd classes whose blocks this side lays out other than [buffers][heads][tokens]
+    interiors: tuple[tuple[int, tuple[str, tuple[tuple[int, int], ...]]], ...] = ()
+
+    def interior(self, c: int) -> tuple[str, tuple[tuple[int, int], ...]] | None:
+        return dict(self.interiors).get(c)
 
     @property
     def pp_size(self) -> int:
@@ -298,6 +304,13 @@ def _view_doc(side: Side, c: int, cls: ViewClass, layout: Layout) -> dict[str, A
     window = None if cls.is_state else side_window(side, c, cls)
     if window is not None:
         view["sliding_window"] = window
+    interior = side.interior(c)
+    if interior is not None:
+        order, tilings = interior
+        view["interior"] = {
+            "order": order,
+            "tilings": [{"planes": p, "token_group": g} for p, g in tilings],
+        }
     if cls.dtype:
         view["dtype"] = cls.dtype
     return view

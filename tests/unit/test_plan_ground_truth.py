@@ -238,8 +238,17 @@ def test_every_destination_byte_written_once_with_the_right_content(world, data)
     assert_plans_exact(world, data)
 
 
-def assert_plans_exact(world: tuple[list[ViewClass], Side, Side], data: st.DataObject) -> None:
-    """Admits both instances, then executes every receiver rank's plan on bytes against the truth."""
+def assert_plans_exact(
+    world: tuple[list[ViewClass], Side, Side],
+    data: st.DataObject,
+    *,
+    recut: frozenset[int] = frozenset(),
+    group: int = 1,
+) -> None:
+    """Admits both instances, then executes every receiver rank's plan on bytes against the truth.
+
+    ``recut``: views (classes) whose sides place tokens differently inside equal blocks (their
+    pairs state a period); ``group``: tokens packed in groups this size, so a range moves whole groups."""
     cls, ctx_side, gen_side = world
     ctx, ctx_layouts, gen, gen_layouts = admitted(cls, ctx_side, gen_side)
     truth = Truth(cls)
@@ -258,9 +267,9 @@ def assert_plans_exact(world: tuple[list[ViewClass], Side, Side], data: st.DataO
         plan = built.to_json()
         # Equal block sizes keep today's block fragments; different ones state a period instead.
         views = [view for peer in plan["peers"] for view in peer["views"]]
-        assert all(
-            ("fragments" in v, "period_fragments" in v) == (not periodic, periodic) for v in views
-        )
+        for v in views:
+            recuts = periodic or v["dst_view"] in recut
+            assert ("fragments" in v, "period_fragments" in v) == (not recuts, recuts)
         if span is not None and not periodic:
             plan = built.to_json(period=True)
         assert all(ctx[p["rank"]].group == sender_dp for p in plan["peers"])
@@ -273,7 +282,9 @@ def assert_plans_exact(world: tuple[list[ViewClass], Side, Side], data: st.DataO
             continue
         before = background(layout)
         out, writes = run(into=before)
-        positions = range(span.start, span.end) if span else None
+        positions = (
+            range(span.start - span.start % group, -(-span.end // group) * group) if span else None
+        )
         expected = truth.place(
             gen_side, layout, receiver.rank, dst.placement(td), positions, before
         )

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvroute.geometry import DTYPE_BITS, Kind, Owner
 from kvroute.geometry.builder import LayerSpec, build_views
-from kvroute.geometry.document import render_view
+from kvroute.geometry.rendering import render_view
 
 if TYPE_CHECKING:
     import torch

@@ -5,7 +5,7 @@ and instance (self and instance checks) -> matching and pairs (view pairs betwee
 sliding windows; state: recurrent state pairs) -> compat (the ordered registration check) -> faces
 and classes (what peer checks read of a rank; admission by geometry class) ->
 topology, mappers, planner and state_planner (plans) -> spread (context parallelism: which tokens a
-CP rank holds) -> periods (plans between blocks of different sizes or CP placements) -> ranges
+CP rank holds) -> periods and rows (plans between blocks of different sizes, CP placements or interiors) -> ranges
 (token ranges cut from plans; a window restricts them) -> bounce (rule 6) ->
 builder (views for workers). Nothing here does I/O or imports aiohttp, SQLAlchemy or torch.
 """
@@ -24,7 +24,8 @@ from kvroute.geometry.model import (
     Role,
     View,
 )
-from kvroute.geometry.periods import PeriodMap, TokenAxis
+from kvroute.geometry.parts import HeadOrder, Interior, Tiling
+from kvroute.geometry.periods import PeriodMap
 from kvroute.geometry.plan import PeerPlan, Plan, StateTransfer, ViewTransfer
 from kvroute.geometry.planner import build_plan
 from kvroute.geometry.ranges import (
@@ -42,6 +43,7 @@ from kvroute.geometry.ranges import (
     resolve_lists,
     whole_pieces,
 )
+from kvroute.geometry.rows import TokenAxis
 from kvroute.geometry.spread import Spread
 from kvroute.geometry.window import Window, window_start, windowed_range
 
@@ -50,6 +52,8 @@ __all__ = [
     "Attention",
     "BlockList",
     "GeometryError",
+    "HeadOrder",
+    "Interior",
     "Kind",
     "LayerSlot",
     "Owner",
@@ -62,6 +66,7 @@ __all__ = [
     "Role",
     "Spread",
     "StateTransfer",
+    "Tiling",
     "TokenAxis",
     "TokenGap",
     "TokenRange",

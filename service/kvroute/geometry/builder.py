@@ -16,6 +16,7 @@ from typing import Any
 
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.model import Kind, LayerSlot, Owner, View
+from kvroute.geometry.parts import Interior
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,7 @@ class LayerSpec:
     ssm_bytes_per_head: int | None = None
     conv_sections: tuple[int, ...] | None = None
     sliding_window: int | None = None
+    interior: Interior | None = None  # hnd: the layout the kernels read, where not the classic one
 
     @classmethod
     def from_buffers(
@@ -96,6 +98,7 @@ class LayerSpec:
             self.ssm_bytes_per_head,
             self.conv_sections,
             self.sliding_window,
+            self.interior,
         )
 
 
@@ -142,4 +145,5 @@ def _view(view_id: int, group: list[LayerSpec]) -> View:
         ssm_bytes_per_head=first.ssm_bytes_per_head,
         conv_sections=first.conv_sections,
         sliding_window=first.sliding_window,
+        interior=first.interior,
     )

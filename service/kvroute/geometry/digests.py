@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvroute.geometry.document import render_registration
+from kvroute.geometry.rendering import render_registration
 
 if TYPE_CHECKING:
     from kvroute.geometry.model import RankRegistration

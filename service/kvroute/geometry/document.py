@@ -12,19 +12,22 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvroute.geometry.domains import parse_topology, render_topology
+from kvroute.geometry.domains import parse_topology
 from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.identity import parse_identity, render_identity
+from kvroute.geometry.identity import parse_identity
 from kvroute.geometry.limits import ARRAY_BOUNDS, INTEGER_BOUNDS, MAX_LAYER_SLOTS, STRING_BOUNDS
 from kvroute.geometry.parts import (
     DTYPE_BITS,
     Attention,
     CpLayout,
+    HeadOrder,
+    Interior,
     Kind,
     LayerSlot,
     Owner,
     Pool,
     Role,
+    Tiling,
     View,
 )
 
@@ -198,7 +201,20 @@ def _parse_view(r: _Reader) -> View:
         ssm_bytes_per_head=r.opt_int("ssm_bytes_per_head"),
         conv_sections=_conv_sections(r) if r.has("conv_sections") else None,
         sliding_window=r.opt_int("sliding_window"),
+        interior=_interior(r.child("interior", "Interior")) if r.has("interior") else None,
     )
+
+
+def _interior(r: _Reader) -> Interior | None:
+    """A view's ``interior``; the classic layout written out reads as None (one spelling)."""
+    tilings = []
+    for index in range(len(r.list("tilings"))):
+        tiling = r.item("tilings", index, "Tiling")
+        tilings.append(
+            Tiling(tiling.int("planes", default=1), tiling.int("token_group", default=1))
+        )
+    interior = Interior(r.enum("order", HeadOrder), tuple(tilings))
+    return None if interior.trivial else interior
 
 
 # Members that only mean something for some kinds: (member, kinds that require it, kinds allowing it).
@@ -209,6 +225,7 @@ _KIND_MEMBERS: tuple[tuple[str, frozenset[Kind], frozenset[Kind]], ...] = (
     ("total_kv_heads", frozenset(), frozenset({Kind.HND, Kind.NHD, Kind.REPLICATED})),
     ("tokens_per_block", frozenset(), frozenset({Kind.HND, Kind.NHD, Kind.REPLICATED})),
     ("sliding_window", frozenset(), frozenset({Kind.HND, Kind.NHD, Kind.REPLICATED})),
+    ("interior", frozenset(), frozenset({Kind.HND})),
 )
 
 
@@ -314,86 +331,3 @@ def parse_registration(
         **parse_identity(r),
         **parse_topology(r),
     )
-
-
-def render_view(view: View) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "view_id": view.view_id,
-        "pool_id": view.pool_id,
-        "kind": view.kind.value,
-        "roles": sorted(view.roles),
-        "owner": view.owner.value,
-        "buffers_per_layer": view.buffers_per_layer,
-        "bytes_per_layer": view.bytes_per_layer,
-        "layers": [{"layer": s.layer, "offset": s.offset} for s in view.layers],
-    }
-    for key in (
-        "num_kv_heads",
-        "total_kv_heads",
-        "tokens_per_block",
-        "dtype",
-        "ssm_bytes_per_head",
-        "sliding_window",
-    ):
-        if getattr(view, key) is not None:
-            doc[key] = getattr(view, key)
-    if view.conv_sections is not None:
-        doc["conv_sections"] = list(view.conv_sections)
-    if view.per_request:
-        doc["per_request"] = True
-    return doc
-
-
-def render_pool(pool: Pool) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "pool_id": pool.pool_id,
-        "slot_bytes": pool.slot_bytes,
-        "slot_stride": pool.slot_stride,
-        "num_slots": pool.num_slots,
-    }
-    if pool.memory is not None:
-        doc["memory"] = dict(pool.memory)
-    return doc
-
-
-def render_registration(reg: RankRegistration, *, geometry_only: bool = False) -> dict[str, Any]:
-    """The API.md document; ``geometry_only`` drops what cannot change a plan (lease, memory, endpoints)."""
-    doc: dict[str, Any] = {
-        "role": reg.role.value,
-        "tp_size": reg.tp_size,
-        "tp_rank": reg.tp_rank,
-        "pp_size": reg.pp_size,
-        "pp_rank": reg.pp_rank,
-        "attention_dp": reg.attention_dp,
-        "dp_size": reg.dp_size,
-        "dp_rank": reg.dp_rank,
-        "cp_size": reg.cp_size,
-        "layers_per_stage": list(reg.layers_per_stage),
-        "num_draft_layers": reg.num_draft_layers,
-        "tokens_per_block": reg.tokens_per_block,
-        "attention": {
-            "num_kv_heads": reg.attention.num_kv_heads,
-            "head_dim": reg.attention.head_dim,
-            "dtype": reg.attention.dtype,
-            "is_mla": reg.attention.is_mla,
-        },
-        "pools": [render_pool(pool) for pool in reg.pools],
-        "views": [render_view(view) for view in reg.views],
-    }
-    if reg.cp_size > 1:
-        # Only with CP: a document without CP stays byte-identical to what servers before CP
-        # accept (they refuse unknown members) and keeps its canonical digest.
-        doc.update(
-            cp_rank=reg.cp_rank, cp_layout=reg.cp_layout.value, cp_interleave=reg.cp_interleave
-        )
-    doc.update(render_identity(reg))  # likewise only members that are set
-    if geometry_only:
-        for pool in doc["pools"]:
-            pool.pop("memory", None)
-        return doc
-    doc["lease_seconds"] = reg.lease_seconds
-    if reg.endpoint is not None:
-        doc["endpoint"] = reg.endpoint
-    if reg.nixl_agent_metadata is not None:
-        doc["nixl_agent_metadata"] = reg.nixl_agent_metadata
-    return doc | render_topology(reg)  # where it runs: pairing, never a plan

@@ -25,7 +25,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from kvroute.geometry.identity import KvQuantization, ModelIdentity
-from kvroute.geometry.parts import Axis, Kind, Owner, Role, View, view_label
+from kvroute.geometry.parts import Axis, Interior, Kind, Owner, Role, View, view_label
 
 if TYPE_CHECKING:
     from kvroute.geometry.model import RankRegistration
@@ -66,6 +66,7 @@ class ViewFace:
     ssm_bytes_per_head: int | None
     conv_sections: tuple[int, ...] | None
     sliding_window: int | None
+    interior: Interior | None = field(metadata=OPTIONAL)  # absent from digests when classic
     view_id: int = field(metadata=NAME)
 
     @property
@@ -147,6 +148,7 @@ def _view_face(reg: RankRegistration, view: View) -> ViewFace:
         ssm_bytes_per_head=view.ssm_bytes_per_head,
         conv_sections=view.conv_sections,
         sliding_window=view.sliding_window,
+        interior=view.interior,
         view_id=view.view_id,
     )
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.identity import differences
-from kvroute.geometry.parts import View
+from kvroute.geometry.parts import Interior, View
 
 if TYPE_CHECKING:
     from kvroute.geometry.model import RankRegistration
@@ -170,8 +170,11 @@ def _view_signature(
         ("ssm_bytes_per_head", view.ssm_bytes_per_head, theirs.ssm_bytes_per_head),
         ("conv_sections", view.conv_sections, theirs.conv_sections),
         ("sliding_window", view.sliding_window, theirs.sliding_window),
+        ("interior", view.interior, theirs.interior),
     )
 
 
 def _jsonable(value: object) -> object:
+    if isinstance(value, Interior):
+        return value.to_json()
     return list(value) if isinstance(value, tuple) else value

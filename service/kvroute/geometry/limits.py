@@ -76,6 +76,8 @@ INTEGER_BOUNDS: dict[str, tuple[int, int]] = {
     "View.ssm_bytes_per_head": (1, MAX_BYTES),
     "View.conv_sections[]": (1, MAX_BYTES),
     "View.sliding_window": (1, MAX_SLIDING_WINDOW),
+    "Tiling.planes": (1, MAX_HEAD_DIM),
+    "Tiling.token_group": (1, MAX_TOKENS_PER_BLOCK),
     "View.layers[].layer": (0, MAX_LAYERS - 1),
     "View.layers[].offset": (0, MAX_BYTES),
     "KvQuantization.scale_block": (1, MAX_HEAD_DIM),
@@ -90,6 +92,7 @@ ARRAY_BOUNDS: dict[str, tuple[int, int]] = {
     "View.roles": (1, MAX_ROLES),
     "View.layers": (1, MAX_LAYERS),
     "View.conv_sections": (1, MAX_CONV_SECTIONS),
+    "Interior.tilings": (1, MAX_BUFFERS_PER_LAYER),
 }
 
 # "Schema.property" -> inclusive (minLength, maxLength) of a string.

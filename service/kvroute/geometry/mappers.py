@@ -59,6 +59,14 @@ def pair_fragments(
         return [(src_offsets[layer], dst_offsets[layer], geometry.unit) for layer in layers]
     unit, buffers = geometry.unit, src.buffers_per_layer
     length = (hi - lo) * unit
+    if geometry.mapper == "hnd" and src.interior is not None and src.interior.heads_outer:
+        # Each head holds all its buffers in one run (both sides tile alike, or the pair re-cuts).
+        head = buffers * unit
+        return [
+            (src_offsets[layer] + (lo - s_lo) * head, dst_offsets[layer] + (lo - r_lo) * head,
+             (hi - lo) * head)
+            for layer in layers
+        ]  # fmt: skip
     if geometry.mapper == "hnd":
         src_buffer, dst_buffer = src.buffer_bytes, dst.buffer_bytes
         src_head, dst_head = (lo - s_lo) * unit, (lo - r_lo) * unit

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvroute.geometry import digests
 from kvroute.geometry.classes import class_digest
-from kvroute.geometry.document import parse_registration, render_registration
+from kvroute.geometry.document import parse_registration
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.identity import KvQuantization, ModelIdentity
 from kvroute.geometry.instance import face_id
@@ -32,6 +32,7 @@ from kvroute.geometry.parts import (
     Role,
     View,
 )
+from kvroute.geometry.rendering import render_registration
 from kvroute.geometry.spread import Spread
 
 __all__ = [

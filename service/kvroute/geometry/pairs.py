@@ -9,12 +9,13 @@ a block of either side is then just a cut of the same token rows (see ``periods`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvroute.geometry.errors import GeometryError
 from kvroute.geometry.heads import pair_total
-from kvroute.geometry.parts import Kind, View
+from kvroute.geometry.parts import Kind, Tiling, View
 from kvroute.geometry.window import Window, pair_window
 
 if TYPE_CHECKING:
@@ -35,12 +36,14 @@ class PairGeometry:
     token_unit: int  # bytes per token-head (per token for replicated); 0 when not exact
     window: Window | None = None  # the sliding window the pair moves; None: every token
     context_parallel: bool = False  # either side spreads tokens over CP ranks
+    interiors_differ: bool = False  # the two sides tile a head's tokens differently (``Interior``)
 
     @property
     def reblocks(self) -> bool:
-        """True when a block of one side is not a block of the other: different block sizes, or
-        tokens spread over CP ranks (a pair then moves by period, never by block pair)."""
-        return self.peer_tokens != self.tokens or self.context_parallel
+        """True when a block of one side is not a block of the other: different block sizes,
+        tokens spread over CP ranks, or tokens placed differently inside a block (a pair then
+        moves by period, never by block pair)."""
+        return self.peer_tokens != self.tokens or self.context_parallel or self.interiors_differ
 
     @property
     def slices_heads(self) -> bool:
@@ -86,9 +89,24 @@ def pair_geometry(
     local_heads, peer_heads = local.heads(view), peer.heads(theirs)
     total = _head_total(fail, local, view, peer, theirs)
     same = local_heads == peer_heads
+    differ = view.interior != theirs.interior
     token_unit = _token_units(
-        fail, view, local_heads, tokens, theirs, peer_heads, peer_tokens, same_heads=same, recut=cp
+        fail,
+        view,
+        local_heads,
+        tokens,
+        theirs,
+        peer_heads,
+        peer_tokens,
+        same_heads=same,
+        recut=cp or differ,
     )
+    if differ:
+        _check_interiors(fail, view, theirs, token_unit)
+        return PairGeometry(
+            view.kind.value, total, local_heads, peer_heads, token_unit, tokens, peer_tokens,
+            token_unit, window, cp, interiors_differ=True,
+        )  # fmt: skip
     if same:
         _check_same_bytes(fail, view, theirs, tokens, peer_tokens)
         unit, mapper = view.bytes_per_layer, "intact"
@@ -99,6 +117,35 @@ def pair_geometry(
     return PairGeometry(
         mapper, total, local_heads, peer_heads, unit, tokens, peer_tokens, token_unit, window, cp
     )
+
+
+def _check_interiors(fail: PairFailer, view: View, theirs: View, row: int) -> None:
+    """Differently tiled sides re-cut rows into pieces both hold whole: planes of a common
+    refinement, which must divide a row; a packed token group has no such pieces, so it pairs only
+    with the same tiling."""
+    local = _tilings(view)
+    peer = _tilings(theirs)
+    for index, (mine, their) in enumerate(zip(local, peer, strict=True)):
+        grouped = mine.token_group > 1 or their.token_group > 1
+        if (grouped and mine != their) or row % math.lcm(mine.planes, their.planes):
+            raise fail(
+                "interior_mismatch",
+                "interior",
+                _interior_json(view),
+                _interior_json(theirs),
+                reason=f"buffer {index} is tiled {mine.to_json()} here and {their.to_json()} on "
+                f"the peer; a {row}-byte token row cannot be moved between them",
+            )
+
+
+def _tilings(view: View) -> tuple[Tiling, ...]:
+    if view.interior is None:
+        return (Tiling(),) * view.buffers_per_layer
+    return view.interior.tilings
+
+
+def _interior_json(view: View) -> object:
+    return view.interior.to_json() if view.interior is not None else None
 
 
 def _head_total(

@@ -6,6 +6,7 @@ document codec and the class digest can build and read them without importing th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -110,6 +111,64 @@ class Pool:
         return self.num_slots * self.slot_stride
 
 
+@dataclass(frozen=True, slots=True)
+class Tiling:
+    """How one buffer (K or V) of one head lays out a block's tokens: ``[planes][tokens /
+    token_group][token_group x row / planes]``.
+
+    Plane ``p`` holds bytes ``[p x row / planes, (p + 1) x row / planes)`` of every token's row (``row``:
+    the bytes of one token-head in the buffer), tokens in order. ``planes > 1`` is a transposed or
+    VNNI-packed K (vLLM's CPU kernels); ``token_group > 1`` packs that many consecutive tokens into
+    one run whose inner order is the engine's own, so a group is never split.
+    """
+
+    planes: int = 1
+    token_group: int = 1
+
+    def to_json(self) -> dict[str, int]:
+        return {"planes": self.planes, "token_group": self.token_group}
+
+
+class HeadOrder(StrEnum):
+    """Whether a layer region holds each buffer for every head, or each head with every buffer."""
+
+    BUFFER_HEAD = "buffer_head"  # [buffers][heads][tokens...]: kvroute's classic hnd
+    HEAD_BUFFER = "head_buffer"  # [heads][buffers][tokens...]: per head, K then V (vLLM CPU)
+
+
+@dataclass(frozen=True, slots=True)
+class Interior:
+    """What an hnd view's layer region looks like inside, where it is not the classic
+    ``[buffers][heads][tokens][row]``: the head/buffer order and each buffer's tiling.
+
+    Attention kernels read their cache in layouts that strides do not show (vLLM's CPU backend keeps
+    K transposed per head, then V); a view declares the layout its kernels read, so token re-cuts
+    move the right bytes.
+    """
+
+    order: HeadOrder
+    tilings: tuple[Tiling, ...]  # one per buffer
+
+    @property
+    def token_group(self) -> int:
+        """Tokens no cut may separate: the lcm of every buffer's group."""
+        return math.lcm(*(tiling.token_group for tiling in self.tilings))
+
+    @property
+    def heads_outer(self) -> bool:
+        return self.order is HeadOrder.HEAD_BUFFER
+
+    @property
+    def trivial(self) -> bool:
+        return self.order is HeadOrder.BUFFER_HEAD and all(t == Tiling() for t in self.tilings)
+
+    def tiling(self, buffer: int) -> Tiling:
+        return self.tilings[buffer]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"order": self.order.value, "tilings": [t.to_json() for t in self.tilings]}
+
+
 @dataclass(frozen=True)
 class View:
     """The bytes of one role class for a set of layers inside one pool, with one uniform geometry."""
@@ -130,6 +189,7 @@ class View:
     ssm_bytes_per_head: int | None = None  # kind ssm: head_dim x d_state x element size
     conv_sections: tuple[int, ...] | None = None  # kind conv: per-rank bytes of each section
     sliding_window: int | None = None  # attention window in tokens; None is full attention
+    interior: Interior | None = None  # kind hnd: a layout other than [buffers][heads][tokens][row]
 
     @cached_property
     def axis(self) -> Axis:

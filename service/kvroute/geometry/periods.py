@@ -31,13 +31,9 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from itertools import pairwise
 from typing import Any
 
-from kvroute.geometry.mappers import held_heads
-from kvroute.geometry.model import Kind, RankRegistration, View
-from kvroute.geometry.pairs import PairGeometry
 from kvroute.geometry.spread import IDENTITY, Spread, shared_runs
 
 Row = tuple[int, int, int, int, int]  # src_base, dst_base, src_pitch, dst_pitch, width (bytes)
@@ -65,6 +61,7 @@ class PeriodMap:
     spans: tuple[Span, ...]  # sorted by (dst_block, dst_offset)
     src_spread: Spread = IDENTITY
     dst_spread: Spread = IDENTITY
+    token_group: int = 1  # tokens packed together (``Tiling``): a range is cut at their multiples
 
     @property
     def context_parallel(self) -> bool:
@@ -121,6 +118,8 @@ class PeriodMap:
         for name, spread in (("src_cp", self.src_spread), ("dst_cp", self.dst_spread)):
             if not spread.trivial:
                 doc[name] = spread.to_json()
+        if self.token_group > 1:
+            doc["token_group"] = self.token_group
         return doc
 
     @classmethod
@@ -150,11 +149,15 @@ class PeriodMap:
                 f"{result.src_tokens_per_block} and {result.dst_tokens_per_block}"
                 + (" under their CP placements" if result.context_parallel else "")
             )
+        group = _positive(doc, "token_group") if "token_group" in doc else 1
+        if min(result.src_tokens_per_block, result.dst_tokens_per_block) % group:
+            raise ValueError(f"token_group {group} does not divide both sides' blocks")
         raw = doc.get("period_fragments")
         if not isinstance(raw, Sequence) or isinstance(raw, str):
             raise ValueError("period_fragments must be a list of 7-integer fragments")
         spans = tuple(result.checked_span(span, index) for index, span in enumerate(raw))
-        return cls(result.src_tokens_per_block, result.dst_tokens_per_block, spans, *spreads)
+        sizes = result.src_tokens_per_block, result.dst_tokens_per_block
+        return cls(*sizes, spans, *spreads, token_group=group)
 
     def checked_span(self, span: object, index: int) -> Span:
         """``span`` as a Span when it lies inside one block on each side; ``ValueError`` otherwise."""
@@ -223,80 +226,6 @@ def _positive(doc: Mapping[str, Any], name: str) -> int:
     return value
 
 
-@dataclass(frozen=True)
-class TokenAxis:
-    """Where every moved token of one view pair lives on each side, from which periods are cut."""
-
-    src_tokens: int
-    dst_tokens: int
-    token_unit: int  # bytes per token-head (per token, replicated); 0: no exact per-token layout
-    head_major: bool  # HND and replicated: a head's tokens are contiguous
-    layers: tuple[tuple[int, int], ...]  # (src offset, dst offset) of each moved layer region
-    buffers: int
-    src_buffer: int
-    dst_buffer: int
-    src_held: int  # heads each side holds in the view
-    dst_held: int
-    src_first: int  # first moved head, counted from each side's first held head
-    dst_first: int
-    moved: int  # heads moved per layer buffer
-    src_spread: Spread = IDENTITY  # the prompt tokens each side's rank holds (CP)
-    dst_spread: Spread = IDENTITY
-
-    @property
-    def periodic(self) -> bool:
-        """Block sizes differ or a side is context parallel: the plan must state a period (its
-        block fragments cannot)."""
-        return self.src_tokens != self.dst_tokens or not (
-            self.src_spread.trivial and self.dst_spread.trivial
-        )
-
-    @cached_property
-    def rows(self) -> tuple[Row, ...]:
-        if not self.token_unit:
-            raise ValueError(
-                "the view pair's bytes per layer are not a whole number of token rows, so no "
-                "token range can be cut from its blocks"
-            )
-        unit, rows = self.token_unit, []
-        for src_layer, dst_layer in self.layers:
-            for buffer in range(self.buffers):
-                src = src_layer + buffer * self.src_buffer
-                dst = dst_layer + buffer * self.dst_buffer
-                if self.head_major:
-                    src += self.src_first * self.src_tokens * unit
-                    dst += self.dst_first * self.dst_tokens * unit
-                    src_pitch, dst_pitch = self.src_tokens * unit, self.dst_tokens * unit
-                    rows += [
-                        (src + k * src_pitch, dst + k * dst_pitch, unit, unit, unit)
-                        for k in range(self.moved)
-                    ]
-                else:
-                    rows.append(
-                        (
-                            src + self.src_first * unit,
-                            dst + self.dst_first * unit,
-                            self.src_held * unit,
-                            self.dst_held * unit,
-                            self.moved * unit,
-                        )
-                    )
-        return tuple(rows)
-
-    @cached_property
-    def period_map(self) -> PeriodMap:
-        spreads = self.src_spread, self.dst_spread
-        if spreads == (IDENTITY, IDENTITY):
-            spans = period_spans(self.rows, *self.tokens)
-        else:
-            spans = spread_spans(self.rows, *self.tokens, *spreads)
-        return PeriodMap(self.src_tokens, self.dst_tokens, spans, *spreads)
-
-    @property
-    def tokens(self) -> tuple[int, int]:
-        return self.src_tokens, self.dst_tokens
-
-
 def period_spans(rows: Iterable[Row], src_tokens: int, dst_tokens: int) -> tuple[Span, ...]:
     """Fragments of one period: every row cut at every block boundary of either side."""
     period = math.lcm(src_tokens, dst_tokens)
@@ -339,41 +268,3 @@ def spread_spans(
                 ]
     spans.sort(key=lambda span: (span[2], span[3]))
     return tuple(spans)
-
-
-def token_axis(
-    sender: RankRegistration,
-    src: View,
-    receiver: RankRegistration,
-    dst: View,
-    geometry: PairGeometry,
-    layers: Iterable[int],
-    prompt_tokens: int | None = None,
-) -> TokenAxis:
-    """The token layout of ``layers`` of a matched pair, sender to receiver (planner orientation),
-    for a prompt of ``prompt_tokens`` where a side's CP chunks depend on it."""
-    if geometry.mapper == "replicated":
-        held, first, moved, head_major = (1, 1), (0, 0), 1, True
-    else:
-        s_lo, s_hi = held_heads(sender, geometry.total_heads)
-        r_lo, r_hi = held_heads(receiver, geometry.total_heads)
-        lo, hi = max(s_lo, r_lo), min(s_hi, r_hi)
-        held, first, moved = (s_hi - s_lo, r_hi - r_lo), (lo - s_lo, lo - r_lo), max(0, hi - lo)
-        head_major = src.kind is not Kind.NHD
-    return TokenAxis(
-        src_tokens=geometry.tokens,
-        dst_tokens=geometry.peer_tokens,
-        token_unit=geometry.token_unit,
-        head_major=head_major,
-        layers=tuple((src.offsets[layer], dst.offsets[layer]) for layer in layers),
-        buffers=src.buffers_per_layer,
-        src_buffer=src.buffer_bytes,
-        dst_buffer=dst.buffer_bytes,
-        src_held=held[0],
-        dst_held=held[1],
-        src_first=first[0],
-        dst_first=first[1],
-        moved=moved,
-        src_spread=sender.placement(prompt_tokens),
-        dst_spread=receiver.placement(prompt_tokens),
-    )

@@ -12,8 +12,9 @@ from typing import Any
 
 from kvroute.geometry.mappers import Fragment
 from kvroute.geometry.parts import Owner
-from kvroute.geometry.periods import PeriodMap, TokenAxis
+from kvroute.geometry.periods import PeriodMap
 from kvroute.geometry.reading import Members, invalid
+from kvroute.geometry.rows import TokenAxis
 from kvroute.geometry.window import Window
 
 OWNERS = tuple(owner.value for owner in Owner)

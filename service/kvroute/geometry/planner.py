@@ -22,8 +22,8 @@ from kvroute.geometry.mappers import coalesce, held_heads, pair_fragments
 from kvroute.geometry.matching import match_view
 from kvroute.geometry.model import RankRegistration, Role, View
 from kvroute.geometry.pairs import PairGeometry, duplication, pair_geometry
-from kvroute.geometry.periods import token_axis
 from kvroute.geometry.plan import PeerPlan, Plan, StateTransfer, ViewTransfer
+from kvroute.geometry.rows import token_axis
 from kvroute.geometry.state_planner import plan_state_view
 from kvroute.geometry.topology import candidate_senders, elect
 

@@ -325,9 +325,11 @@ def range_copies(
     length_tokens = period.period_tokens
     src_step, dst_step = period.src_blocks_per_period, period.dst_blocks_per_period
     copies: list[Copy] = []
+    group = period.token_group  # packed tokens move together: the range widens to whole groups
     for index in range(tokens.start // length_tokens, -(-tokens.end // length_tokens)):
         base = index * length_tokens
         lo, hi = max(tokens.start - base, 0), min(tokens.end - base, length_tokens)
+        lo, hi = lo - lo % group, min(-(-hi // group) * group, length_tokens)
         for sb, so, db, do, length, first, count in period.spans:
             start, stop = max(first, lo), min(first + count, hi)
             if start >= stop:

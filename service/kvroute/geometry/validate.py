@@ -275,6 +275,46 @@ def _check_view_heads(reg: RankRegistration, field: str, view: View) -> None:
             view.bytes_per_layer,
             unit,
         )
+    if view.interior is not None:
+        _check_interior(field, view, heads, reg.tokens(view))
+
+
+def _check_interior(field: str, view: View, heads: int, tokens: int) -> None:
+    """An interior tiles whole token rows: one tiling per buffer, planes dividing a token-head's
+    row, token groups dividing the block."""
+    interior = view.interior
+    assert interior is not None
+    if len(interior.tilings) != view.buffers_per_layer:
+        raise _self_error(
+            "interior_tilings_mismatch",
+            f"{view.label()}: interior has {len(interior.tilings)} tilings for "
+            f"buffers_per_layer={view.buffers_per_layer}",
+            f"{field}.interior.tilings",
+            len(interior.tilings),
+            view.buffers_per_layer,
+        )
+    per = view.buffers_per_layer * heads * tokens
+    row = view.bytes_per_layer // per if view.bytes_per_layer % per == 0 else None
+    for index, tiling in enumerate(interior.tilings):
+        where = f"{field}.interior.tilings[{index}]"
+        if row is None or row % tiling.planes:
+            raise _self_error(
+                "interior_planes_not_divisible",
+                f"{view.label()}: a token-head row of {row or 'no whole number of'} bytes "
+                f"cannot be cut into {tiling.planes} planes",
+                f"{where}.planes",
+                tiling.planes,
+                row,
+            )
+        if tokens % tiling.token_group:
+            raise _self_error(
+                "interior_token_group_not_divisible",
+                f"{view.label()}: {tokens} tokens per block are not whole groups of "
+                f"{tiling.token_group}",
+                f"{where}.token_group",
+                tiling.token_group,
+                tokens,
+            )
 
 
 def _check_state_view(field: str, view: View) -> None:

@@ -21,8 +21,8 @@ from kvroute.engines.models.errors import UnsupportedConfig
 from kvroute.engines.models.layout import Layout, LayoutError, kv_dtype
 from kvroute.geometry import DTYPE_BITS, Kind, Owner
 from kvroute.geometry.builder import LayerSpec, build_views
-from kvroute.geometry.document import render_view
 from kvroute.geometry.heads import per_rank_heads
+from kvroute.geometry.rendering import render_view
 
 LATENT_ROLES = frozenset({"latent"})
 INDEX_ROLES = frozenset({"index_key"})
