@@ -99,3 +99,51 @@ def cache_config(
 def allocate(config: VllmConfig, kv_cache_config: KVCacheConfig) -> dict[str, torch.Tensor]:
     layout = KVCacheLayout[config.cache_config.kv_cache_layout]
     return allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+
+
+def flash_layouts(vllm_config: Any, layers: list[Any]) -> dict[str, Any]:
+    """Attention layouts as the connector's probe finds them on FlashAttention, whose kernels are
+    not here: the probe and the contract are kvroute's own, the write is FlashAttention's
+    ``reshape_and_cache_flash`` indexing (token ``slot`` of block 0 at ``[0, slot, head, :]``) on
+    the backend's own split of the layer tensor (``transpose(1, 2).split(head_size, -1)``)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from kvroute.engines.vllm.backends import contract
+    from kvroute.engines.vllm.layout import attention_layout
+    from kvroute.engines.vllm.probe import probe
+
+    layouts = {}
+    for layer in layers:
+        spec, tensor = layer.spec, layer.tensor
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+            continue
+
+        def write(key: Any, value: Any, cache: Any, slots: Any, size: int = spec.head_size) -> None:
+            key_cache, value_cache = cache.transpose(1, 2).split(size, dim=-1)
+            key_cache[0, slots] = key
+            value_cache[0, slots] = value
+
+        found = probe(
+            write,
+            heads=spec.num_kv_heads,
+            tokens=spec.block_size,
+            head_size=spec.head_size,
+            dtype=tensor.dtype,
+            device=tensor.device,
+            strides=tuple(tensor.stride()[1:]),
+        )
+        order, _ = attention_layout(tensor, layer.name)
+        assert found.layout == contract("FLASH_ATTN", None, spec.head_size, order), found.layout
+        layouts[layer.name] = found.layout
+    return layouts
+
+
+def _install_flash_probe() -> None:
+    import kvroute.engines.vllm.worker as worker
+
+    worker.checked_layouts = flash_layouts
+
+
+# Every process that builds engines from this module (tests and spawned producers) probes the
+# FlashAttention way: there is no model, so no attention layer whose own cache update could run.
+_install_flash_probe()

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 from kvroute.client.nixl_descs import PoolAddress
 from kvroute.client.nixl_transport import nixl_memory
 from kvroute.client.pools import PoolDescription
+from kvroute.engines.vllm.probe import Layout
 from kvroute.geometry import DTYPE_BITS, Kind, Owner
 from kvroute.geometry.builder import LayerSpec, build_views
-from kvroute.geometry.document import render_view
+from kvroute.geometry.rendering import render_view
 
 if TYPE_CHECKING:
     import torch
@@ -90,6 +91,7 @@ def dtype_name(dtype: Any) -> str:
 def describe(
     layers: list[Layer],
     *,
+    layouts: Mapping[str, Layout],
     place: Place,
     total_kv_heads: Mapping[Owner, int | None],
     conv_dim_first: bool,
@@ -99,7 +101,7 @@ def describe(
     """The registration document of one rank (NIXL metadata is added by the caller)."""
     pools: list[_Pool] = []
     for layer in sorted(layers, key=lambda layer: layer.tensor.data_ptr()):
-        for offset_in_page, spec in _layer_specs(layer, total_kv_heads, conv_dim_first):
+        for offset_in_page, spec in _layer_specs(layer, layouts, total_kv_heads, conv_dim_first):
             address = layer.tensor.data_ptr() + offset_in_page
             _place_spec(pools, layer, spec, address)
     descriptions, addresses, groups = [], {}, {}
@@ -163,7 +165,10 @@ def _place_spec(pools: list[_Pool], layer: Layer, spec: LayerSpec, address: int)
 
 
 def _layer_specs(
-    layer: Layer, totals: Mapping[Owner, int | None], conv_dim_first: bool
+    layer: Layer,
+    layouts: Mapping[str, Layout],
+    totals: Mapping[Owner, int | None],
+    conv_dim_first: bool,
 ) -> list[tuple[int, LayerSpec]]:
     """(offset inside the layer's page, spec) of each region the layer's page holds."""
     from vllm.v1.kv_cache_interface import (
@@ -188,17 +193,21 @@ def _layer_specs(
     assert isinstance(spec, AttentionSpec)
     if spec.num_head_slots is not None or spec.state_content_bytes is not None:
         raise ValueError(f"layer {layer.name}: packed head slots are not supported by kvroute")
-    kind, buffers = attention_layout(tensor, layer.name)
+    attention_layout(tensor, layer.name)  # one contiguous page per block, or refused
+    layout = layouts.get(layer.name)
+    if layout is None:
+        raise ValueError(f"layer {layer.name}: its layout was not probed; nothing is guessed")
     common = {
         "layer": layer.layer_id,
         "pool_id": 0,
         "offset": 0,
-        "kind": kind,
         "owner": layer.owner,
         "roles": KV_ROLES,
         "num_kv_heads": spec.num_kv_heads,
         "total_kv_heads": totals.get(layer.owner),
-        "buffers_per_layer": buffers,
+        "kind": layout.kind,
+        "buffers_per_layer": layout.buffers,
+        "interior": layout.interior,
         # Only a SlidingWindowSpec group holds just the window's blocks. A FullAttentionSpec
         # group (hybrid allocator off) keeps every token, and its merged spec names the window of
         # some of its layers only: moving all tokens is right for each of them.

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvroute.client import KvrouteClient, KvrouteError, SyncLease
 from kvroute.client.nixl_transport import NixlEndpoint
+from kvroute.engines.vllm.backends import checked_layouts
 from kvroute.engines.vllm.layout import Layer, Place, RankCache, describe
 from kvroute.engines.vllm.params import Settings, parse_done
+from kvroute.engines.vllm.probe import Layout
 from kvroute.engines.vllm.pulls import Load, Pulls
 from kvroute.geometry import Owner
 
@@ -70,7 +73,8 @@ def engine_layers(kv_cache_config: Any, kv_caches: dict[str, torch.Tensor]) -> l
             spec = group.kv_cache_spec
             if isinstance(spec, UniformTypeKVCacheSpecs):
                 spec = spec.kv_cache_specs[name]
-            draft = spec.is_draft or group.is_eagle_group
+            # ``is_draft`` exists from vLLM 0.34 on; 0.32 marks draft layers by their group only.
+            draft = getattr(spec, "is_draft", False) or getattr(group, "is_eagle_group", False)
             found.append((name, spec, draft, group_id, extract_layer_index(name)))
     drafts = sorted({index for _, _, draft, _, index in found if draft})
     return [
@@ -97,20 +101,39 @@ def total_kv_heads(vllm_config: Any) -> dict[Owner, int | None]:
 
 
 def rank_cache(
-    vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, torch.Tensor], lease: int = 30
+    vllm_config: Any,
+    kv_cache_config: Any,
+    kv_caches: dict[str, torch.Tensor],
+    lease: int = 30,
+    layouts: Mapping[str, Layout] | None = None,
 ) -> RankCache:
-    """The rank's registration derived from vLLM's objects (without NIXL metadata or role)."""
+    """The rank's registration derived from vLLM's objects (without NIXL metadata or role).
+
+    Attention layers are described as the layout probe finds them through their backend's own
+    cache update (``layouts`` when the caller probed already)."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     layers = engine_layers(kv_cache_config, kv_caches)
+    if layouts is None:
+        layouts = checked_layouts(vllm_config, layers)
     return describe(
         layers,
+        layouts=layouts,
         place=engine_place(vllm_config),
         total_kv_heads=total_kv_heads(vllm_config),
         conv_dim_first=is_conv_state_dim_first(),
         num_draft_layers=len({layer.layer_id for layer in layers if layer.owner is Owner.DRAFT}),
         lease_seconds=lease,
     )
+
+
+def _storages(kv_caches: Mapping[str, torch.Tensor]) -> list[Any]:
+    """Each distinct allocation behind the layers' tensors, once."""
+    seen: dict[int, Any] = {}
+    for tensor in kv_caches.values():
+        storage = tensor.untyped_storage()
+        seen.setdefault(storage.data_ptr(), storage)
+    return list(seen.values())
 
 
 class Worker:
@@ -142,10 +165,10 @@ class Worker:
         )
         rank = engine_place(self.vllm_config).rank
         self.endpoint = NixlEndpoint(f"{settings.instance}-rank{rank}")
-        storage = next(iter(kv_caches.values())).untyped_storage()
-        backing = torch.empty(0, dtype=torch.int8, device=storage.device)
-        backing.set_(storage, 0, (storage.nbytes(),))
-        self.endpoint.register(backing)
+        for storage in _storages(kv_caches):  # a layer-outermost cache has one per layer
+            backing = torch.empty(0, dtype=torch.int8, device=storage.device)
+            backing.set_(storage, 0, (storage.nbytes(),))
+            self.endpoint.register(backing)
         document = {
             **cache.document,
             **settings.registration_members(),

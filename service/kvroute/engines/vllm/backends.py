@@ -1,0 +1,120 @@
+"""What each vLLM attention backend's kernels read inside a block, and the probe that proves it.
+
+The contract of a backend is read from its ``forward`` and cache update, not from the tensor's
+strides (which every backend allocates alike): FlashAttention, FlashInfer and Triton split each
+token row of ``[blocks, heads, tokens, 2 x head_size]`` into K then V (``transpose(1, 2).split``);
+the CPU backend views the same tensor as ``[blocks, heads, 2 x tokens, head_size]`` and splits the
+token axis, so each head holds all its K rows then all its V rows, K transposed (``vec``/``vec16``
+ISAs: element ``d`` of token ``t`` at K-row ``d``, column ``t``). The ``amx`` ISA tiles K per 16
+tokens (``[tokens / 16][head_size / 2][16][2]``) and V per 16 elements, which kvroute's interiors
+cannot state yet: such an engine is refused at start-up rather than planned wrongly.
+
+At start-up ``check_layer`` writes a scratch block through the layer's own cache update and
+compares where the bytes landed with the contract; any difference stops the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kvroute.engines.vllm.layout import attention_layout
+from kvroute.engines.vllm.probe import Layout, LayoutProbeError, probe
+from kvroute.geometry import HeadOrder, Interior, Kind, Tiling
+
+log = logging.getLogger(__name__)
+
+ROW_SPLIT = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "ROCM_ATTN", "FLEX_ATTENTION"})
+CPU_TRANSPOSED_K = frozenset({"vec", "vec16"})
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """One attention layer's layout, as its contract names it and its probe found it."""
+
+    backend: str
+    layout: Layout
+    probe_seconds: float
+
+
+def contract(backend: str, isa: str | None, head_size: int, order: Kind = Kind.HND) -> Layout:
+    """The layout a backend's kernels read (``order``: head- or token-major, as the layer's
+    strides place them); refuses a backend (or ISA) kvroute does not know."""
+    if backend in ROW_SPLIT:
+        return Layout(order, 1)
+    if backend == "CPU_ATTN":
+        if isa in CPU_TRANSPOSED_K:
+            tilings = (Tiling(planes=head_size), Tiling())
+            return Layout(Kind.HND, 2, Interior(HeadOrder.HEAD_BUFFER, tilings))
+        raise LayoutProbeError(
+            f"attention backend CPU_ATTN with ISA {isa!r}: kvroute knows the vec and vec16 "
+            "layouts (K transposed per head, then V); amx tiles K per 16 tokens, which a view's "
+            "interior cannot state yet. Start vLLM where the backend picks vec "
+            "(float16/float32, or a CPU without AMX)"
+        )
+    raise LayoutProbeError(
+        f"attention backend {backend} is not one whose cache layout kvroute knows "
+        f"({', '.join(sorted(ROW_SPLIT | {'CPU_ATTN'}))}); nothing is guessed"
+    )
+
+
+def check_layer(layer: Any, name: str, tensor: Any, spec: Any) -> Checked:
+    """Probes one attention layer through its own cache update; raises on any contradiction."""
+    backend = layer.attn_backend.get_name()
+    order, _ = attention_layout(tensor, name)
+    expected = contract(backend, getattr(layer, "isa", None), spec.head_size, order)
+
+    def write(key: Any, value: Any, cache: Any, slots: Any) -> None:
+        layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+
+    found = probe(
+        write,
+        heads=spec.num_kv_heads,
+        tokens=spec.block_size,
+        head_size=spec.head_size,
+        dtype=tensor.dtype,
+        device=tensor.device,
+        strides=tuple(tensor.stride()[1:]),
+    )
+    if found.layout != expected:
+        raise LayoutProbeError(
+            f"layer {name}: attention backend {backend} (ISA {getattr(layer, 'isa', None)}): "
+            f"its contract says "
+            f"{expected.describe()}, but its cache update wrote {found.layout.describe()}"
+        )
+    return Checked(backend, found.layout, found.seconds)
+
+
+def attention_layers(vllm_config: Any, names: list[str]) -> dict[str, Any]:
+    """The model's attention layer objects by name (their backend, impl and ISA)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    return dict(get_layers_from_vllm_config(vllm_config, Attention, names))
+
+
+def checked_layouts(vllm_config: Any, layers: list[Any]) -> dict[str, Layout]:
+    """Each attention layer's probed layout, one probe per distinct (backend, ISA, shape)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    attention = [
+        layer for layer in layers if type(layer.spec) in (FullAttentionSpec, SlidingWindowSpec)
+    ]
+    objects = attention_layers(vllm_config, [layer.name for layer in attention])
+    found: dict[tuple[object, ...], Checked] = {}
+    layouts = {}
+    for layer in attention:
+        engine_layer = objects.get(layer.name)
+        if engine_layer is None:
+            raise LayoutProbeError(f"layer {layer.name}: vLLM has no attention layer to probe")
+        spec, tensor = layer.spec, layer.tensor
+        key = (engine_layer.attn_backend.get_name(), getattr(engine_layer, "isa", None),
+               spec.num_kv_heads, spec.block_size, spec.head_size, tensor.dtype, tensor.stride()[1:])  # fmt: skip
+        if key not in found:
+            found[key] = check_layer(engine_layer, layer.name, tensor, spec)
+            checked = found[key]
+            log.info("kvroute layout probe: %s (%s): %s in %.0f ms", layer.name, checked.backend,
+                     checked.layout.describe(), checked.probe_seconds * 1000)  # fmt: skip
+        layouts[layer.name] = found[key].layout
+    return layouts
