@@ -35,6 +35,17 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "client": ("kvroute.store", "kvroute.control", "kvroute.api", "kvroute.cli", "sqlalchemy"),
     # Engine adapters run inside an engine's processes: a worker's dependencies, nothing of the server.
     "engines": ("kvroute.store", "kvroute.control", "kvroute.api", "kvroute.cli", "sqlalchemy"),
+    # The P/D proxy is an HTTP client of kvroute and of engines: the client, nothing of the server.
+    "proxy": (
+        "kvroute.store",
+        "kvroute.control",
+        "kvroute.api",
+        "kvroute.cli",
+        "kvroute.transfer",
+        "kvroute.engines",
+        "sqlalchemy",
+        "torch",
+    ),
 }
 # geometry and wire may import themselves; the entries above forbid every other kvroute package.
 ALLOWED_SELF = {"geometry": "kvroute.geometry", "wire": "kvroute.wire"}

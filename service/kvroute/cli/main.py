@@ -1,4 +1,5 @@
-"""The ``kvroute`` command line: ``serve``, ``db``, ``plan``, ``describe``, ``check`` and ``demo``.
+"""The ``kvroute`` command line: ``serve``, ``db``, ``plan``, ``describe``, ``check``, ``demo``
+and ``proxy``.
 
 Each subcommand module has a registrar that adds its parser and binds a ``run`` callable.
 Commands are thin: configuration comes from ``kvroute.settings``, schema work from
@@ -16,11 +17,20 @@ from kvroute.cli.db import add_db
 from kvroute.cli.demo import add_demo
 from kvroute.cli.plan import add_plan
 from kvroute.cli.preflight import add_check, add_describe
+from kvroute.cli.proxy import add_proxy
 from kvroute.cli.serve import add_serve
 from kvroute.settings import SettingsError
 from kvroute.store.errors import StoreError
 
-COMMANDS: list[Registrar] = [add_serve, add_db, add_plan, add_describe, add_check, add_demo]
+COMMANDS: list[Registrar] = [
+    add_serve,
+    add_db,
+    add_plan,
+    add_describe,
+    add_check,
+    add_demo,
+    add_proxy,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,8 @@ from typing import Any
 
 ROLES = {"kv_producer": "context", "kv_consumer": "generation"}
 DONE_PREFIX = "kvroute-done"  # NIXL notification a consumer rank sends each producer rank
-PASSED_MEMBERS = ("model", "kv_quantization", "topology")
+# "endpoint": the engine's OpenAI address, for ``kvroute proxy`` (kept by kvroute as given).
+PASSED_MEMBERS = ("model", "kv_quantization", "topology", "endpoint")
 
 
 @dataclass(frozen=True, slots=True)
