@@ -23,7 +23,8 @@ from kvroute.engines.vllm.layout import attention_layout
 from kvroute.engines.vllm.probe import Layout, LayoutProbeError, probe
 from kvroute.geometry import HeadOrder, Interior, Kind, Tiling
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger, whose handlers an engine configures: the lines land in its log.
+log = logging.getLogger(f"vllm.{__name__}")
 
 ROW_SPLIT = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "ROCM_ATTN", "FLEX_ATTENTION"})
 CPU_TRANSPOSED_K = frozenset({"vec", "vec16"})

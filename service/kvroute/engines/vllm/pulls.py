@@ -1,7 +1,7 @@
 """The consumer's pulls: a handed-over request's tokens read from the producer's ranks over NIXL.
 
-A plan (fetched once per producer instance, with ``period=True`` so any block-size pair cuts token
-ranges) says which producer rank holds which bytes; ``kvroute.client.nixl_descs`` turns it and the
+A plan (fetched per producer instance off the step by ``prefetch``, with ``period=True`` so any
+block-size pair cuts token ranges) says which producer rank holds which bytes; ``kvroute.client.nixl_descs`` turns it and the
 request's block lists into descriptors, per KV cache group (a group has its own block table). When
 every read is done, this rank tells every producer rank, so each frees the request's blocks once
 all consumer ranks have said so. A pull that fails or outlives its bound is a load error: its
@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvroute.client import KvrouteClient
 from kvroute.client.nixl_descs import NixlTransfer, PeerDescriptors, PoolAddress, plan_descriptors
 from kvroute.client.nixl_transport import (
     NixlEndpoint,
@@ -24,9 +23,11 @@ from kvroute.client.nixl_transport import (
     pool_addresses,
 )
 from kvroute.engines.vllm.params import Handover, done_message
+from kvroute.engines.vllm.prefetch import Fetched, Prefetcher
 from kvroute.geometry import Plan
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger, whose handlers an engine configures: the lines land in its log.
+log = logging.getLogger(f"vllm.{__name__}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,7 @@ class _Producer:
     plan: Plan
     documents: dict[int, Mapping[str, Any]]
     agents: dict[int, str]
+    fetched: Fetched  # what the prefetcher answered (a new answer replaces this producer)
 
 
 @dataclass
@@ -65,9 +67,12 @@ class _Running:
 
 @dataclass
 class Pulls:
-    """A consumer rank's pulls in flight; ``poll()`` answers finished and failed request ids."""
+    """A consumer rank's pulls in flight; ``poll()`` answers finished and failed request ids.
 
-    client: KvrouteClient
+    Nothing here waits on kvroute: a load whose producer's plan is not fetched yet waits in
+    ``waiting`` (bounded by ``timeout_s``) while the ``Prefetcher`` fetches it on its own thread."""
+
+    prefetcher: Prefetcher
     endpoint: NixlEndpoint
     deployment: str
     instance: str
@@ -79,26 +84,49 @@ class Pulls:
     timeout_s: float
     mem_type: str = "DRAM"
     producers: dict[str, _Producer] = field(default_factory=dict)
+    waiting: dict[str, tuple[Load, float]] = field(default_factory=dict)  # id -> load, deadline
     running: dict[str, _Running] = field(default_factory=dict)
     errors: set[int] = field(default_factory=set)
     done: set[str] = field(default_factory=set)
 
     def start(self, load: Load) -> None:
+        """Posts the load's reads, or parks it until its producer's plan is fetched."""
+        self.waiting[load.request_id] = (load, time.monotonic() + self.timeout_s)
+        self._post_ready()
+
+    def _post_ready(self) -> None:
+        for request_id, (load, deadline) in list(self.waiting.items()):
+            instance = load.handover.instance
+            try:
+                producer = self._producer(instance)
+            except Exception as error:  # no plan from kvroute, or NIXL's own errors (a gone peer)
+                del self.waiting[request_id]
+                self._fail(load, str(error))
+                self._forget(instance)
+                continue
+            if producer is not None:
+                del self.waiting[request_id]
+                self._post(load, producer)
+            elif time.monotonic() > deadline:
+                del self.waiting[request_id]
+                self._fail(load, f"no plan from {instance} after {self.timeout_s} s")
+
+    def _post(self, load: Load, producer: _Producer) -> None:
         try:
-            producer = self._producer(load.handover.instance)
             transfer = self._descriptors(producer.plan, load)
             pending = self.endpoint.post(
                 transfer, producer.agents, notification=b"", mem_type=self.mem_type
             )
         except Exception as error:  # kvroute, plan and NIXL errors alike (nixl has its own types)
             self._fail(load, f"could not start: {error}")
-            self.producers.pop(load.handover.instance, None)
+            self._forget(load.handover.instance)
             return
         deadline = time.monotonic() + self.timeout_s
         self.running[load.request_id] = _Running(load, pending, producer, deadline)
 
     def poll(self) -> set[str]:
         """Request ids whose pull ended since the last call, failed ones included."""
+        self._post_ready()
         for request_id, running in list(self.running.items()):
             try:
                 state = running.pending.state()
@@ -117,7 +145,7 @@ class Pulls:
                 self.done.add(request_id)
             else:
                 self._fail(running.load, detail)
-                self.producers.pop(running.load.handover.instance, None)
+                self._forget(running.load.handover.instance)
         finished, self.done = self.done, set()
         return finished
 
@@ -147,30 +175,33 @@ class Pulls:
                 log.warning("could not tell %s that %s was pulled", agent,
                             running.load.handover.request_id)  # fmt: skip
 
-    def _producer(self, instance: str) -> _Producer:
-        """The producer's plan for this rank and every rank's document, fetched once."""
+    def _producer(self, instance: str) -> _Producer | None:
+        """The producer's plan and agents; None while the prefetcher fetches them; LookupError
+        when kvroute could not answer (the load fails and vLLM recomputes it)."""
+        fetched = self.prefetcher.get(instance)
         known = self.producers.get(instance)
-        if known is not None:
+        if fetched is None:
+            self.producers.pop(instance, None)  # dropped by the prefetcher: stale
+            return None
+        if known is not None and known.fetched is fetched:
             return known
-        answer = self.client.get_plan(
-            self.deployment,
-            sender=instance,
-            receiver=self.instance,
-            receiver_rank=self.rank,
-            period=True,
-        )
-        plan = answer.plan
-        ranks = sorted(answer.sender_generations)  # every producer rank, sending or not
-        documents = {r: self.client.get_rank(self.deployment, instance, r).document for r in ranks}
+        if fetched.plan is None:
+            self.prefetcher.forget(instance)
+            raise LookupError(fetched.error)
         agents = {}
-        for rank, document in documents.items():
+        for rank, document in fetched.documents.items():
             metadata = document.get("nixl_agent_metadata")
             if metadata is None:
-                raise ValueError(f"producer {instance} rank {rank} published no NIXL metadata")
+                self.prefetcher.forget(instance)
+                raise LookupError(f"producer {instance} rank {rank} published no NIXL metadata")
             agents[rank] = self.endpoint.add_peer(metadata)
-        producer = _Producer(plan, documents, agents)
+        producer = _Producer(fetched.plan, dict(fetched.documents), agents, fetched)
         self.producers[instance] = producer
         return producer
+
+    def _forget(self, instance: str) -> None:
+        self.producers.pop(instance, None)
+        self.prefetcher.forget(instance)
 
     def _descriptors(self, plan: Plan, load: Load) -> NixlTransfer:
         """One transfer: each KV cache group's views with that group's block lists."""

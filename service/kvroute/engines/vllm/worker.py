@@ -19,6 +19,7 @@ from kvroute.client.nixl_transport import NixlEndpoint
 from kvroute.engines.vllm.backends import checked_layouts
 from kvroute.engines.vllm.layout import Layer, Place, RankCache, describe
 from kvroute.engines.vllm.params import Settings, parse_done
+from kvroute.engines.vllm.prefetch import Prefetcher
 from kvroute.engines.vllm.probe import Layout
 from kvroute.engines.vllm.pulls import Load, Pulls
 from kvroute.geometry import Owner
@@ -26,7 +27,8 @@ from kvroute.geometry import Owner
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger, whose handlers an engine configures: the lines land in its log.
+log = logging.getLogger(f"vllm.{__name__}")
 
 
 class RegistrationRefused(RuntimeError):
@@ -148,6 +150,7 @@ class Worker:
         self.lease: SyncLease | None = None
         self.cache: RankCache | None = None
         self.pulls: Pulls | None = None
+        self.prefetcher: Prefetcher | None = None
         self.holding: dict[str, float] = {}  # request id -> when its blocks are freed regardless
         self.heard: dict[str, int] = {}  # request id -> done notifications so far
         self.expected: dict[str, int] = {}
@@ -185,9 +188,17 @@ class Worker:
             raise RegistrationRefused(error, settings.instance, rank) from error
         cache.document = document
         self.cache = cache
+        log.info("kvroute: %s rank %d registered in %s as %s (%d views, %d pools)",
+                 settings.instance, rank, settings.deployment, settings.role,
+                 len(document["views"]), len(document["pools"]))  # fmt: skip
         parallel = self.vllm_config.parallel_config
+        if settings.producer:
+            return cache  # a producer holds blocks; only consumers pull
+        self.prefetcher = Prefetcher(
+            settings.url, settings.token, settings.deployment, settings.instance, rank
+        )
         self.pulls = Pulls(
-            self.client,
+            self.prefetcher,
             self.endpoint,
             settings.deployment,
             settings.instance,
@@ -241,6 +252,9 @@ class Worker:
         return sent
 
     def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
         if self.lease is not None:
             try:
                 self.lease.stop(deregister=True)

