@@ -29,7 +29,8 @@ of the deployment through any index that starts with ``deployment`` costs as lit
 probe; kept while the fleet grew, such a plan made each admission read the whole deployment (8,192
 ranks: a registration batch 4x slower in the last quarter than in the first). Tables that grow
 faster than autovacuum analyzes them (or where it is off) would not re-plan either. A custom plan
-costs a fraction of a millisecond of planning per statement and follows the tables' sizes.
+costs a fraction of a millisecond of planning per statement and follows the tables' sizes; the
+statistics it needs are kept fresh by ``store.statistics``.
 """
 
 from __future__ import annotations
