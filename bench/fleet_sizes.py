@@ -23,6 +23,8 @@ renewals/s, matrix <= 100 ms, a fresh replica's first matrix <= 1 s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import os
 import random
 import statistics
@@ -33,8 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import asyncpg
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy.engine import make_url
 
 from kvroute.live import LiveServer
 
@@ -50,6 +54,9 @@ class SizeRun:
     ranks: int
     register: Any = None  # scale_bench.Phase
     renewals: Any = None
+    # PostgreSQL's CPU seconds (the bench database's backends) per phase; None on SQLite.
+    register_db_cpu: float | None = None
+    renewals_db_cpu: float | None = None
     matrix_first: float = 0.0
     matrix_repeated: list[float] = field(default_factory=list)
     fresh_matrix: float = 0.0
@@ -82,7 +89,7 @@ def _one_size(bench: Any, args: Any, config: str, mode: str, layouts: str, size:
         with bench.profiled(running, args.profile, label):
             result = SizeRun(size)
             started_load = os.getloadavg()[0]
-            asyncio.run(_measure(bench, running[0].url, args, mode, layouts, result))
+            asyncio.run(_measure(bench, running[0].url, args, (config, mode, layouts), result))
             result.fresh_matrix = _fresh_replica_matrix(bench, running[0], Path(workdir))
             result.rss_mib, result.peak_rss_mib = _rss_mib(running[0].process.pid)
             result.load = (started_load, os.getloadavg()[0])
@@ -90,10 +97,12 @@ def _one_size(bench: Any, args: Any, config: str, mode: str, layouts: str, size:
 
 
 async def _measure(
-    bench: Any, base: str, args: Any, mode: str, layouts: str, result: SizeRun
+    bench: Any, base: str, args: Any, run_: tuple[str, str, str], result: SizeRun
 ) -> None:
+    """Registration, renewals and the matrix; ``run_`` is (configuration, lease mode, layouts)."""
     import fleet_phases
 
+    config, mode, layouts = run_
     rng = random.Random(args.seed)
     ranks = bench.fleet(max(1, result.ranks // (2 * RANKS_PER_INSTANCE)))
     result.ranks = len(ranks)
@@ -110,7 +119,10 @@ async def _measure(
             )
             for name, reg in ranks
         ]
+        database = _database(bench, config)
+        cpu = await _db_cpu(database)
         result.register = await bench.drive(session, [base], "register", register)
+        result.register_db_cpu = await _since(database, cpu)
         if mode == "engine":
             paths = [
                 f"/v1/deployments/fleet/leases/{lease}" for lease in sorted(set(leases.values()))
@@ -120,9 +132,47 @@ async def _measure(
         renew = [
             bench.expect("POST", rng.choice(paths) + "/heartbeat", 200) for _ in range(RENEWALS)
         ]
+        cpu = await _db_cpu(database)
         result.renewals = await bench.drive(session, [base], "renewals", renew)
+        result.renewals_db_cpu = await _since(database, cpu)
         first, repeated = await bench.matrix_phases(session, base)
         result.matrix_first, result.matrix_repeated = first.seconds, repeated.latencies
+
+
+def _database(bench: Any, config: str) -> str | None:
+    """The bench database's name where this run is on PostgreSQL."""
+    return make_url(bench.POSTGRES_URL).database if config == "postgres" else None
+
+
+async def _db_cpu(database: str | None) -> dict[int, float] | None:
+    """CPU seconds each backend connected to ``database`` has used so far (this machine's
+    PostgreSQL: the load generator reads the backends' /proc entries)."""
+    if database is None:
+        return None
+    admin = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/postgres")
+    try:
+        rows = await admin.fetch("SELECT pid FROM pg_stat_activity WHERE datname = $1", database)
+    finally:
+        await admin.close()
+    used = {}
+    for row in rows:
+        with contextlib.suppress(OSError):  # a backend that ended meanwhile
+            used[row["pid"]] = _cpu_seconds(row["pid"])
+    return used
+
+
+async def _since(database: str | None, before: dict[int, float] | None) -> float | None:
+    """CPU seconds the database's backends used since ``before`` (new backends: all of theirs)."""
+    after = await _db_cpu(database)
+    if after is None or before is None:
+        return None
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _fresh_replica_matrix(bench: Any, serving: LiveServer, workdir: Path) -> float:
@@ -193,7 +243,25 @@ def _measures(runs: list[SizeRun]) -> list[tuple[str, list[float], str, str]]:
             "time",
             ".2f",
         ),
+        (
+            "register: PostgreSQL CPU ms per rank",
+            [_per(r.register_db_cpu, r.ranks) for r in runs],
+            "time",
+            ".2f",
+        ),
         ("renewals/s (>= 3,000)", [r.renewals.throughput for r in runs], "rate", ".0f"),
+        (
+            "renewals: server CPU ms each",
+            [_per(r.renewals.server_cpu, RENEWALS) for r in runs],
+            "time",
+            ".3f",
+        ),
+        (
+            "renewals: PostgreSQL CPU ms each",
+            [_per(r.renewals_db_cpu, RENEWALS) for r in runs],
+            "time",
+            ".3f",
+        ),
         ("renewals: p99 ms", [r.renewals.percentile(0.99) * ms for r in runs], "time", ".1f"),
         ("matrix: first ms", [r.matrix_first * ms for r in runs], "time", ".0f"),
         (
@@ -212,6 +280,10 @@ def _measures(runs: list[SizeRun]) -> list[tuple[str, list[float], str, str]]:
         ("load average, start / end", [r.load[0] for r in runs], "", ".1f"),
     ]
     return rows
+
+
+def _per(seconds: float | None, count: int) -> float:
+    return float("nan") if seconds is None else seconds / count * 1e3
 
 
 def report(title: str, runs: list[SizeRun]) -> None:
@@ -233,6 +305,6 @@ def report(title: str, runs: list[SizeRun]) -> None:
 
 
 def _ratio(value: float, baseline: float, kind: str) -> str:
-    if not kind or not baseline:
+    if not kind or not baseline or math.isnan(value) or math.isnan(baseline):
         return ""
     return f"{value / baseline:.2f}x"
