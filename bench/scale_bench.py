@@ -27,6 +27,10 @@ mode runs every configuration; random-layout columns are named ``CONFIG random``
 instances, per-rank and engine leases side by side, renewal rounds and SSE watchers; ``--ranks``,
 ``--watchers`` and ``--lease-modes`` bound it).
 
+``--sizes 1024,8192`` runs issue 34's comparison instead (``fleet_sizes.py``): the fleet at each
+size on a fresh database, per-rank and engine leases, a fresh replica's first matrix and the
+server's memory, as ratios against the first size.
+
 ``--profile DIR`` records each server with py-spy (collapsed stacks, one file per server).
 ``--baseline OLD/service`` first runs the same phases against another checkout's kvroute on
 PostgreSQL (e.g. ``git worktree add /tmp/old <commit>``) and adds a column with the ratio.
@@ -57,6 +61,7 @@ from rich.table import Table
 from sqlalchemy.engine import make_url
 
 import fleet_phases
+import fleet_sizes
 from kvroute.geometry import RankRegistration
 from kvroute.live import LiveServer
 from layouts import relayout
@@ -445,7 +450,11 @@ def main() -> None:
         "--instances", type=int, default=INSTANCES, help="instances of each role (32: 1,024 ranks)"
     )
     fleet_phases.add_arguments(parser)
+    fleet_sizes.add_arguments(parser)
     args = parser.parse_args()
+    if args.sizes:
+        fleet_sizes.run(sys.modules[__name__], args)
+        return
     if args.issue22:
         report(fleet_phases.issue22(sys.modules[__name__], args))
         return

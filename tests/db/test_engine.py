@@ -43,9 +43,11 @@ async def test_sqlite_connections_enforce_foreign_keys_and_use_wal(sqlite_url: s
 
 
 @pytest.mark.postgres
-async def test_postgres_connections_carry_statement_and_lock_timeouts(
+async def test_postgres_connections_carry_timeouts_and_plan_each_statement(
     postgres_test_url: str,
 ) -> None:
+    """Timeouts, and custom plans: a generic plan cached while the deployment was small would
+    be kept as it grows (see ``store.engine``)."""
     engine = create_engine(
         postgres_test_url, DatabaseTimeouts(statement_seconds=4.0, lock_seconds=1.5)
     )
@@ -53,11 +55,11 @@ async def test_postgres_connections_carry_statement_and_lock_timeouts(
         async with engine.connect() as connection:
             settings = [
                 await connection.scalar(text(f"SHOW {name}"))
-                for name in ("statement_timeout", "lock_timeout")
+                for name in ("statement_timeout", "lock_timeout", "plan_cache_mode")
             ]
     finally:
         await engine.dispose()
-    assert settings == ["4s", "1500ms"]
+    assert settings == ["4s", "1500ms", "force_custom_plan"]
 
 
 async def test_sqlite_writers_serialize_and_readers_do_not_wait(sqlite_url: str) -> None:

@@ -6,7 +6,8 @@ succeeded. Shutdown (``kvroute serve`` on SIGTERM, see ``cli/serve``) first sets
 readiness answers 503 while requests are still served for ``KVROUTE_DRAIN_SECONDS``. Then the
 listener closes and ``stopping`` refuses mutations still arriving on open connections, aiohttp waits
 for in-flight handlers, and the contexts unwind in reverse: the transfer pool finishes or fails its
-jobs, the reaper stops, the engine is disposed.
+jobs, the reaper stops, the engine is disposed. Each reaper round also refreshes the planner's
+statistics of the tables a fleet grows (``store.statistics``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvroute.api.keys import (
 from kvroute.api.problems import Problem, ProblemError
 from kvroute.api.transfers import sweep_pools
 from kvroute.control.events import EventHub
+from kvroute.store import statistics
 from kvroute.store.engine import create_engine, dispose, make_sessionmaker
 from kvroute.store.records import RankName
 
@@ -98,6 +100,18 @@ async def _reap_forever(app: web.Application) -> None:
             app[metrics_key].database_up.set(0)
             continue
         since = now
+        await _refresh_statistics(app)
+
+
+async def _refresh_statistics(app: web.Application) -> None:
+    """The planner's statistics of the tables a fleet grows (``store.statistics``)."""
+    try:
+        analyzed = await statistics.refresh(app[engine_key])
+    except Exception:  # the plans only get slower: never a reason to stop the reaper
+        log.warning("refreshing the planner's statistics failed", exc_info=True)
+        return
+    if analyzed:
+        log.debug("analyzed %s", ", ".join(analyzed))
 
 
 async def _reap_round(

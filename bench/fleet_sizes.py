@@ -1,0 +1,310 @@
+"""Issue 34: what one registration, renewal and matrix cost as the fleet grows, as ratios against
+the smallest fleet measured in the same invocation.
+
+``scale_bench.py --sizes 1024,8192`` registers scale_bench's fleet (16-rank instances: context
+TP8 x PP2 and generation TP4 x PP4, interleaved) at each size, on a fresh database each, once per
+configuration (``--configs postgres,sqlite``), lease mode (``--lease-modes per-rank,engine``: every
+rank its own lease, or an engine lease per 8 ranks granted beforehand, untimed) and ``--layouts``
+(``random``: every rank lays out its slot its own way). Every rank is registered by a PUT of its
+own. Then, per run:
+
+* renewals: 8,000 heartbeats of random ranks (per-rank) or renewals of random engine leases;
+* the compatibility matrix, first and repeated, on the replica that admitted the fleet;
+* a fresh replica (a second ``kvroute serve`` on the same database, started after registration):
+  its first matrix, which reads and parses every live rank's document;
+* the server's resident memory (RSS, and its peak) once all of that is done.
+
+One table per configuration and lease mode, a column per size, and each larger size's ratio to
+the smallest. The targets are issue 34's, for 8,192 ranks on a 2-core machine shared with the load
+generator: registration <= 10 s with the last quarter's p50 within 1.3x of the first's, >= 3,000
+renewals/s, matrix <= 100 ms, a fresh replica's first matrix <= 1 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import asyncpg
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.engine import make_url
+
+from kvroute.live import LiveServer
+
+RENEWALS = 8000
+RANKS_PER_INSTANCE = 16  # scale_bench's fleet
+MATRIX_PATH = "/v1/deployments/fleet/compatibility"
+
+
+@dataclass
+class SizeRun:
+    """What one fleet size measured."""
+
+    ranks: int
+    register: Any = None  # scale_bench.Phase
+    renewals: Any = None
+    # PostgreSQL's CPU seconds (the bench database's backends) per phase; None on SQLite.
+    register_db_cpu: float | None = None
+    renewals_db_cpu: float | None = None
+    matrix_first: float = 0.0
+    matrix_repeated: list[float] = field(default_factory=list)
+    fresh_matrix: float = 0.0
+    rss_mib: float = 0.0
+    peak_rss_mib: float = 0.0
+    load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average at the start and the end
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument(
+        "--sizes",
+        help="fleet sizes in ranks, comma-separated (e.g. 1024,8192): issue 34's run, ratios "
+        "against the first size; with --configs postgres,sqlite, --lease-modes, --layouts",
+    )
+
+
+def run(bench: Any, args: Any) -> None:
+    sizes = [int(size) for size in args.sizes.split(",")]
+    configs = [c for c in args.configs.split(",") if c in ("postgres", "sqlite")]
+    for config in configs:
+        for mode in args.lease_modes.split(","):
+            for layouts in args.layouts.split(","):
+                runs = [_one_size(bench, args, config, mode, layouts, size) for size in sizes]
+                report(f"{config}, {mode} leases, {layouts} layouts", runs)
+
+
+def _one_size(bench: Any, args: Any, config: str, mode: str, layouts: str, size: int) -> SizeRun:
+    with tempfile.TemporaryDirectory() as workdir, bench.servers(config, Path(workdir)) as running:
+        label = f"{config}-{mode}-{layouts}-{size}"
+        with bench.profiled(running, args.profile, label):
+            result = SizeRun(size)
+            started_load = os.getloadavg()[0]
+            asyncio.run(_measure(bench, running[0].url, args, (config, mode, layouts), result))
+            result.fresh_matrix = _fresh_replica_matrix(bench, running[0], Path(workdir))
+            result.rss_mib, result.peak_rss_mib = _rss_mib(running[0].process.pid)
+            result.load = (started_load, os.getloadavg()[0])
+    return result
+
+
+async def _measure(
+    bench: Any, base: str, args: Any, run_: tuple[str, str, str], result: SizeRun
+) -> None:
+    """Registration, renewals and the matrix; ``run_`` is (configuration, lease mode, layouts)."""
+    import fleet_phases
+
+    config, mode, layouts = run_
+    rng = random.Random(args.seed)
+    ranks = bench.fleet(max(1, result.ranks // (2 * RANKS_PER_INSTANCE)))
+    result.ranks = len(ranks)
+    connector = aiohttp.TCPConnector(limit=bench.CLIENTS)
+    timeout = aiohttp.ClientTimeout(total=bench.REQUEST_TIMEOUT_SECONDS)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        leases = await fleet_phases._grant(session, base, bench, ranks) if mode == "engine" else {}
+        register = [
+            bench.expect(
+                "PUT",
+                fleet_phases._put_path(bench, name, reg.rank, leases),
+                201,
+                bench._document(reg, name, layouts, args.seed),
+            )
+            for name, reg in ranks
+        ]
+        database = _database(bench, config)
+        cpu = await _db_cpu(database)
+        result.register = await bench.drive(session, [base], "register", register)
+        result.register_db_cpu = await _since(database, cpu)
+        if mode == "engine":
+            paths = [
+                f"/v1/deployments/fleet/leases/{lease}" for lease in sorted(set(leases.values()))
+            ]
+        else:
+            paths = [bench.rank_path(name, reg.rank) for name, reg in ranks]
+        renew = [
+            bench.expect("POST", rng.choice(paths) + "/heartbeat", 200) for _ in range(RENEWALS)
+        ]
+        cpu = await _db_cpu(database)
+        result.renewals = await bench.drive(session, [base], "renewals", renew)
+        result.renewals_db_cpu = await _since(database, cpu)
+        first, repeated = await bench.matrix_phases(session, base)
+        result.matrix_first, result.matrix_repeated = first.seconds, repeated.latencies
+
+
+def _database(bench: Any, config: str) -> str | None:
+    """The bench database's name where this run is on PostgreSQL."""
+    return make_url(bench.POSTGRES_URL).database if config == "postgres" else None
+
+
+async def _db_cpu(database: str | None) -> dict[int, float] | None:
+    """CPU seconds each backend connected to ``database`` has used so far (this machine's
+    PostgreSQL: the load generator reads the backends' /proc entries)."""
+    if database is None:
+        return None
+    admin = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/postgres")
+    try:
+        rows = await admin.fetch("SELECT pid FROM pg_stat_activity WHERE datname = $1", database)
+    finally:
+        await admin.close()
+    used = {}
+    for row in rows:
+        with contextlib.suppress(OSError):  # a backend that ended meanwhile
+            used[row["pid"]] = _cpu_seconds(row["pid"])
+    return used
+
+
+async def _since(database: str | None, before: dict[int, float] | None) -> float | None:
+    """CPU seconds the database's backends used since ``before`` (new backends: all of theirs)."""
+    after = await _db_cpu(database)
+    if after is None or before is None:
+        return None
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _fresh_replica_matrix(bench: Any, serving: LiveServer, workdir: Path) -> float:
+    """A second server on the same database, started now: the time of its first matrix."""
+    directory = workdir / "fresh-replica"
+    directory.mkdir()
+    fresh = LiveServer(
+        directory,
+        database_url=serving.database_url,
+        tokens=(bench.WORKER_TOKEN, bench.ADMIN_TOKEN),
+        env={"KVROUTE_REPLICA_ID": "bench-fresh", "PYTHONPATH": str(bench.SERVICE)},
+    )
+    fresh.start()
+    try:
+        return asyncio.run(_time_matrix(bench, fresh.url))
+    finally:
+        fresh.stop()
+
+
+async def _time_matrix(bench: Any, base: str) -> float:
+    timeout = aiohttp.ClientTimeout(total=bench.REQUEST_TIMEOUT_SECONDS)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        matrix = bench.expect("GET", MATRIX_PATH, 200, token=bench.ADMIN_TOKEN)
+        started = time.perf_counter()
+        await matrix(session, base)
+        return time.perf_counter() - started
+
+
+def _rss_mib(pid: int) -> tuple[float, float]:
+    """The process's resident memory and its peak, in MiB."""
+    values = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                values[name] = int(rest.split()[0]) / 1024  # kB
+    return values["VmRSS"], values["VmHWM"]
+
+
+# (measure, value of a run, "time" (lower is better) | "rate" (higher is better) | "" (no ratio))
+def _measures(runs: list[SizeRun]) -> list[tuple[str, list[float], str, str]]:
+    ms = 1e3
+    rows = [
+        ("register: total s (<= 10 s at 8,192)", [r.register.seconds for r in runs], "time", ".1f"),
+        ("register: ms per rank", [r.register.seconds / r.ranks * ms for r in runs], "time", ".2f"),
+        (
+            "register: p50 ms, first quarter",
+            [r.register.quarter_p50(0) * ms for r in runs],
+            "time",
+            ".1f",
+        ),
+        (
+            "register: p50 ms, last quarter",
+            [r.register.quarter_p50(3) * ms for r in runs],
+            "time",
+            ".1f",
+        ),
+        (
+            "register: p50 last / first quarter (<= 1.3x)",
+            [r.register.quarter_p50(3) / r.register.quarter_p50(0) for r in runs],
+            "",
+            ".2f",
+        ),
+        ("register: p99 ms", [r.register.percentile(0.99) * ms for r in runs], "time", ".1f"),
+        (
+            "register: server CPU ms per rank",
+            [(r.register.server_cpu or 0.0) / r.ranks * ms for r in runs],
+            "time",
+            ".2f",
+        ),
+        (
+            "register: PostgreSQL CPU ms per rank",
+            [_per(r.register_db_cpu, r.ranks) for r in runs],
+            "time",
+            ".2f",
+        ),
+        ("renewals/s (>= 3,000)", [r.renewals.throughput for r in runs], "rate", ".0f"),
+        (
+            "renewals: server CPU ms each",
+            [_per(r.renewals.server_cpu, RENEWALS) for r in runs],
+            "time",
+            ".3f",
+        ),
+        (
+            "renewals: PostgreSQL CPU ms each",
+            [_per(r.renewals_db_cpu, RENEWALS) for r in runs],
+            "time",
+            ".3f",
+        ),
+        ("renewals: p99 ms", [r.renewals.percentile(0.99) * ms for r in runs], "time", ".1f"),
+        ("matrix: first ms", [r.matrix_first * ms for r in runs], "time", ".0f"),
+        (
+            "matrix: repeated ms, median (<= 100 ms)",
+            [statistics.median(r.matrix_repeated) * ms for r in runs],
+            "time",
+            ".0f",
+        ),
+        (
+            "fresh replica: first matrix ms (<= 1,000)",
+            [r.fresh_matrix * ms for r in runs],
+            "time",
+            ".0f",
+        ),
+        ("server RSS MiB at the end / peak", [r.rss_mib for r in runs], "", ".0f"),
+        ("load average, start / end", [r.load[0] for r in runs], "", ".1f"),
+    ]
+    return rows
+
+
+def _per(seconds: float | None, count: int) -> float:
+    return float("nan") if seconds is None else seconds / count * 1e3
+
+
+def report(title: str, runs: list[SizeRun]) -> None:
+    table = Table(title=f"{title}: {runs[0].ranks:,}-rank run as the baseline")
+    table.add_column("measure")
+    for run_ in runs:
+        table.add_column(f"{run_.ranks:,} ranks", justify="right")
+    for run_ in runs[1:]:
+        table.add_column(f"{run_.ranks:,} / {runs[0].ranks:,}", justify="right")
+    for name, values, kind, spec in _measures(runs):
+        cells = [format(value, spec) for value in values]
+        if name.startswith("server RSS"):
+            cells = [f"{r.rss_mib:.0f} / {r.peak_rss_mib:.0f}" for r in runs]
+        elif name.startswith("load average"):
+            cells = [f"{r.load[0]:.1f} / {r.load[1]:.1f}" for r in runs]
+        ratios = [_ratio(value, values[0], kind) for value in values[1:]]
+        table.add_row(name, *cells, *ratios)
+    Console(width=160).print(table)
+
+
+def _ratio(value: float, baseline: float, kind: str) -> str:
+    if not kind or not baseline or math.isnan(value) or math.isnan(baseline):
+        return ""
+    return f"{value / baseline:.2f}x"
