@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.engines.models import UnsupportedConfig, load_config, model_spec
+from kvroute.engines.models import UnsupportedConfig, load_config, model_spec, normalize
 from tests.models.configs import CONFIGS, path, raw, spec
 
 NEMOTRON_ATTENTION = (7, 18, 29, 40)  # the '*' blocks of hybrid_override_pattern
@@ -81,6 +81,45 @@ def test_a_window_without_its_layers_is_refused_not_guessed() -> None:
     with pytest.raises(UnsupportedConfig) as refused:
         model_spec(raw("gemma-3-27b"))  # the plain file: no layer_types, the class default unknown
     assert refused.value.key == "sliding_window"
+    with pytest.raises(UnsupportedConfig) as refused:  # a model type without a known rule
+        model_spec({**raw("mistral-7b-v0.1"), "model_type": "starcoder2"})
+    assert refused.value.key == "sliding_window"
+    assert "'starcoder2' has no rule" in refused.value.reason
+
+
+def _windows(mapping: dict[str, object]) -> list[tuple[tuple[int, ...], int | None]]:
+    return [(g.layer_ids, g.sliding_window) for g in model_spec(mapping).groups]
+
+
+@pytest.mark.parametrize("transformers", [False, True])
+def test_windows_without_layer_types_follow_the_model_types_rule(transformers: bool) -> None:
+    """vLLM's rule (its CacheConfig.sliding_window on every layer built without one of its own),
+    read from the plain file and from transformers' class alike."""
+    read = normalize if transformers else dict
+    mistral = raw("mistral-7b-v0.1")  # MistralConfig has no layer_types: every layer
+    assert _windows(read(mistral)) == [(tuple(range(32)), 4096)]
+    mixtral = {**mistral, "model_type": "mixtral", "num_local_experts": 8}
+    assert _windows(read(mixtral)) == [(tuple(range(32)), 4096)]
+    assert _windows(read({**mixtral, "sliding_window": None})) == [(tuple(range(32)), None)]
+    qwen = raw("qwen2.5-7b")  # use_sliding_window false: its sliding_window means nothing
+    assert _windows(read(qwen)) == [(tuple(range(28)), None)]
+    every = {**qwen, "use_sliding_window": True, "max_window_layers": 0}
+    assert _windows(read(every)) == [(tuple(range(28)), 131072)]
+    none = {**qwen, "use_sliding_window": True, "max_window_layers": 28}
+    assert _windows(read(none)) == [(tuple(range(28)), None)]
+
+
+@pytest.mark.parametrize("transformers", [False, True])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "qwen2_moe"])
+def test_a_qwen_window_on_some_layers_is_refused(transformers: bool, model_type: str) -> None:
+    """transformers windows layers from max_window_layers on (Qwen2-MoE: the even ones below it);
+    vLLM's Qwen2 refuses to start, its Qwen3 and Qwen2-MoE keep every token: no cache to predict."""
+    read = normalize if transformers else dict
+    mapping = {**raw("qwen2.5-7b"), "model_type": model_type, "use_sliding_window": True}
+    with pytest.raises(UnsupportedConfig) as refused:
+        model_spec(read({**mapping, "max_window_layers": 20}))
+    assert refused.value.key == "max_window_layers"
+    assert "of 28 attention layers" in refused.value.reason
 
 
 @pytest.mark.parametrize(

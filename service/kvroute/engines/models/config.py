@@ -18,6 +18,7 @@ from typing import Any
 
 from kvroute.engines.models.errors import UnsupportedConfig
 from kvroute.engines.models.mamba import MambaSpec, mamba_spec
+from kvroute.engines.models.windows import check_engine_runs, rule_windowed
 from kvroute.geometry.limits import MAX_LAYERS
 
 # Keys naming features whose cache kvroute does not model, and why.
@@ -192,7 +193,8 @@ def _attention_ids(
 def _groups(
     lm: Mapping[str, Any], attention: Sequence[int], num_layers: int
 ) -> tuple[AttentionGroup, ...]:
-    """Attention layers split into full and windowed ones; a window only with its layers named."""
+    """Attention layers split into full and windowed ones: by ``layer_types``, else by the model
+    type's rule (``windows``)."""
     window = lm.get("sliding_window")
     types = lm.get("layer_types")
     if types is not None:
@@ -207,16 +209,13 @@ def _groups(
         if "indexed_attention" in types and not lm.get("index_head_dim"):
             raise UnsupportedConfig("index_head_dim", "indexed_attention layers need indexer keys")
         sliding = tuple(i for i in attention if types[i] == "sliding_attention")
+        check_engine_runs(lm, sliding, attention, "layer_types")
         if sliding and not window:
             raise UnsupportedConfig("sliding_window", "sliding_attention layers need a window")
-    elif window and lm.get("use_sliding_window") is not False:
-        raise UnsupportedConfig(
-            "sliding_window",
-            "set, but the config does not say which layers use it (no layer_types); install "
-            "kvroute[models] so transformers fills in the model's default, or add layer_types",
-        )
     else:
-        sliding = ()
+        windowed = rule_windowed(lm, num_layers)
+        check_engine_runs(lm, windowed, attention, "sliding_window")
+        sliding = tuple(i for i in attention if i in windowed)
     full = tuple(i for i in attention if i not in sliding)
     groups = [AttentionGroup(full)] if full else []
     if sliding:
