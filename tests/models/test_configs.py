@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvroute.engines.models import UnsupportedConfig, load_config, model_spec, normalize
+from kvroute.engines.models.linear import LinearSpec
 from tests.models.configs import CONFIGS, path, raw, spec
 
 NEMOTRON_ATTENTION = (7, 18, 29, 40)  # the '*' blocks of hybrid_override_pattern
@@ -69,6 +70,33 @@ def test_mamba_hybrids() -> None:
     assert (jamba.mamba.heads, jamba.mamba.head_dim, jamba.mamba.d_state) == (8192, 1, 16)
 
 
+def test_linear_attention_hybrids() -> None:
+    """Which layers are linear and the state's model-wide shape, from each family's keys."""
+    qwen = spec("qwen3-next-80b-a3b")  # full attention every 4th layer
+    assert qwen.attention_layers == tuple(range(3, 48, 4))
+    assert (qwen.num_kv_heads, qwen.head_dim) == (2, 256)
+    gdn = qwen.mamba
+    assert isinstance(gdn, LinearSpec)
+    assert len(gdn.layer_ids) == 36
+    assert (gdn.heads, gdn.head_dim, gdn.d_state, gdn.d_conv) == (32, 128, 128, 4)
+    assert gdn.sections == (16 * 128, 16 * 128, 32 * 128)
+    kimi = spec("kimi-linear-48b-a3b")  # kda_layers are one-based
+    assert kimi.attention_layers == (3, 7, 11, 15, 19, 23, 26)
+    assert kimi.mla is not None
+    assert kimi.mla.row == 576
+    assert isinstance(kimi.mamba, LinearSpec)
+    assert (kimi.mamba.sections, kimi.mamba.ssm_dtype) == ((4096,) * 3, "float32")
+    minimax = spec("minimax-text-01")  # attn_type_list: 0 lightning, 1 softmax
+    assert minimax.attention_layers == tuple(range(7, 80, 8))
+    assert isinstance(minimax.mamba, LinearSpec)
+    assert minimax.mamba.sections == ()
+    assert (minimax.num_kv_heads, minimax.head_dim) == (8, 128)
+    types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12
+    listed = {**raw("qwen3-next-80b-a3b"), "layer_types": types}
+    listed.pop("full_attention_interval")
+    assert spec(listed) == qwen
+
+
 @pytest.mark.parametrize(
     "name", sorted(p.stem for p in CONFIGS.glob("*.json") if p.stem != "gemma-3-27b")
 )
@@ -126,6 +154,10 @@ def test_a_qwen_window_on_some_layers_is_refused(transformers: bool, model_type:
     ("change", "key"),
     [
         ({"layer_types": ["linear_attention"] * 80}, "layer_types[0]"),
+        ({"model_type": "qwen3_next", "full_attention_interval": 4}, "linear_num_key_heads"),
+        ({"model_type": "qwen3_next", "layer_types": ["mamba"] * 80}, "layer_types[0]"),
+        ({"model_type": "kimi_linear", "linear_attn_config": 4}, "linear_attn_config"),
+        ({"model_type": "minimax_text_01", "attn_type_list": [0] * 79}, "attn_type_list"),
         ({"attention_chunk_size": 8192}, "attention_chunk_size"),
         ({"is_encoder_decoder": True}, "is_encoder_decoder"),
         ({"num_hidden_layers": None}, "num_hidden_layers"),

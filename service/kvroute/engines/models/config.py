@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvroute.engines.models.errors import UnsupportedConfig
+from kvroute.engines.models.linear import LinearSpec, linear_spec
 from kvroute.engines.models.mamba import MambaSpec, mamba_spec
 from kvroute.engines.models.windows import check_engine_runs, rule_windowed
 from kvroute.geometry.limits import MAX_LAYERS
@@ -25,7 +26,6 @@ from kvroute.geometry.limits import MAX_LAYERS
 UNMODELLED_KEYS: Mapping[str, str] = {
     "attention_chunk_size": "chunked local attention keeps a per-chunk cache kvroute does not model",
     "cross_attention_layers": "cross-attention caches encoder states, not per-token KV blocks",
-    "linear_attn_config": "linear attention keeps a recurrent state kvroute does not model",
     "kv_lora_rank_per_layer": "per-layer latent ranks give layers of different geometry",
 }
 # indexed_attention: full attention with sparse-attention indexer keys (DeepSeek-V3.2).
@@ -70,7 +70,7 @@ class ModelSpec:
     dtype: str
     mla: Mla | None = None
     index_head_dim: int | None = None  # sparse attention's indexer keys (DeepSeek-V3.2)
-    mamba: MambaSpec | None = None
+    mamba: MambaSpec | LinearSpec | None = None  # recurrent state: Mamba, or linear attention
     mtp_layers: int = 0  # multi-token-prediction layers the config declares
 
     @property
@@ -104,7 +104,7 @@ def model_spec(config: Mapping[str, Any]) -> ModelSpec:
         if lm.get(key):
             raise UnsupportedConfig(key, reason)
     num_layers = _layer_count(lm)
-    mamba = mamba_spec(lm, num_layers)
+    mamba = mamba_spec(lm, num_layers) or linear_spec(lm, num_layers)
     attention = _attention_ids(lm, num_layers, mamba)
     mla = _mla(lm)
     heads, head_dim = (1, mla.row) if mla else _gqa_heads(lm)
@@ -183,7 +183,7 @@ def _mla(lm: Mapping[str, Any]) -> Mla | None:
 
 
 def _attention_ids(
-    lm: Mapping[str, Any], num_layers: int, mamba: MambaSpec | None
+    lm: Mapping[str, Any], num_layers: int, mamba: MambaSpec | LinearSpec | None
 ) -> tuple[int, ...]:
     if mamba is None:
         return tuple(range(num_layers))
