@@ -91,6 +91,9 @@ def test_linear_attention_hybrids() -> None:
     assert isinstance(minimax.mamba, LinearSpec)
     assert minimax.mamba.sections == ()
     assert (minimax.num_kv_heads, minimax.head_dim) == (8, 128)
+    text = {**raw("qwen3-next-80b-a3b"), "model_type": "qwen3_5_moe_text"}  # Qwen3.5's nesting
+    nested = spec({"model_type": "qwen3_5_moe", "text_config": text})
+    assert (nested.mamba, nested.groups) == (qwen.mamba, qwen.groups)
     types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12
     listed = {**raw("qwen3-next-80b-a3b"), "layer_types": types}
     listed.pop("full_attention_interval")

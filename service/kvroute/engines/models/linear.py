@@ -3,7 +3,7 @@
 Each family's state, from vLLM's ``MambaStateShapeCalculator`` and the layers that use it (one
 ``MambaSpec`` page per layer and request; per TP rank):
 
-- Gated DeltaNet (Qwen3-Next, ``gated_delta_net_state_shape``): a conv state over the q, k and v
+- Gated DeltaNet (Qwen3-Next and Qwen3.5's text model, ``gated_delta_net_state_shape``): a conv state over the q, k and v
   channels, ``[2 * key_dim + value_dim) / tp][d_conv - 1]`` (key_dim = key heads x key head dim,
   value_dim = value heads x value head dim), each of the three sections split over TP on its own
   (``mamba_v2_sharded_weight_loader`` of the conv weight), and a recurrent state
@@ -30,7 +30,8 @@ from typing import Any
 from kvroute.client.hybrid import MambaLayout
 from kvroute.engines.models.errors import UnsupportedConfig, UnsupportedLayout
 
-GDN_TYPES = frozenset({"qwen3_next"})
+# Qwen3.5's text models use vLLM's same QwenGatedDeltaNetAttention (same conv loader and state).
+GDN_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
 KDA_TYPES = frozenset({"kimi_linear"})
 LIGHTNING_TYPES = frozenset({"minimax", "minimax_text_01", "minimax_m1"})
 KDA_STATE_DTYPE = "float32"
