@@ -7,9 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=(.venv/bin/pip install -q)
-# transformers resolves normally (none of its dependencies is torch); the bound is the one the
-# model-config pre-flight uses as well.
-"${PIP[@]}" "transformers>=4.56,<5.23"
+# transformers resolves normally (none of its dependencies is torch); the bound is vLLM 0.34's own
+# (its METADATA: transformers<5.23.0,>=5.16.1), narrower than the models extra's (<5.26).
+"${PIP[@]}" "transformers>=5.16.1,<5.23"
 "${PIP[@]}" --no-deps vllm==0.34.0 llguidance==1.9.1 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 "${PIP[@]}" psutil==7.2.2 pyzmq==27.3.0 regex==2026.11.19 pillow==13.0.0 pybase64==1.5.1 \
     cbor2==6.3.0 msgspec==0.23.0 cloudpickle==3.1.3 uvloop==0.23.0 py-cpuinfo==9.0.0 \

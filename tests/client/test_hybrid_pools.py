@@ -124,3 +124,23 @@ def test_a_request_moves_from_tp4_to_tp2_into_the_right_elements() -> None:
         assert torch.equal(pool.kv[0], _kv(pool.kv_layout, r, 1))
         assert not pool.buffer[1].any()  # slot 1 is neither a destination block nor the state slot
     cache.close()
+
+
+def test_a_float32_recurrent_state_beside_a_bfloat16_conv_state() -> None:
+    """Kimi's KDA layout: the recurrent state's own dtype sizes its heads and types its view; the
+    conv state keeps the cache dtype and starts after every layer's recurrent region."""
+    state = MambaLayout((0, 1), 4, 8, 8, (16, 16, 16), 3, "bfloat16", "float32")
+    pool = HybridPool.carve(None, state, 2)
+    assert (pool.ssm.dtype, pool.ssm.shape) == (torch.float32, (2, 2, 4, 8, 8))
+    assert (pool.conv.dtype, pool.conv.shape) == (torch.bfloat16, (2, 2, 48, 3))
+    ssm, conv = pool.describe().specs[:2]
+    assert (ssm.dtype, ssm.ssm_bytes_per_head, ssm.bytes_per_layer) == ("float32", 256, 1024)
+    assert (conv.dtype, conv.offset, conv.conv_sections) == ("bfloat16", 2048, (96, 96, 96))
+    pool.ssm[1, 1, 3, 7, 7] = 1.5
+    assert pool.buffer[1, 2048 - 4 : 2048].view(torch.float32).item() == 1.5
+
+
+def test_lightning_attention_has_no_conv_region() -> None:
+    state = MambaLayout((0, 2), 4, 8, 8, (), 0, "bfloat16")
+    assert [spec.kind for spec in state.layer_specs(0)] == [Kind.SSM, Kind.SSM]
+    assert state.slot_bytes == 2 * 4 * 8 * 8 * 2

@@ -305,6 +305,159 @@ def test_mamba_conv_state_token_major_is_refused(world: ModuleType, llama: Path)
         rank_cache(config, kv_cache_config, caches)
 
 
+def _state_cache(
+    world: ModuleType, llama: Path, tp: int, mamba, name: str = "model.layers.1.linear_attn"
+):  # type: ignore[no-untyped-def]
+    """A rank of TP ``tp`` holding attention layer 0 and the state page ``mamba`` of layer 1."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    from kvroute.engines.vllm.worker import rank_cache
+
+    config = world.vllm_config(llama, tp_size=tp, extra=EXTRA)
+    stride = -(-mamba.page_size_bytes // 4096) * 4096
+    kv_cache_config = KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[
+            KVCacheTensor(4 * stride, [attn(0)], layer_stride=stride, block_stride=stride),
+            KVCacheTensor(4 * stride, [name], layer_stride=stride, block_stride=stride),
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec([attn(0)], dense(2)),
+            KVCacheGroupSpec([name], mamba),
+        ],
+    )
+    caches = world.allocate(config, kv_cache_config)
+    return rank_cache(config, kv_cache_config, caches)
+
+
+@pytest.fixture
+def channel_major(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    mamba_utils.get_conv_state_layout.cache_clear()
+    yield
+    mamba_utils.get_conv_state_layout.cache_clear()
+
+
+@pytest.mark.usefixtures("channel_major")
+def test_gated_deltanet_state_of_qwen3_next(world: ModuleType, llama: Path) -> None:
+    """Qwen3-Next's GDN page as vLLM's own calculators shape it at TP 4: conv channels q | k | v of
+    16 x 128 / 4, 16 x 128 / 4 and 32 x 128 / 4 (3 columns each), then the recurrent state of
+    32 / 4 value heads of [128][128]; the same views pre-flight writes from the config."""
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+    )
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvroute.engines.models import parse_layout, rank_documents
+    from tests.models.configs import spec as model_spec
+
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(4, 16, 32, 128, 128, 4)
+    dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(torch.bfloat16, "auto")
+    mamba = MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes,
+                      mamba_type=MambaAttentionBackendEnum.GDN_ATTN)  # fmt: skip
+    views = {v["kind"]: v for v in _state_cache(world, llama, 4, mamba).document["views"]}
+    assert views["conv"]["conv_sections"] == [512 * 3 * 2, 512 * 3 * 2, 1024 * 3 * 2]
+    assert views["conv"]["layers"] == [{"layer": 1, "offset": 0}]
+    assert (views["ssm"]["ssm_bytes_per_head"], views["ssm"]["bytes_per_layer"]) == (
+        128 * 128 * 2,
+        8 * 128 * 128 * 2,
+    )
+    assert views["ssm"]["layers"] == [{"layer": 1, "offset": 2048 * 3 * 2}]
+    preflight = rank_documents(model_spec("qwen3-next-80b-a3b"), parse_layout("tp=4", "context"))
+    described = {v["kind"]: v for v in preflight[0]["views"]}
+    for kind, key in (("conv", "conv_sections"), ("ssm", "ssm_bytes_per_head"), ("ssm", "dtype")):
+        assert described[kind][key] == views[kind][key]
+
+
+@pytest.mark.usefixtures("channel_major")
+def test_kimi_delta_attention_state_is_float32(world: ModuleType, llama: Path) -> None:
+    """Kimi Linear's KDA page at TP 2: three equal conv sections of 32 x 128 / 2 channels in the
+    model dtype, a float32 recurrent state of 16 heads of [128][128]."""
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+    )
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    shapes = MambaStateShapeCalculator.kda_state_shape(2, 32, 128, conv_kernel_size=4)
+    dtypes = MambaStateDtypeCalculator.kda_state_dtype(torch.bfloat16, "auto")
+    mamba = MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes,
+                      mamba_type=MambaAttentionBackendEnum.GDN_ATTN)  # fmt: skip
+    views = {v["kind"]: v for v in _state_cache(world, llama, 2, mamba).document["views"]}
+    assert (views["conv"]["conv_sections"], views["conv"]["dtype"]) == (
+        [2048 * 3 * 2] * 3,
+        "bfloat16",
+    )
+    assert (views["ssm"]["ssm_bytes_per_head"], views["ssm"]["dtype"]) == (128 * 128 * 4, "float32")
+    assert views["ssm"]["bytes_per_layer"] == 16 * 128 * 128 * 4
+
+
+@pytest.mark.usefixtures("channel_major")
+def test_mamba1_state_of_jamba_matches_preflight(world: ModuleType, llama: Path) -> None:
+    """Jamba's Mamba-1 page at TP 2 (d_inner 8192, d_state 16, d_conv 4): one conv section of
+    4096 channels, an SSM state of 4096 channels of 16; pre-flight writes the same views."""
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+    )
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvroute.engines.models import parse_layout, rank_documents
+    from tests.models.configs import spec as model_spec
+
+    shapes = MambaStateShapeCalculator.mamba1_state_shape(2, 8192, 16, 4)
+    dtypes = MambaStateDtypeCalculator.mamba1_state_dtype(torch.bfloat16, "auto", "auto")
+    mamba = MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes,
+                      mamba_type=MambaAttentionBackendEnum.MAMBA1)  # fmt: skip
+    views = {v["kind"]: v for v in _state_cache(world, llama, 2, mamba).document["views"]}
+    assert views["conv"]["conv_sections"] == [4096 * 3 * 2]
+    assert (views["ssm"]["ssm_bytes_per_head"], views["ssm"]["bytes_per_layer"]) == (32, 4096 * 32)
+    preflight = rank_documents(model_spec("jamba-mini-1.5"), parse_layout("tp=2", "context"))
+    described = {v["kind"]: v for v in preflight[0]["views"]}
+    for kind, key in (("conv", "conv_sections"), ("ssm", "ssm_bytes_per_head"), ("ssm", "dtype")):
+        assert described[kind][key] == views[kind][key]
+
+
+def test_lightning_attention_state_needs_no_conv_layout(world: ModuleType, llama: Path) -> None:
+    """MiniMax lightning attention at TP 8: one recurrent state [64 / 8][128][128], no conv (so
+    the conv layout does not matter)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+    )
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    shapes = MambaStateShapeCalculator.linear_attention_state_shape(64, 8, 128)
+    dtypes = MambaStateDtypeCalculator.linear_attention_state_dtype(torch.bfloat16, "auto")
+    mamba = MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes,
+                      mamba_type=MambaAttentionBackendEnum.LINEAR)  # fmt: skip
+    cache = _state_cache(world, llama, 8, mamba)
+    [ssm] = [v for v in cache.document["views"] if v["kind"] != "hnd"]
+    assert (ssm["kind"], ssm["ssm_bytes_per_head"]) == ("ssm", 128 * 128 * 2)
+    assert ssm["layers"] == [{"layer": 1, "offset": 0}]
+    assert cache.state_groups == {1}
+
+
+@pytest.mark.usefixtures("channel_major")
+def test_a_state_kvroute_does_not_describe_is_refused(world: ModuleType, llama: Path) -> None:
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    shapes = MambaStateShapeCalculator.short_conv_state_shape(2, 1024, 3)
+    mamba = MambaSpec(block_size=16, shapes=shapes, dtypes=(torch.bfloat16,),
+                      mamba_type=MambaAttentionBackendEnum.SHORT_CONV)  # fmt: skip
+    with pytest.raises(ValueError, match="SHORT_CONV state of shapes"):
+        _state_cache(world, llama, 2, mamba, name="model.layers.1.conv")
+
+
 @pytest.mark.parametrize(
     ("kv_role", "role_name", "kvroute_role"),
     [

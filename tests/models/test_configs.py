@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.engines.models import UnsupportedConfig, load_config, model_spec
+from kvroute.engines.models import UnsupportedConfig, load_config, model_spec, normalize
+from kvroute.engines.models.linear import LinearSpec
 from tests.models.configs import CONFIGS, path, raw, spec
 
 NEMOTRON_ATTENTION = (7, 18, 29, 40)  # the '*' blocks of hybrid_override_pattern
@@ -69,6 +70,36 @@ def test_mamba_hybrids() -> None:
     assert (jamba.mamba.heads, jamba.mamba.head_dim, jamba.mamba.d_state) == (8192, 1, 16)
 
 
+def test_linear_attention_hybrids() -> None:
+    """Which layers are linear and the state's model-wide shape, from each family's keys."""
+    qwen = spec("qwen3-next-80b-a3b")  # full attention every 4th layer
+    assert qwen.attention_layers == tuple(range(3, 48, 4))
+    assert (qwen.num_kv_heads, qwen.head_dim) == (2, 256)
+    gdn = qwen.mamba
+    assert isinstance(gdn, LinearSpec)
+    assert len(gdn.layer_ids) == 36
+    assert (gdn.heads, gdn.head_dim, gdn.d_state, gdn.d_conv) == (32, 128, 128, 4)
+    assert gdn.sections == (16 * 128, 16 * 128, 32 * 128)
+    kimi = spec("kimi-linear-48b-a3b")  # kda_layers are one-based
+    assert kimi.attention_layers == (3, 7, 11, 15, 19, 23, 26)
+    assert kimi.mla is not None
+    assert kimi.mla.row == 576
+    assert isinstance(kimi.mamba, LinearSpec)
+    assert (kimi.mamba.sections, kimi.mamba.ssm_dtype) == ((4096,) * 3, "float32")
+    minimax = spec("minimax-text-01")  # attn_type_list: 0 lightning, 1 softmax
+    assert minimax.attention_layers == tuple(range(7, 80, 8))
+    assert isinstance(minimax.mamba, LinearSpec)
+    assert minimax.mamba.sections == ()
+    assert (minimax.num_kv_heads, minimax.head_dim) == (8, 128)
+    text = {**raw("qwen3-next-80b-a3b"), "model_type": "qwen3_5_moe_text"}  # Qwen3.5's nesting
+    nested = spec({"model_type": "qwen3_5_moe", "text_config": text})
+    assert (nested.mamba, nested.groups) == (qwen.mamba, qwen.groups)
+    types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12
+    listed = {**raw("qwen3-next-80b-a3b"), "layer_types": types}
+    listed.pop("full_attention_interval")
+    assert spec(listed) == qwen
+
+
 @pytest.mark.parametrize(
     "name", sorted(p.stem for p in CONFIGS.glob("*.json") if p.stem != "gemma-3-27b")
 )
@@ -81,12 +112,55 @@ def test_a_window_without_its_layers_is_refused_not_guessed() -> None:
     with pytest.raises(UnsupportedConfig) as refused:
         model_spec(raw("gemma-3-27b"))  # the plain file: no layer_types, the class default unknown
     assert refused.value.key == "sliding_window"
+    with pytest.raises(UnsupportedConfig) as refused:  # a model type without a known rule
+        model_spec({**raw("mistral-7b-v0.1"), "model_type": "starcoder2"})
+    assert refused.value.key == "sliding_window"
+    assert "'starcoder2' has no rule" in refused.value.reason
+
+
+def _windows(mapping: dict[str, object]) -> list[tuple[tuple[int, ...], int | None]]:
+    return [(g.layer_ids, g.sliding_window) for g in model_spec(mapping).groups]
+
+
+@pytest.mark.parametrize("transformers", [False, True])
+def test_windows_without_layer_types_follow_the_model_types_rule(transformers: bool) -> None:
+    """vLLM's rule (its CacheConfig.sliding_window on every layer built without one of its own),
+    read from the plain file and from transformers' class alike."""
+    read = normalize if transformers else dict
+    mistral = raw("mistral-7b-v0.1")  # MistralConfig has no layer_types: every layer
+    assert _windows(read(mistral)) == [(tuple(range(32)), 4096)]
+    mixtral = {**mistral, "model_type": "mixtral", "num_local_experts": 8}
+    assert _windows(read(mixtral)) == [(tuple(range(32)), 4096)]
+    assert _windows(read({**mixtral, "sliding_window": None})) == [(tuple(range(32)), None)]
+    qwen = raw("qwen2.5-7b")  # use_sliding_window false: its sliding_window means nothing
+    assert _windows(read(qwen)) == [(tuple(range(28)), None)]
+    every = {**qwen, "use_sliding_window": True, "max_window_layers": 0}
+    assert _windows(read(every)) == [(tuple(range(28)), 131072)]
+    none = {**qwen, "use_sliding_window": True, "max_window_layers": 28}
+    assert _windows(read(none)) == [(tuple(range(28)), None)]
+
+
+@pytest.mark.parametrize("transformers", [False, True])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "qwen2_moe"])
+def test_a_qwen_window_on_some_layers_is_refused(transformers: bool, model_type: str) -> None:
+    """transformers windows layers from max_window_layers on (Qwen2-MoE: the even ones below it);
+    vLLM's Qwen2 refuses to start, its Qwen3 and Qwen2-MoE keep every token: no cache to predict."""
+    read = normalize if transformers else dict
+    mapping = {**raw("qwen2.5-7b"), "model_type": model_type, "use_sliding_window": True}
+    with pytest.raises(UnsupportedConfig) as refused:
+        model_spec(read({**mapping, "max_window_layers": 20}))
+    assert refused.value.key == "max_window_layers"
+    assert "of 28 attention layers" in refused.value.reason
 
 
 @pytest.mark.parametrize(
     ("change", "key"),
     [
         ({"layer_types": ["linear_attention"] * 80}, "layer_types[0]"),
+        ({"model_type": "qwen3_next", "full_attention_interval": 4}, "linear_num_key_heads"),
+        ({"model_type": "qwen3_next", "layer_types": ["mamba"] * 80}, "layer_types[0]"),
+        ({"model_type": "kimi_linear", "linear_attn_config": 4}, "linear_attn_config"),
+        ({"model_type": "minimax_text_01", "attn_type_list": [0] * 79}, "attn_type_list"),
         ({"attention_chunk_size": 8192}, "attention_chunk_size"),
         ({"is_encoder_decoder": True}, "is_encoder_decoder"),
         ({"num_hidden_layers": None}, "num_hidden_layers"),

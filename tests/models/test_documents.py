@@ -170,9 +170,46 @@ def test_jamba_mamba1_channels_as_ssm_heads() -> None:
     assert len(ssm["layers"]) == 14
 
 
+def test_qwen3_next_gated_deltanet_state() -> None:
+    """vLLM's gated_delta_net_state_shape at TP 4: recurrent state [32/4 value heads][128][128],
+    conv state [(2 x 16 x 128 + 32 x 128) / 4 channels][3], channels q | k | v split by section."""
+    doc = documents("qwen3-next-80b-a3b", "tp=4,tpb=32")[3]
+    kv, ssm, conv = doc["views"]
+    assert [layer for layer, _ in layers(kv)] == list(range(3, 48, 4))
+    assert kv["bytes_per_layer"] == 2 * 1 * 32 * 256 * 2  # 2 KV heads over TP 4: one each
+    assert (ssm["ssm_bytes_per_head"], ssm["bytes_per_layer"]) == (128 * 128 * 2, 8 * 128 * 128 * 2)
+    assert conv["conv_sections"] == [512 * 3 * 2, 512 * 3 * 2, 1024 * 3 * 2]
+    assert len(ssm["layers"]) == len(conv["layers"]) == 36
+    assert ssm["dtype"] == conv["dtype"] == "bfloat16"
+
+
+def test_kimi_linear_kda_state_in_float32_beside_mla() -> None:
+    """kda_state_shape at TP 2: recurrent [32/2][128][128] float32, conv three sections of
+    32 x 128 / 2 channels of 3 bf16 columns; the MLA layers (4, 8, ..., 24, 27 one-based) one
+    replicated 576-element row per token."""
+    latent, ssm, conv = documents("kimi-linear-48b-a3b", "tp=2,tpb=64")[0]["views"]
+    assert [layer for layer, _ in layers(latent)] == [3, 7, 11, 15, 19, 23, 26]
+    assert latent["bytes_per_layer"] == 64 * 576 * 2
+    assert (ssm["ssm_bytes_per_head"], ssm["dtype"]) == (128 * 128 * 4, "float32")
+    assert ssm["bytes_per_layer"] == 16 * 128 * 128 * 4
+    assert (conv["conv_sections"], conv["dtype"]) == ([2048 * 3 * 2] * 3, "bfloat16")
+
+
+def test_minimax_lightning_state_has_no_conv() -> None:
+    """linear_attention_state_shape at TP 8: [64/8 heads][128][128], no conv state."""
+    kv, ssm = documents("minimax-text-01", "tp=8,tpb=16")[0]["views"]
+    assert [layer for layer, _ in layers(kv)] == list(range(7, 80, 8))
+    assert (ssm["ssm_bytes_per_head"], ssm["bytes_per_layer"]) == (128 * 128 * 2, 8 * 128 * 128 * 2)
+    assert len(ssm["layers"]) == 70
+
+
 @pytest.mark.parametrize(
     ("name", "layout", "error", "key"),
     [
+        ("qwen3-next-80b-a3b", "tp=32", UnsupportedLayout, "linear_num_key_heads"),
+        ("qwen3-next-80b-a3b", "tp=3", UnsupportedLayout, "linear_num_key_heads"),
+        ("kimi-linear-48b-a3b", "tp=64", UnsupportedLayout, "linear_attn_config.num_heads"),
+        ("minimax-text-01", "tp=128", UnsupportedLayout, "num_attention_heads"),
         ("nemotron-h-8b", "tp=3", UnsupportedLayout, "mamba_num_heads"),
         ("nemotron-h-8b", "tp=16", UnsupportedLayout, "n_groups"),
         ("llama-3.1-70b", "tp=8,mtp=1", UnsupportedConfig, "num_nextn_predict_layers"),

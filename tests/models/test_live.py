@@ -57,6 +57,18 @@ PAIRS: list[tuple[str, str, str, dict[str, Any] | None, str | None, str | None]]
         "ssm_bytes_per_head_mismatch",
     ),
     ("jamba-mini-1.5", "tp=2,pp=2,tpb=16", "tp=8,tpb=16", None, None, None),
+    ("qwen3-next-80b-a3b", "tp=4,tpb=32", "tp=2,tpb=64", None, None, None),
+    (
+        "qwen3-next-80b-a3b",
+        "tp=4,tpb=32",
+        "tp=2,tpb=64",
+        {**raw("qwen3-next-80b-a3b"), "linear_num_key_heads": 8},
+        None,
+        "conv_section_mismatch",
+    ),
+    ("kimi-linear-48b-a3b", "tp=2,tpb=64", "tp=8,dp=8,tpb=64", None, None, None),
+    ("minimax-text-01", "tp=8,tpb=16", "tp=4,pp=2,tpb=32", None, None, None),
+    ("mistral-7b-v0.1", "tp=2,tpb=16", "tp=4,tpb=32", None, None, None),
 ]
 
 
@@ -172,6 +184,10 @@ MODELS = [
     "gpt-oss-120b",
     "nemotron-h-8b",
     "jamba-mini-1.5",
+    "qwen3-next-80b-a3b",
+    "kimi-linear-48b-a3b",
+    "minimax-text-01",
+    "mistral-7b-v0.1",
 ]
 
 

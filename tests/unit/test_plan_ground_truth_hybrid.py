@@ -1,7 +1,8 @@
 """Property test for hybrid models: every plan, executed on bytes, writes each destination byte of the
 request's KV tokens (within the window) and of its state slot exactly once, with the right content.
 
-Hypothesis draws hybrid deployments: Mamba layers (SSM heads, [x | B | C] conv sections, optionally
+Hypothesis draws hybrid deployments: recurrent layers (SSM heads with the conv sections of Mamba2
+[x | B | C], Gated DeltaNet [q | k | v], Kimi Delta Attention or none (lightning), optionally
 replicated per-request state) beside full and sliding-window attention layers, one layer id possibly
 in both, target + draft, TP 1..16 on each side (different mamba TP, non-integer ratios), attention DP,
 uneven PP, state in its own pool or sharing the KV pool's slots, windows that differ per side, and
@@ -39,6 +40,26 @@ REQUEST = 5  # the request whose state the state slots hold
 
 
 @st.composite
+def conv_sections(draw: st.DrawFn, ssm_heads: int) -> tuple[int, ...]:
+    """The conv state's sections (model bytes) of one recurrent family: Mamba2's [x | B | C],
+    Gated DeltaNet's [q | k | v] (fewer key heads than value heads), Kimi Delta Attention's three
+    equal ones, or none (MiniMax lightning attention keeps only its recurrent state)."""
+    family = draw(st.sampled_from(["mamba2", "gdn", "kda", "lightning"]))
+    if family == "mamba2":
+        x, bc = draw(st.integers(1, 3)), draw(st.integers(1, 2))
+        return (x * ssm_heads, bc * ssm_heads, bc * ssm_heads)
+    if family == "gdn":
+        key_heads = draw(
+            st.sampled_from([g for g in range(1, ssm_heads + 1) if ssm_heads % g == 0])
+        )
+        key, value = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+        return (key * key_heads, key * key_heads, value * ssm_heads)
+    if family == "kda":
+        return (draw(st.integers(1, 2)) * ssm_heads,) * 3
+    return ()
+
+
+@st.composite
 def hybrid_classes(draw: st.DrawFn, layers: int, draft_layers: int) -> list[ViewClass]:
     attention = draw(st.sets(st.integers(0, layers - 1), min_size=1, max_size=layers - 1))
     mamba = set(range(layers)) - attention
@@ -48,13 +69,16 @@ def hybrid_classes(draw: st.DrawFn, layers: int, draft_layers: int) -> list[View
     kv_kind = draw(st.sampled_from(["hnd", "nhd"]))
     heads = draw(st.sampled_from(HEAD_TOTALS))
     ssm_heads = draw(st.sampled_from([2, 4, 8, 12, 16]))
-    x, bc = draw(st.integers(1, 3)), draw(st.integers(1, 2))
     result = [
         ViewClass(("ssm",), "target", "ssm", ssm_heads, 1, draw(st.integers(1, 3)),
                   layers=frozenset(mamba)),
-        ViewClass(("conv",), "target", "conv", 1, 1, 1, layers=frozenset(mamba),
-                  sections=(x * ssm_heads, bc * ssm_heads, bc * ssm_heads)),
     ]  # fmt: skip
+    sections = draw(conv_sections(ssm_heads))
+    if sections:
+        result.append(
+            ViewClass(("conv",), "target", "conv", 1, 1, 1, layers=frozenset(mamba),
+                      sections=sections)
+        )  # fmt: skip
     if attention - windowed:
         result.append(
             ViewClass(("key", "value"), "target", kv_kind, heads, 2, draw(st.integers(1, 3)),
@@ -80,6 +104,7 @@ def hybrid_classes(draw: st.DrawFn, layers: int, draft_layers: int) -> list[View
 def _tp_choices(classes: list[ViewClass]) -> list[int]:
     totals = [c.total_heads for c in classes if c.kind in ("hnd", "nhd")]
     state = [c.total_heads for c in classes if c.kind == "ssm"]
+    state += [size for c in classes if c.kind == "conv" for size in c.sections]
     return [
         t
         for t in range(1, 17)
@@ -261,6 +286,8 @@ def _mutate(mutation: str, cls: list[ViewClass], ctx: Side, gen: Side):
     """(generation classes, context side, generation side, expected code, mutated class) or None."""
     gen_cls = list(cls)
     ssm, conv = cls[0], cls[1]
+    if conv.kind != "conv" and mutation in ("conv_count", "conv_size"):
+        return None  # lightning attention: no conv state to break
     if mutation == "draft_first":
         # State geometry broken too: the draft-layer count must still be what is reported.
         gen_cls[0] = replace(ssm, unit=ssm.unit + 1)

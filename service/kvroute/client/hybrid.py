@@ -33,11 +33,13 @@ class MambaLayout:
     d_state: int
     conv_channels: tuple[int, ...]  # this rank's channels of each conv section (x, B, C)
     conv_kernel: int  # state columns per channel (d_conv - 1)
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # the conv state's, and the SSM state's unless ssm_dtype is given
+    ssm_dtype: str | None = None  # Kimi's KDA keeps its recurrent state in float32
 
     def __post_init__(self) -> None:
-        if DTYPE_BITS.get(self.dtype, 0) < 8:
-            raise ValueError(f"dtype {self.dtype!r} is not a whole-byte kvroute dtype")
+        for dtype in (self.dtype, self.ssm_dtype or self.dtype):
+            if DTYPE_BITS.get(dtype, 0) < 8:
+                raise ValueError(f"dtype {dtype!r} is not a whole-byte kvroute dtype")
 
     @property
     def num_layers(self) -> int:
@@ -48,8 +50,13 @@ class MambaLayout:
         return DTYPE_BITS[self.dtype] // 8
 
     @property
+    def state_dtype(self) -> str:
+        """The SSM (recurrent) state's dtype."""
+        return self.ssm_dtype or self.dtype
+
+    @property
     def ssm_head_bytes(self) -> int:
-        return self.head_dim * self.d_state * self.element_bytes
+        return self.head_dim * self.d_state * (DTYPE_BITS[self.state_dtype] // 8)
 
     @property
     def ssm_layer_bytes(self) -> int:
@@ -87,7 +94,9 @@ class MambaLayout:
             specs.append(LayerSpec(layer, pool_id, offset + index * self.ssm_layer_bytes,
                                    self.ssm_layer_bytes, Kind.SSM, roles=frozenset({"ssm"}),
                                    buffers_per_layer=1, ssm_bytes_per_head=self.ssm_head_bytes,
-                                   dtype=self.dtype))  # fmt: skip
+                                   dtype=self.state_dtype))  # fmt: skip
+            if not self.conv_channels:  # lightning attention keeps no conv state
+                continue
             conv = offset + self.conv_offset + index * self.conv_layer_bytes
             specs.append(LayerSpec(layer, pool_id, conv, self.conv_layer_bytes, Kind.CONV,
                                    roles=frozenset({"conv"}), buffers_per_layer=1,
@@ -148,7 +157,7 @@ class HybridPool:
             slot_bytes,
             stride,
             typed(0, kv.block_bytes, kv.dtype, kv.block_shape) if kv is not None else None,
-            typed(0, ssm_bytes, mamba.dtype, mamba.ssm_shape),
+            typed(0, ssm_bytes, mamba.state_dtype, mamba.ssm_shape),
             typed(ssm_bytes, conv_bytes, mamba.dtype, mamba.conv_shape),
         )
 

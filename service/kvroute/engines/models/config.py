@@ -17,14 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvroute.engines.models.errors import UnsupportedConfig
+from kvroute.engines.models.linear import LinearSpec, linear_spec
 from kvroute.engines.models.mamba import MambaSpec, mamba_spec
+from kvroute.engines.models.windows import check_engine_runs, rule_windowed
 from kvroute.geometry.limits import MAX_LAYERS
 
 # Keys naming features whose cache kvroute does not model, and why.
 UNMODELLED_KEYS: Mapping[str, str] = {
-    "attention_chunk_size": "chunked local attention keeps a per-chunk cache kvroute does not model",
+    "attention_chunk_size": "chunked local attention: a receiver needs the tokens from the current "
+    "chunk's start, a window kvroute does not model (README: chunked local attention)",
     "cross_attention_layers": "cross-attention caches encoder states, not per-token KV blocks",
-    "linear_attn_config": "linear attention keeps a recurrent state kvroute does not model",
     "kv_lora_rank_per_layer": "per-layer latent ranks give layers of different geometry",
 }
 # indexed_attention: full attention with sparse-attention indexer keys (DeepSeek-V3.2).
@@ -69,7 +71,7 @@ class ModelSpec:
     dtype: str
     mla: Mla | None = None
     index_head_dim: int | None = None  # sparse attention's indexer keys (DeepSeek-V3.2)
-    mamba: MambaSpec | None = None
+    mamba: MambaSpec | LinearSpec | None = None  # recurrent state: Mamba, or linear attention
     mtp_layers: int = 0  # multi-token-prediction layers the config declares
 
     @property
@@ -103,7 +105,7 @@ def model_spec(config: Mapping[str, Any]) -> ModelSpec:
         if lm.get(key):
             raise UnsupportedConfig(key, reason)
     num_layers = _layer_count(lm)
-    mamba = mamba_spec(lm, num_layers)
+    mamba = mamba_spec(lm, num_layers) or linear_spec(lm, num_layers)
     attention = _attention_ids(lm, num_layers, mamba)
     mla = _mla(lm)
     heads, head_dim = (1, mla.row) if mla else _gqa_heads(lm)
@@ -182,7 +184,7 @@ def _mla(lm: Mapping[str, Any]) -> Mla | None:
 
 
 def _attention_ids(
-    lm: Mapping[str, Any], num_layers: int, mamba: MambaSpec | None
+    lm: Mapping[str, Any], num_layers: int, mamba: MambaSpec | LinearSpec | None
 ) -> tuple[int, ...]:
     if mamba is None:
         return tuple(range(num_layers))
@@ -192,7 +194,8 @@ def _attention_ids(
 def _groups(
     lm: Mapping[str, Any], attention: Sequence[int], num_layers: int
 ) -> tuple[AttentionGroup, ...]:
-    """Attention layers split into full and windowed ones; a window only with its layers named."""
+    """Attention layers split into full and windowed ones: by ``layer_types``, else by the model
+    type's rule (``windows``)."""
     window = lm.get("sliding_window")
     types = lm.get("layer_types")
     if types is not None:
@@ -207,16 +210,13 @@ def _groups(
         if "indexed_attention" in types and not lm.get("index_head_dim"):
             raise UnsupportedConfig("index_head_dim", "indexed_attention layers need indexer keys")
         sliding = tuple(i for i in attention if types[i] == "sliding_attention")
+        check_engine_runs(lm, sliding, attention, "layer_types")
         if sliding and not window:
             raise UnsupportedConfig("sliding_window", "sliding_attention layers need a window")
-    elif window and lm.get("use_sliding_window") is not False:
-        raise UnsupportedConfig(
-            "sliding_window",
-            "set, but the config does not say which layers use it (no layer_types); install "
-            "kvroute[models] so transformers fills in the model's default, or add layer_types",
-        )
     else:
-        sliding = ()
+        windowed = rule_windowed(lm, num_layers)
+        check_engine_runs(lm, windowed, attention, "sliding_window")
+        sliding = tuple(i for i in attention if i in windowed)
     full = tuple(i for i in attention if i not in sliding)
     groups = [AttentionGroup(full)] if full else []
     if sliding:

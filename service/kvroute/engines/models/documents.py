@@ -3,8 +3,9 @@
 A rank registers one pool whose slot holds, back to back (256-byte aligned, as
 ``client.pools.SharedKvPool.carve`` lays them out): the target's attention KV (HND, one region per
 window class), MLA latent rows, indexer keys, then the draft's (Eagle or MTP) layers on the last PP
-stage. Mamba state shares the slots from byte 0, as ``client.hybrid.HybridPool`` lays it out (a slot
-is a KV block or one request's state). Heads are split over the attention-DP group's TP by rule 1;
+stage. Recurrent state (Mamba, or linear attention: Gated DeltaNet, Kimi Delta Attention, MiniMax
+lightning) shares the slots from byte 0, as ``client.hybrid.HybridPool`` lays it out (a slot is a KV
+block or one request's state). Heads are split over the attention-DP group's TP by rule 1;
 a TP the heads do not divide still gets its document, so registration gives its real verdict
 (``tp_heads_not_divisible``). What an engine could not run at all (Mamba heads that do not split
 over TP, MTP layers the config does not have) is refused here instead.

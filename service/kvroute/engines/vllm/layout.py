@@ -181,7 +181,9 @@ def _layer_specs(
 
     spec, tensor = layer.spec, layer.tensor
     if isinstance(spec, MambaSpec):
-        return _mamba_specs(layer, conv_dim_first)
+        from kvroute.engines.vllm.states import state_specs
+
+        return state_specs(layer, conv_dim_first)
     if isinstance(spec, MLAAttentionSpec):
         return [(0, _mla_spec(layer))]
     if not isinstance(spec, FullAttentionSpec | SlidingWindowSpec) or type(spec) not in (
@@ -266,34 +268,6 @@ def _mla_spec(layer: Layer) -> LayerSpec:
         roles=MLA_ROLES,
         buffers_per_layer=1,
     )
-
-
-def _mamba_specs(layer: Layer, conv_dim_first: bool) -> list[tuple[int, LayerSpec]]:
-    """A Mamba2 layer's page: the conv state, then the SSM state (``MambaSpec.shapes``)."""
-    spec = layer.spec
-    if not conv_dim_first:
-        raise ValueError(
-            f"layer {layer.name}: the conv state is stored (state_len, dim), which TP cannot "
-            "split by channel sections; start vLLM with VLLM_SSM_CONV_STATE_LAYOUT=DS"
-        )
-    if len(spec.shapes) != 2 or len(spec.shapes[1]) != 3 or spec.tp_replicated:
-        raise ValueError(f"layer {layer.name}: Mamba state shapes {spec.shapes} are not Mamba2's")
-    (channels, state_len), (heads, head_dim, d_state) = spec.shapes
-    conv_dtype, ssm_dtype = (dtype_name(d) for d in spec.dtypes)
-    conv_es, ssm_es = DTYPE_BITS[conv_dtype] // 8, DTYPE_BITS[ssm_dtype] // 8
-    x = heads * head_dim
-    if (channels - x) % 2:
-        raise ValueError(f"layer {layer.name}: {channels} conv channels do not split as x|B|C")
-    sections = tuple(c * state_len * conv_es for c in (x, (channels - x) // 2, (channels - x) // 2))
-    conv_bytes = sum(sections)
-    ssm_offset = -(-conv_bytes // spec.state_alignment) * spec.state_alignment
-    conv = LayerSpec(layer.layer_id, 0, 0, conv_bytes, Kind.CONV, owner=layer.owner,
-                     roles=frozenset({"conv"}), buffers_per_layer=1, conv_sections=sections,
-                     dtype=conv_dtype)  # fmt: skip
-    ssm = LayerSpec(layer.layer_id, 0, 0, heads * head_dim * d_state * ssm_es, Kind.SSM,
-                    owner=layer.owner, roles=frozenset({"ssm"}), buffers_per_layer=1,
-                    ssm_bytes_per_head=head_dim * d_state * ssm_es, dtype=ssm_dtype)  # fmt: skip
-    return [(0, conv), (ssm_offset, ssm)]
 
 
 def _document(
