@@ -317,8 +317,8 @@ def _needs_period(view: ViewTransfer) -> ValueError:
     if not view.token_rows:
         return ValueError(
             f"view pair {view.src_view}->{view.dst_view} has bytes per layer that are not whole "
-            "token rows (token_rows: false), so only whole blocks of it move; this range starts "
-            "or ends mid-block"
+            "token rows (token_rows: false), so no token range can be cut from its blocks: "
+            "block pairs or a prompt length alone move it, in whole blocks"
         )
     return ValueError(
         f"view pair {view.src_view}->{view.dst_view} has block fragments only; "

@@ -96,8 +96,9 @@ def _needs_period(view: ViewCopy, where: str) -> TransferValidationError:
     if not view.token_rows:
         return TransferValidationError(
             where,
-            "has bytes per layer that are not whole token rows (sub-byte rows), so only whole "
-            "blocks of it move; this range starts or ends mid-block",
+            "has bytes per layer that are not whole token rows (sub-byte rows), so no token "
+            "range can be cut from its blocks: block pairs or a prompt length alone move it, "
+            "in whole blocks",
         )
     return TransferValidationError(
         where,
