@@ -89,6 +89,9 @@ def test_a_token_range_needs_the_period_form_and_the_lists_must_cover_it() -> No
     blocks_only = served(build_plan(ctx, gen[0]))
     with pytest.raises(ValueError, match="fetch the plan with period=True"):
         plan_descriptors(blocks_only, tokens=(1, 7), **arguments)
+    # a prompt-only pull stops at the prompt's last token: the block form cannot cut it either
+    with pytest.raises(ValueError, match="prompt-only transfer cuts the prompt's last block"):
+        plan_descriptors(blocks_only, prompt_tokens=7, **arguments)
     period = served(build_plan(ctx, gen[0]), period=True)
     with pytest.raises(TokenGap) as gap:
         plan_descriptors(period, tokens=(1, 9), src_first_token=0, dst_first_token=0, **arguments)

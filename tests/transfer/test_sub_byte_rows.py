@@ -29,6 +29,7 @@ from kvroute.geometry import (
     build_plan,
     check_registration,
 )
+from kvroute.render import plan_text
 from kvroute.transfer import (
     CopyEngine,
     CopyPlan,
@@ -126,6 +127,8 @@ def test_the_period_form_keeps_such_a_pair_in_block_form_and_says_so() -> None:
         read = Plan.from_json(document)
         assert [v.token_rows for v in read.peers[0].views] == [True, False]
         assert read.to_json(period=period) == document
+    assert "whole blocks 1->1: bytes per layer are not whole token rows" in plan_text(plan)
+    assert "whole blocks 0->0" not in plan_text(plan)
     contradiction = plan.to_json(period=True)
     contradiction["peers"][0]["views"][0]["token_rows"] = False
     with pytest.raises(GeometryError, match="token_rows: is false, but the pair states a period"):

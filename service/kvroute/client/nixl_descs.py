@@ -167,7 +167,7 @@ class _Request:
             )
         return True
 
-    def block_pairs(self, view: ViewTransfer) -> tuple[np.ndarray, np.ndarray]:
+    def block_pairs(self) -> tuple[np.ndarray, np.ndarray]:
         """The lists paired one to one, or for a prompt-only job their common suffix: with equal
         block sizes both suffix lists end with the block holding the prompt's last token."""
         if self.prompt_tokens is None:
@@ -241,7 +241,7 @@ def _peer(
     blocks = 0
     for view in peer.views:
         if request.pairs(view):
-            src, dst = request.block_pairs(view)
+            src, dst = request.block_pairs()
             rows = _pair_rows(rank, view, pools, src, dst)
             if rows is not None:
                 pairs.append(rows)
@@ -322,7 +322,8 @@ def _needs_period(view: ViewTransfer) -> ValueError:
         )
     return ValueError(
         f"view pair {view.src_view}->{view.dst_view} has block fragments only; "
-        "fetch the plan with period=True to cut a token range"
+        "fetch the plan with period=True to cut a token range (a prompt-only transfer cuts the "
+        "prompt's last block too)"
     )
 
 
