@@ -149,16 +149,23 @@ def _job(plan: CopyPlan, src: np.ndarray, dst: np.ndarray, cache, backend, **mem
     )
 
 
+COMPILED = {
+    "the planner's plan": lambda: CopyPlan.from_plan(_plan()),
+    "the served period answer": lambda: CopyPlan.from_json(_plan().to_json(period=True)),
+}
+
+
+@pytest.mark.parametrize("compiled", list(COMPILED))
 @pytest.mark.parametrize("strategy", list(Strategy))
 @pytest.mark.parametrize("name", list(PROMPT_ONLY))
 def test_a_prompt_only_job_moves_whole_blocks_of_it_and_stops_the_others_at_the_prompt(
-    name: str, strategy: Strategy
+    name: str, strategy: Strategy, compiled: str
 ) -> None:
     src_blocks, dst_blocks, prompt, pairs, positions = PROMPT_ONLY[name]
     src, before = _pools()
     dst = before.copy()
     cache = PoolMemoryCache([backend := LocalBackend()])
-    plan = CopyPlan.from_plan(_plan())
+    plan = COMPILED[compiled]()
     job = _job(plan, src, dst, cache, backend, blocks=(src_blocks, dst_blocks),
                prompt_tokens=prompt)  # fmt: skip
     result = CopyEngine().copy(job, strategy=strategy)
