@@ -1,11 +1,13 @@
 """Runs a plan document on numpy arrays, the way a data plane would, counting every byte it writes.
 
 Block view pairs copy block pairs by their block fragments, or a token range cut from their period
-form (``geometry.ranges``; lists named by their first token or by upstream's suffix rule). A windowed
-pair copies its part of the range from its window's first token on (``geometry.window``), by its
-period or, with equal block sizes, by whole blocks of its block fragments. Recurrent-state pairs
-copy each (sender slot, receiver slot) pair once. What the bytes should be is ``tests/truth.py``'s
-business, never this module's.
+form (``geometry.ranges``; lists named by their first token or by upstream's suffix rule; a prompt
+length alone: the tokens both lists hold up to the prompt's last token). A windowed pair copies its
+part of the range from its window's first token on (``geometry.window``), by its period or, with
+equal block sizes, by whole blocks of its block fragments. A pair stated ``token_rows: false``
+cannot be cut: a prompt-only job moves whole blocks of it. Recurrent-state pairs copy each (sender
+slot, receiver slot) pair once. What the bytes should be is ``tests/truth.py``'s business, never
+this module's.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kvroute.geometry import (
     PeriodMap,
     Spread,
     TokenRange,
+    block_ends,
     check_covered,
     prompt_length,
     range_copies,
@@ -47,9 +50,16 @@ class Request:
     def copies(self, view: dict[str, Any]) -> list[Copy]:
         """Every copy of one block view pair (raises ``TokenGap`` where a list falls short)."""
         window = view.get("window")
-        pairs = self.tokens is None and self.firsts == (None, None) and window is None
-        if pairs and "fragments" in view:
-            return self._pairs(view, self.src_blocks, self.dst_blocks)
+        prompt_only = self.tokens is None and self.firsts == (None, None)
+        whole_only = view.get("token_rows") is False
+        if prompt_only and window is None and "fragments" in view:
+            if self.prompt_tokens is None:
+                return self._pairs(view, self.src_blocks, self.dst_blocks)
+            if whole_only:  # equal sizes: both suffix lists end with the prompt's last block
+                n = min(len(self.src_blocks), len(self.dst_blocks))
+                return self._pairs(view, self.src_blocks[-n:], self.dst_blocks[-n:])
+        if "period_fragments" not in view and window is None:
+            raise ValueError("a token range needs the pair's period form")
         period = PeriodMap.from_json(view) if "period_fragments" in view else None
         spreads = (Spread(), Spread())
         if period is not None:
@@ -75,12 +85,15 @@ class Request:
             if part is None:
                 return []
             span = part
+        if whole_only and prompt_only:
+            span = block_ends(span, sizes[0])
         if period is not None:
             return range_copies(period, span, src, dst)
         check_covered(span, src, dst)
         size = sizes[0]
         assert sizes[0] == sizes[1], "the block form pairs blocks of one size"
-        assert span.start % size == 0, "the block form moves whole blocks only"
+        if span.start % size or span.end % size:
+            raise ValueError("the block form moves whole blocks only")
         blocks = range(span.start // size, -(-span.end // size))
         return self._pairs(
             view, [src.block_id(b) for b in blocks], [dst.block_id(b) for b in blocks]

@@ -4,7 +4,8 @@ Works on the typed plan (``geometry.Plan``: built here, or a document read back 
 ``Plan.from_json``, which the functions do for a document they are given), so the service, the CLI
 and a worker holding a fetched plan render the same thing. Nothing here knows how plans are built. A new plan member
 shows up as one more header line in ``plan_text`` or one more column (``COLUMNS`` and a cell in
-``plan_rows``). View pairs planned by period and windowed ones add a line each; recurrent state adds a second table (one row
+``plan_rows``). View pairs planned by period, windowed ones and ones without whole token rows add a
+line each; recurrent state adds a second table (one row
 per sender rank and state view pair, per request slot). The pictures (SVG) live in
 ``kvroute.pictures``.
 """
@@ -105,6 +106,7 @@ def plan_text(plan: Plan | Mapping[str, Any]) -> str:
     lines += _table(COLUMNS, plan_rows(plan))
     lines += period_lines(plan)
     lines += window_lines(plan)
+    lines += whole_block_lines(plan)
     if plan.has_state:
         lines += [
             "",
@@ -223,6 +225,16 @@ def cp_lines(plan: Plan, limit: int = 12) -> list[str]:
                 f"receiver {placement(view, 'dst')}; {shown}"
             )
     return lines
+
+
+def whole_block_lines(plan: Plan) -> list[str]:
+    """One line per view pair whose bytes are not whole token rows (``token_rows: false``)."""
+    pairs = {(v.src_view, v.dst_view) for p in plan.peers for v in p.views if not v.token_rows}
+    return [
+        f"whole blocks {src}->{dst}: bytes per layer are not whole token rows; no token range "
+        "is cut from its blocks (block form only)"
+        for src, dst in sorted(pairs)
+    ]
 
 
 def window_lines(plan: Plan) -> list[str]:

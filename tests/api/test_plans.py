@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.control.plan_answers import PLAN_BUILD_BUCKETS_SECONDS
+from kvroute.geometry import Plan
 from tests.api.conftest import ADMIN, WORKER, rank_path, register
 from tests.api.documents import rank_document
 from tests.clock import ManualClock
@@ -369,3 +370,55 @@ async def test_a_zigzag_context_plan_is_built_per_prompt_length(client: Client) 
         assert set(held) == set(range(prompt))
         assert len(set(Counter(held).values())) == 1  # each token in every moved row once
         assert {v["src_cp"]["layout"] for v in views} == {"zigzag"}
+
+
+def _with_scales(document: dict[str, Any]) -> dict[str, Any]:
+    """The rank's KV view and, after it in the slot, 4-bit block scales of its heads: half a byte
+    per token-head, so its bytes per layer are not whole token rows."""
+    kv = document["views"][0]
+    heads, layers = kv["num_kv_heads"], kv["layers"]
+    per_layer = 2 * heads * document["tokens_per_block"] // 2
+    pool = document["pools"][0]
+    at = pool["slot_bytes"]
+    scales = {
+        **{key: kv[key] for key in ("pool_id", "kind", "owner", "num_kv_heads", "total_kv_heads")},
+        "view_id": 2,
+        "roles": ["key_block_scale", "value_block_scale"],
+        "dtype": "float4_e2m1",
+        "buffers_per_layer": 2,
+        "bytes_per_layer": per_layer,
+        "layers": [
+            {"layer": s["layer"], "offset": at + i * per_layer} for i, s in enumerate(layers)
+        ],
+    }
+    pool["slot_bytes"] = pool["slot_stride"] = at + len(layers) * per_layer
+    return document | {"views": [*document["views"], scales]}
+
+
+async def test_sub_byte_rows_keep_their_block_form_in_a_period_answer_and_say_so(
+    client: Client,
+) -> None:
+    """Issue 35: such a pair has no period form; the answer is 200, the ordinary pairs in their
+    period form and this one in its block form, marked ``token_rows: false``, and the client's
+    plan reader takes it (a worker may re-cut exactly the pairs without the mark)."""
+    for rank in range(4):
+        assert (await register(client, "ctx0", rank, _with_scales(ctx_doc(rank))))[0] == 201
+    for rank in range(2):
+        assert (await register(client, "gen0", rank, _with_scales(gen_doc(rank))))[0] == 201
+
+    for form in ("block", "period"):
+        response = await fetch(client, fragments=form)
+        assert response.status == 200, await response.text()
+        document = await response.json()
+        views = [view for peer in document["peers"] for view in peer["views"]]
+        scales = [view for view in views if view["src_view"] == 2]
+        others = [view for view in views if view["src_view"] != 2]
+        assert scales
+        assert others
+        assert all(v["token_rows"] is False and "fragments" in v for v in scales)
+        assert all("token_rows" not in v for v in others)
+        assert all(("period_fragments" in v) is (form == "period") for v in others)
+        plan_read = Plan.from_json(document)
+        read = {v.src_view: v.token_rows for p in plan_read.peers for v in p.views}
+        assert read == {0: True, 1: True, 2: False}
+        assert plan_read.to_json(period=form == "period") == document

@@ -89,6 +89,9 @@ def test_a_token_range_needs_the_period_form_and_the_lists_must_cover_it() -> No
     blocks_only = served(build_plan(ctx, gen[0]))
     with pytest.raises(ValueError, match="fetch the plan with period=True"):
         plan_descriptors(blocks_only, tokens=(1, 7), **arguments)
+    # a prompt-only pull stops at the prompt's last token: the block form cannot cut it either
+    with pytest.raises(ValueError, match="prompt-only transfer cuts the prompt's last block"):
+        plan_descriptors(blocks_only, prompt_tokens=7, **arguments)
     period = served(build_plan(ctx, gen[0]), period=True)
     with pytest.raises(TokenGap) as gap:
         plan_descriptors(period, tokens=(1, 9), src_first_token=0, dst_first_token=0, **arguments)
@@ -114,6 +117,12 @@ def _address(rank: int, pool: int, offset: int = 0) -> int:
 HYBRID_REQUESTS = {
     "4 -> 4, paired, prompt 12": ((4, 4), {"src_blocks": [0, 1, 2], "dst_blocks": [2, 0, 1],
                                            "prompt_tokens": 12}),
+    # issue 35: a prompt-only pull stops at the prompt's last token, windowed views or not, and
+    # the receiver's cached prefix (one block) leaves its list shorter
+    "4 -> 4, prompt 10, cached block": ((4, 4), {"src_blocks": [0, 1, 2], "dst_blocks": [5, 3],
+                                                "prompt_tokens": 10}),
+    "2 -> 8, prompt 13": ((2, 8), {"src_blocks": [2, 3, 4, 5, 6], "dst_blocks": [2, 0],
+                                   "prompt_tokens": 13}),
     "2 -> 8, tokens [3, 13)": ((2, 8), {"src_blocks": [0, 1, 2, 3, 4, 5, 6], "dst_blocks": [2, 0],
                                         "tokens": (3, 13), "src_first_token": 0}),
     "6 -> 4, tokens [5, 12), prompt 14": ((6, 4), {"src_blocks": [0, 1], "dst_blocks": [3, 1],
@@ -135,9 +144,17 @@ def test_hybrid_descriptors_pull_the_window_and_the_state_slot(name: str) -> Non
     }
     tokens = request.get("tokens")
     prompt = request.get("prompt_tokens") or tokens[1]
-    first = tokens[0] // td if tokens else 0
+    if tokens is None:  # the prompt's last blocks: the tokens both hold, up to the prompt's end
+        src_first, dst_first = (
+            (-(-prompt // size) - len(request[name])) * size
+            for name, size in (("src_blocks", ts), ("dst_blocks", td))
+        )
+        tokens = (max(src_first, dst_first), prompt)
+        first = dst_first // td
+    else:
+        first = tokens[0] // td
     want_placement = {d: (first + i) * td for i, d in enumerate(request["dst_blocks"])}
-    positions = range(*tokens) if tokens else None
+    positions = range(*tokens)
     starts = window_starts(ctx_side, gen_side, HYBRID, prompt)
     for receiver, layout in zip(gen, gen_layouts, strict=True):
         result = plan_descriptors(

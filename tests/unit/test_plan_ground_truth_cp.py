@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from kvroute.geometry import TokenGap, TokenRange, build_plan
@@ -306,4 +306,62 @@ def test_cp_hybrid_plans_move_tokens_and_state_shares_once(world, data) -> None:
             gen_side, layout, receiver.rank, dst.placement(td), range(span.start, span.end),
             before, starts=starts, states={state[1]: REQUEST},
         )  # fmt: skip
+        assert_exact(out, writes, expected, before)
+
+
+def suffix_start(where: Placement, lists: Lists) -> int:
+    """A suffix list's first token: the first position from which every CP rank's positions lie
+    at or after its first local block (by brute force over the placement)."""
+    low = lists.first_block * where.side.tokens_per_block
+    earlier = [t for t, (_, at) in where.owner.items() if at < low]
+    return max(earlier) + 1 if earlier else 0
+
+
+@st.composite
+def prompt_list(draw: st.DrawFn, where: Placement, prompt: int) -> Lists:
+    """The prompt's last local blocks (upstream's suffix rule): through the last block the CP
+    rank holding the most of the prompt needs, a cached prefix of whole blocks left out."""
+    side, tokens = where.side, where.side.tokens_per_block
+    last = -(-max(where.count(c, prompt) for c in range(side.cp_size)) // tokens)
+    first_block = draw(st.integers(0, last - 1))
+    ids = draw(st.permutations(range(side.num_slots)))
+    return Lists(ids[: last - first_block], first_block, None)
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=max(10, EXAMPLES // 2),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(world=cp_worlds(), data=st.data())
+def test_cp_prompt_only_jobs_move_the_tokens_both_lists_hold_up_to_the_prompt(world, data) -> None:
+    """Issue 35: a job naming only the prompt length and suffix lists stops at the prompt's last
+    token under context parallelism too (it ran on to a multiple of the block size, past the
+    prompt, while tokens both lists held after that were left out)."""
+    cls, ctx_side, gen_side = world
+    prompt = data.draw(st.integers(1, MAX_PROMPT))
+    ctx_side = replace(ctx_side, prompt_tokens=prompt) if ctx_side.chunked else ctx_side
+    ctx, ctx_layouts, gen, gen_layouts = admitted(cls, ctx_side, gen_side)
+    truth = Truth(cls)
+    sender_dp = data.draw(sender_groups(ctx_side))
+    senders, receivers = Placement(ctx_side), Placement(gen_side)
+    src, dst = data.draw(prompt_list(senders, prompt)), data.draw(prompt_list(receivers, prompt))
+    start = max(suffix_start(senders, src), suffix_start(receivers, dst))
+    assume(start < prompt)  # lists sharing no prompt token are refused by name (tests/transfer)
+    ts, td = ctx_side.tokens_per_block, gen_side.tokens_per_block
+    sender_pools = {
+        r: truth.place(ctx_side, ctx_layouts[r], r, src.placement(ts)) for r in range(len(ctx))
+    }
+    request = Request(src.blocks, dst.blocks, prompt_tokens=prompt)
+    for receiver, layout in zip(gen, gen_layouts, strict=True):
+        built = build_plan(ctx, receiver, sender_dp_rank=sender_dp, prompt_tokens=prompt)
+        plan = built.to_json()
+        before = background(layout)
+        out, writes = execute(
+            plan, sender_pools, dict(enumerate(ctx_layouts)), layout, request, into=before
+        )
+        expected = truth.place(
+            gen_side, layout, receiver.rank, dst.placement(td), range(start, prompt), before
+        )
         assert_exact(out, writes, expected, before)

@@ -7,8 +7,8 @@ replicated per-request state) beside full and sliding-window attention layers, o
 in both, target + draft, TP 1..16 on each side (different mamba TP, non-integer ratios), attention DP,
 uneven PP, state in its own pool or sharing the KV pool's slots, windows that differ per side, and
 independent tokens per block on the two sides. Each request moves either block lists that are a
-suffix of the prompt's blocks with its prompt length (equal block sizes, issue 12's jobs), or a
-random token range (starting and ending mid-block on either side) with a prompt length at or past
+suffix of the prompt's blocks with its prompt length (issue 12's jobs: the tokens both hold, up to
+the prompt's last token), or a random token range (starting and ending mid-block on either side) with a prompt length at or past
 its end or none. tests/truth.py computes the expected bytes and the window from first principles.
 """
 
@@ -188,23 +188,29 @@ def _state_slot(draw: st.DrawFn, side: Side) -> int:
 
 
 @st.composite
+def _suffix_list(draw: st.DrawFn, side: Side, prompt: int) -> Lists:
+    """The prompt's last 1-3 blocks of a side (a cached prefix left out), by the suffix rule."""
+    tokens = side.tokens_per_block
+    blocks = -(-prompt // tokens)
+    count = draw(st.integers(1, min(3, blocks)))
+    ids = draw(st.permutations(range(side.num_slots - 1)))[:count]
+    return Lists(ids, (blocks - count) * tokens, False)
+
+
+@st.composite
 def jobs(draw: st.DrawFn, ctx: Side, gen: Side) -> Job:
-    """Issue 12's jobs (the prompt's last blocks, paired, with the prompt length; equal block
-    sizes) or a token range with lists covering it and a prompt length at or past its end."""
+    """Issue 12's jobs (each list the prompt's last blocks, of any length, with the prompt length;
+    any block sizes) or a token range with lists covering it and a prompt length at or past its
+    end."""
     state = (_state_slot(draw, ctx), _state_slot(draw, gen))
-    ts, td = ctx.tokens_per_block, gen.tokens_per_block
-    if ts == td and draw(st.booleans()):
+    if draw(st.booleans()):
         prompt = draw(st.integers(1, MAX_PROMPT))
-        blocks = -(-prompt // ts)
-        count = draw(st.integers(1, min(3, blocks)))
-        src = draw(st.permutations(range(ctx.num_slots - 1)))[:count]
-        dst = draw(st.permutations(range(gen.num_slots - 1)))[:count]
-        first = (blocks - count) * ts
-        return Job(None, Lists(src, first, False), Lists(dst, first, False), prompt, state)
+        src, dst = (draw(_suffix_list(side, prompt)) for side in (ctx, gen))
+        return Job(None, src, dst, prompt, state)
     lists = (replace(side, num_slots=side.num_slots - 1) for side in (ctx, gen))
     span, src, dst = draw(transfers(*lists, gaps=False))
     if span is None:  # whole block pairs from token 0: name the range they hold
-        span = TokenRange(0, len(dst.blocks) * td)
+        span = TokenRange(0, len(dst.blocks) * gen.tokens_per_block)
         src, dst = replace(src, named=False), replace(dst, named=False)
     prompt = draw(st.one_of(st.none(), st.integers(span.end, span.end + 4)))
     return Job(span, src, dst, prompt, state)
@@ -230,10 +236,16 @@ def test_hybrid_plans_write_the_window_s_tokens_and_state_once(world, data) -> N
     }
     prompt = job.prompt if job.prompt is not None else job.span.end  # type: ignore[union-attr]
     starts = window_starts(ctx_side, gen_side, cls, prompt)
-    positions = range(job.span.start, job.span.end) if job.span else None
+    # A prompt-only job moves the tokens both lists hold up to the prompt's last token, never
+    # past it (issue 35), windowed views or not, whatever the block sizes.
+    positions = (
+        range(job.span.start, job.span.end)
+        if job.span
+        else range(max(job.src.first, job.dst.first), prompt)
+    )
     for receiver, layout in zip(gen, gen_layouts, strict=True):
         built = build_plan(ctx, receiver, sender_dp_rank=sender_dp)
-        plan = built.to_json(period=job.span is not None)
+        plan = built.to_json(period=True)
         before = background(layout)
         out, writes = execute(
             plan, sender_pools, dict(enumerate(ctx_layouts)), layout, job.request(), into=before

@@ -235,8 +235,9 @@ class AsyncKvrouteClient:
         prompt_tokens: int | None = None,
     ) -> PlanDocument:
         """One receiver rank's plan; ``period`` asks for every view pair's period form, from
-        which any token range can be cut (``client.nixl_descs``); ``prompt_tokens`` is the
-        prompt length a sender holding prefill CP chunks is planned for."""
+        which any token range can be cut (``client.nixl_descs``), but for pairs without whole
+        token rows, which keep their block form (``ViewTransfer.token_rows`` False);
+        ``prompt_tokens`` is the prompt length a sender holding prefill CP chunks is planned for."""
         params: dict[str, str | int] = {
             "sender": sender,
             "receiver": receiver,

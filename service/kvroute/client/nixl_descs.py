@@ -16,6 +16,11 @@ sizes by its block fragments), and the range is cut from it as ``geometry.ranges
 pieces by the period's fragments, the few tokens at each end by ``range_copies``. A windowed view
 pair moves the range from its window's first token on (``geometry.window``), and a
 recurrent-state pair the request's state slot once.
+
+A transfer naming only ``prompt_tokens`` moves each pair's tokens up to the prompt's last token, as
+the data plane does: its last block is cut like a range's end, so it needs the period form too. A
+pair whose bytes are not whole token rows (``ViewTransfer.token_rows``, stated ``token_rows: false``
+even in the period form) cannot be cut: it moves the lists' common suffix of whole blocks.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from kvroute.geometry import (
     Spread,
     TokenRange,
     ViewTransfer,
+    block_ends,
     check_covered,
     periods_inside,
     prompt_length,
@@ -144,16 +150,30 @@ class _Request:
     dst_state_slot: int | None
     prompt_tokens: int | None
 
+    @property
+    def names_tokens(self) -> bool:
+        return (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
+
     def pairs(self, view: ViewTransfer) -> bool:
-        """The view moves block pairs: no range named, block fragments, no window."""
-        named = (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
-        if named or view.periodic or view.window is not None:
+        """The view moves block pairs: no range and no prompt length named (or a prompt length
+        alone and a pair that only moves whole blocks), block fragments, no window."""
+        if self.names_tokens or view.periodic or view.window is not None:
             return False
+        if self.prompt_tokens is not None:
+            return not view.token_rows
         if len(self.src) != len(self.dst):
             raise ValueError(
                 f"{len(self.src)} source blocks but {len(self.dst)} destination blocks"
             )
         return True
+
+    def block_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """The lists paired one to one, or for a prompt-only job their common suffix: with equal
+        block sizes both suffix lists end with the block holding the prompt's last token."""
+        if self.prompt_tokens is None:
+            return self.src, self.dst
+        count = min(len(self.src), len(self.dst))
+        return self.src[len(self.src) - count :], self.dst[len(self.dst) - count :]
 
     def state(self) -> tuple[np.ndarray, np.ndarray]:
         if self.src_state_slot is None or self.dst_state_slot is None:
@@ -218,11 +238,14 @@ def _peer(
     """One sending rank's rows: block pairs interleaved per block (the slot order coalesces
     best), then token ranges sorted by destination, then the state slot."""
     rank, pairs, ranges, states = peer.rank, [], [], []
+    blocks = 0
     for view in peer.views:
         if request.pairs(view):
-            rows = _pair_rows(rank, view, pools, request.src, request.dst)
+            src, dst = request.block_pairs()
+            rows = _pair_rows(rank, view, pools, src, dst)
             if rows is not None:
                 pairs.append(rows)
+                blocks = len(src)
         else:
             copies = _range_copies(view, request)
             if len(copies):
@@ -232,7 +255,7 @@ def _peer(
         rows = _pair_rows(rank, state, pools, src_slot, dst_slot)
         if rows is not None:
             states.append(rows)
-    parts = [_block_major(pairs, len(request.src))] if pairs else []
+    parts = [_block_major(pairs, blocks)] if pairs else []
     if ranges:
         rows = np.concatenate(ranges)
         parts.append(rows[np.lexsort((rows[:, 1], rows[:, 6], rows[:, 5]))])
@@ -271,6 +294,8 @@ def _range_copies(view: ViewTransfer, request: _Request) -> np.ndarray:
     part = request.windowed(view, tokens, spreads)
     if part is None:
         return np.empty((0, 5), dtype=np.int64)
+    if not view.token_rows and not request.names_tokens:  # a prompt-only job: whole blocks
+        part = block_ends(part, sizes[0])
     check_covered(part, src, dst)
     # A pair the planner built here with equal block sizes has both forms: whole blocks move by
     # its block fragments (as a plan in the block form moves them), any other range by its period.
@@ -289,9 +314,16 @@ def _range_copies(view: ViewTransfer, request: _Request) -> np.ndarray:
 
 
 def _needs_period(view: ViewTransfer) -> ValueError:
+    if not view.token_rows:
+        return ValueError(
+            f"view pair {view.src_view}->{view.dst_view} has bytes per layer that are not whole "
+            "token rows (token_rows: false), so no token range can be cut from its blocks: "
+            "block pairs or a prompt length alone move it, in whole blocks"
+        )
     return ValueError(
         f"view pair {view.src_view}->{view.dst_view} has block fragments only; "
-        "fetch the plan with period=True to cut a token range"
+        "fetch the plan with period=True to cut a token range (a prompt-only transfer cuts the "
+        "prompt's last block too)"
     )
 
 

@@ -5,7 +5,8 @@ current; this layer avoids re-encoding. A cached plan is answered with the bytes
 was first served (JSON, the text table or the SVG), so a hot plan read costs the generation
 lookup and nothing proportional to the plan's size. The ETag names exactly what the bytes depend
 on: the plan fingerprint (geometry of every input rank), the generations, the format and the
-fragment form (``period``: every view pair in its period form, see ``geometry.plan``).
+fragment form (``period``: every view pair with whole token rows in its period form, the others
+marked ``token_rows: false`` in their block form; see ``geometry.plan_pairs``).
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _encode(encoder: Callable[[dict[str, Any]], bytes], served: ServedPlan, peri
             receiver_generation=served.receiver_generation,
             period=True,
         )
-    except ValueError as error:  # a view pair without whole token rows has no period form
+    except ValueError as error:  # defensive: a pair without whole token rows keeps its block
+        # form (token_rows: false) and registration refuses re-cutting one, so none is expected
         raise GeometryError(
             "period_form_unavailable",
             f"fragments=period: {error}",

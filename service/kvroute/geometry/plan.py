@@ -8,7 +8,10 @@ one block on each side. Where the sizes differ it carries a period instead (``pe
 names ``period_tokens``, the blocks per period on each side and ``period_fragments`` with their
 token spans, and has no ``fragments`` member, so a reader that knows only block fragments fails
 loudly rather than copying nothing. ``to_json(period=True)`` writes every pair in the period form,
-which any token range (one starting mid-block included) can be cut from. A windowed pair also
+which any token range (one starting mid-block included) can be cut from, but for a pair whose
+bytes are not whole token rows (sub-byte rows at equal block sizes): it has no period form, keeps
+its block form and says so in every form (``token_rows: false``), so a reader knows per pair
+whether it may re-cut it. A windowed pair also
 names its ``window``: it moves a job's tokens from the window's first token on (``window``).
 
 Recurrent-state pairs (a peer's ``states``) move bytes of a request's one state slot on each side,

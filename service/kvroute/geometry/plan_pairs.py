@@ -76,6 +76,15 @@ class ViewTransfer(PairTransfer):
     window: Window | None = None  # sliding window: only the tokens in it move
     # The period form a plan document stated (a plan read back has no token axis).
     period: PeriodMap | None = field(default=None, compare=False, repr=False)
+    # What a plan document stated of its rows (``token_rows``; a plan read back has no axis).
+    stated_token_rows: bool = field(default=True, compare=False, repr=False)
+
+    @property
+    def token_rows(self) -> bool:
+        """The pair's bytes per layer are whole token rows, so a token range can be cut from its
+        blocks. Not so for sub-byte rows (4-bit block scales: two tokens per byte) at equal
+        block sizes: such a pair has only its block form and moves whole blocks."""
+        return self.axis.token_unit != 0 if self.axis is not None else self.stated_token_rows
 
     @property
     def periodic(self) -> bool:
@@ -126,6 +135,8 @@ class ViewTransfer(PairTransfer):
         }
         if self.window is not None:
             doc["window"] = self.window.to_json()
+        if not self.token_rows:  # so a reader of fragments=period knows it cannot re-cut it
+            doc["token_rows"] = False
         if self.periodic or (period and self.token_form is not None):
             return doc | self.period_map.to_json()
         return doc | {
@@ -151,7 +162,10 @@ class ViewTransfer(PairTransfer):
             dst_heads=heads.ints("dst", 2),  # type: ignore[arg-type]
             window=read_window(m.child("window"), period) if m.has("window") else None,
             period=period,
+            stated_token_rows=m.bool("token_rows") if m.has("token_rows") else True,
         )
+        if period is not None and not view.token_rows:
+            raise invalid(m.at("token_rows"), "is false, but the pair states a period form")
         m.derived("bytes_per_block", view.bytes_per_block)
         m.derived("descriptors_per_block", view.descriptors_per_block)
         return view

@@ -11,7 +11,10 @@ A request may also name the prompt's length (``prompt_tokens``), which sliding w
 from (``window``). It defaults to the range's end, and a range ending after it is refused: the two
 would contradict each other. Without a range, a prompt length places the lists as the prompt's last
 blocks (the suffix rule against it, issue 12's block lists) and the range is the tokens both hold, up
-to the prompt's last token (``resolve_lists``).
+to the prompt's last token and never past it (``resolve_lists``), whatever the block sizes, windows
+and CP placements: one rule, the one an explicit range obeys. Only a view pair whose bytes are not
+whole token rows cannot stop mid-block; it moves the block holding the prompt's last token whole
+(``block_ends``).
 
 A plan of prefill CP chunks (``spread``) is built for one prompt length: a request that names
 another (or none) is refused (``prompt_tokens_mismatch``).
@@ -222,9 +225,8 @@ def resolve_lists(
     ``prompt_tokens``), or to 0 when neither is named. The range defaults to every token either list
     holds, so lists that hold different tokens leave a gap (and lists of one block size pair up one
     to one). With a prompt length, it is the tokens both lists hold (a list's cached prefix is
-    implicit in its length, so the later first token starts it), up to the prompt's last token
-    between block sizes; with equal block sizes, through the end of the lists' last block, the
-    whole blocks block pairs move.
+    implicit in its length, so the later first token starts it) up to the prompt's last token,
+    with equal block sizes or not, with CP or not: ``[max(src first, dst first), prompt_tokens)``.
     """
     prompt_length(tokens, prompt_tokens)
     for field, spread in (("src_blocks", src_spread), ("dst_blocks", dst_spread)):
@@ -249,11 +251,9 @@ def resolve_lists(
 
 
 def _prompt_range(prompt_tokens: int, src: BlockList, dst: BlockList) -> TokenRange:
-    """From the later list's first token up to the prompt's last token (between block sizes) or
-    the end of its block (equal sizes: the whole blocks pairs move); a list ending early is a gap."""
-    start = max(src.first_token, dst.first_token)
-    size = src.tokens_per_block
-    stop = -(-prompt_tokens // size) * size if size == dst.tokens_per_block else prompt_tokens
+    """From the later list's first token up to the prompt's last token, never past it (a token
+    after the prompt holds nothing the request computed); a list ending early is a gap."""
+    start, stop = max(src.first_token, dst.first_token), prompt_tokens
     if start >= stop:
         field = "src_blocks" if src.first_token >= dst.first_token else "dst_blocks"
         raise TokenRangeError(
@@ -262,6 +262,13 @@ def _prompt_range(prompt_tokens: int, src: BlockList, dst: BlockList) -> TokenRa
             "the lists share no prompt token",
         )
     return TokenRange(start, stop)
+
+
+def block_ends(tokens: TokenRange, tokens_per_block: int) -> TokenRange:
+    """The range stretched to the end of the block holding its last token: what a view pair
+    whose bytes are not whole token rows (no token can be cut from its blocks) moves of a
+    prompt-only job, the bytes after the prompt's last token in that block included."""
+    return TokenRange(tokens.start, -(-tokens.end // tokens_per_block) * tokens_per_block)
 
 
 def first_gap(tokens: TokenRange, src: BlockList, dst: BlockList) -> TokenGap | None:

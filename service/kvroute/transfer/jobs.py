@@ -10,8 +10,8 @@ as before token ranges existed. With one, each list holds a run of the prompt (`
 the window names the token range to move, optionally the first token of each list, and the prompt's
 length that sliding windows are measured from; a view pair planned by period is moved that way even
 without a window (both lists then start at token 0). A window naming only the prompt's length keeps
-the lists the prompt's last blocks, paired up where block sizes are equal (issue 12's jobs): only
-windowed view pairs then skip their stale leading blocks.
+the lists the prompt's last blocks (issue 12's jobs) and moves the tokens both hold up to the
+prompt's last token, whatever the block sizes; windowed view pairs skip their stale leading blocks.
 
 Recurrent-state views copy the request's ``src_state_slot`` (the same on every sender rank, as block
 ids are) to its ``dst_state_slot`` once, whatever the block sizes and the token range; both are
@@ -168,8 +168,10 @@ class TransferJob:
 
     @property
     def pairs_blocks(self) -> bool:
-        """No range and no first token: block pairs, one to one, where block sizes are equal."""
-        return self.window is None or not self.window.names_tokens
+        """No range, no first token and no prompt length: block pairs, one to one, where block
+        sizes are equal (a prompt length alone makes the job the prompt's tokens, not blocks)."""
+        window = self.window
+        return window is None or (not window.names_tokens and window.prompt_tokens is None)
 
     @property
     def num_blocks(self) -> int:

@@ -14,6 +14,11 @@ at each end: a receiver's cached prefix ending mid-block, a chunk boundary) are 
 
 A windowed view moves the job's range from its window's first token on (``geometry.window``), by the
 same passes; a recurrent-state view is one pass over the request's state slot pair.
+
+A prompt-only job (a prompt length, no range) moves every view pair's tokens up to the prompt's last
+token (``geometry.resolve_lists``), so the last block is cut like a range's end. Only a pair whose
+bytes are not whole token rows (sub-byte rows, equal block sizes) cannot be cut: it moves the
+lists' common suffix of whole blocks, the block holding the prompt's last token whole.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import numpy as np
 from kvroute.geometry import (
     BlockList,
     TokenRange,
+    block_ends,
     first_gap,
     periods_inside,
     range_copies,
@@ -54,17 +60,22 @@ def view_work(
     """What ``job`` copies of ``view``; raises ``TransferValidationError`` naming a gap."""
     if view.state:
         return (Pass(key, view.fragments, *state_slots(job)),)
-    if job.pairs_blocks and view.sliding_window is None and not view.periodic:
+    window = job.window or TokenWindow()
+    whole = view.sliding_window is None and not view.periodic
+    if whole and job.pairs_blocks:
         src, dst = job.src_blocks, job.dst_blocks
         if len(src) != len(dst):
             raise TransferValidationError(
                 "dst_blocks", f"has {len(dst)} ids but src_blocks has {len(src)}; they pair up"
             )
         return (Pass(key, view.fragments, src, dst),)
+    if whole and not view.token_rows and not window.names_tokens:
+        # Equal block sizes: both suffix lists end with the block holding the prompt's last token.
+        count = min(len(job.src_blocks), len(job.dst_blocks))
+        return (Pass(key, view.fragments, job.src_blocks[-count:], job.dst_blocks[-count:]),)
     sizes = view.tokens_per_block
     if sizes is None:
-        raise _needs_period(where)
-    window = job.window or TokenWindow()
+        raise _needs_period(view, where)
     tokens, src, dst = window.lists(job.src_blocks, job.dst_blocks, *sizes, view.spreads)
     if view.sliding_window is not None:
         assert window.prompt is not None  # slots.check_leg refused a windowed job without it
@@ -73,13 +84,22 @@ def view_work(
         if windowed is None:
             return ()
         tokens = windowed
+    if not view.token_rows and not window.names_tokens:
+        tokens = block_ends(tokens, sizes[0])
     gap = first_gap(tokens, src, dst)
     if gap is not None:
         raise TransferValidationError(gap.field, gap.detail, code=gap.code, extras=gap.extras)
     return _range_passes(view, key, job, where, tokens, src, dst)
 
 
-def _needs_period(where: str) -> TransferValidationError:
+def _needs_period(view: ViewCopy, where: str) -> TransferValidationError:
+    if not view.token_rows:
+        return TransferValidationError(
+            where,
+            "has bytes per layer that are not whole token rows (sub-byte rows), so no token "
+            "range can be cut from its blocks: block pairs or a prompt length alone move it, "
+            "in whole blocks",
+        )
     return TransferValidationError(
         where,
         "has block fragments only; a token range needs the plan's period form "
@@ -108,7 +128,7 @@ def _range_passes(
         ends = ((tokens.start, inner.start), (inner.end, tokens.end))
         cuts = [TokenRange(start, end) for start, end in ends if start < end]
     if cuts and view.period is None:
-        raise _needs_period(where)
+        raise _needs_period(view, where)
     passes = [] if inner is None else list(_inner_passes(view, key, inner, job, src, dst))
     for cut in cuts:
         passes += _cut_passes(view, cut, src, dst)

@@ -80,6 +80,8 @@ class ViewCopy:
     groups: tuple[PeriodGroup, ...] = field(default=(), repr=False)  # of ``period``
     sliding_window: Window | None = None
     state: bool = False
+    # False where the pair's bytes are not whole token rows (sub-byte rows): it moves whole blocks.
+    token_rows: bool = True
 
     @property
     def periodic(self) -> bool:
@@ -228,6 +230,7 @@ def _view_copy(view: ViewTransfer) -> ViewCopy:
         period=period,
         groups=period_groups(period) if period is not None else (),
         sliding_window=view.window,
+        token_rows=view.token_rows,
     )
 
 
@@ -297,6 +300,9 @@ def _parse_view(doc: Any, path: str, *, state: bool = False) -> ViewCopy:
     if period is not None and fragments is None:
         fragments = []
     window = None if state else _parse_window(doc.get("window"), f"{path}.window", period)
+    token_rows = doc.get("token_rows", True)
+    if not isinstance(token_rows, bool):
+        raise TransferValidationError(f"{path}.token_rows", "must be a boolean")
     return ViewCopy(
         src_view=_field_int(doc, "src_view", path),
         dst_view=_field_int(doc, "dst_view", path),
@@ -308,6 +314,7 @@ def _parse_view(doc: Any, path: str, *, state: bool = False) -> ViewCopy:
         groups=period_groups(period) if period is not None else (),
         sliding_window=window,
         state=state,
+        token_rows=token_rows,
     )
 
 

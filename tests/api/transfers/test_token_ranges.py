@@ -10,6 +10,7 @@ from kvroute.store import jobs
 from tests.api.conftest import WORKER
 from tests.api.transfers.world import (
     BYTES_PER_TOKEN,
+    GENERATION,
     TRANSFERS,
     WIDE,
     body,
@@ -64,6 +65,9 @@ NARROW = Side("generation", 1, (2,), seed=2, tokens_per_block=2)
         (WIDE, [1, 2, 3], [2, 0], 14, (4, 14)),
         # mirrored: the sender's list holds [0, 8), the receiver's (blocks of 2) [2, 8)
         (NARROW, [0, 1], [1, 2, 3], 7, (2, 7)),
+        # equal sizes (issue 35): the lists hold [0, 8) and [4, 8); tokens [4, 7) move, not 7
+        (GENERATION, [0, 1], [2], 7, (4, 7)),
+        (GENERATION, [0, 1], [2, 1], 6, (0, 6)),
     ],
 )
 async def test_prompt_only_jobs_between_block_sizes_move_the_tokens_both_lists_hold(

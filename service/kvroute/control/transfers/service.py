@@ -117,7 +117,7 @@ class TransferService:
         window = _window(request)
         await self._journal.recover(now)
         legs = await self._legs.legs(deployment, request, now=now)
-        if not request.names_tokens:
+        if not request.names_tokens and request.prompt_tokens is None:
             _check_pairs(request, legs)
         opened = await asyncio.to_thread(self._legs.open, deployment, request, legs)
         queued = False
@@ -193,8 +193,8 @@ def _check_pairs(request: wire.TransferRequest, legs: list[Leg]) -> None:
 
 
 def _window(request: wire.TransferRequest) -> TokenWindow | None:
-    """The request's token members, checked; None for lists that pair up one to one without a
-    prompt length (a prompt length alone keeps them paired where block sizes are equal)."""
+    """The request's token members, checked; None for lists that pair up one to one (no range,
+    no first token, no prompt length: a prompt length alone makes the job the prompt's tokens)."""
     if not request.names_tokens and request.prompt_tokens is None:
         return None
     try:
