@@ -45,6 +45,7 @@ from kvroute.transfer import (
     CopyEngine,
     CopyPlan,
     LocalBackend,
+    PeerCopy,
     PoolMemory,
     PoolMemoryCache,
     Strategy,
@@ -53,6 +54,7 @@ from kvroute.transfer import (
     TransferLeg,
     ViewCopy,
 )
+from kvroute.transfer.fragments import fragment_array
 
 LAYERS, BUFFERS, HEADS, TOKENS, HEAD_BYTES = 32, 2, 8, 32, 128 * 2
 RECEIVER_HEADS = HEADS // 2
@@ -123,10 +125,9 @@ def naive_copy(job: TransferJob) -> None:
 
 
 def _case_plan(case: Case) -> CopyPlan:
-    return CopyPlan.from_json({"fingerprint": case.kind, "peers": [
-        {"rank": 0, "sends": True, "views": [{"src_view": 0, "dst_view": 0, "src_pool": 0,
-                                              "dst_pool": 0, "fragments": fragments(case.kind)}]}
-    ]})  # fmt: skip
+    """One view pair of pool 0 moving the case's fragments, in the data plane's own types."""
+    view = ViewCopy(0, 0, 0, 0, case.kind, fragment_array(fragments(case.kind)))
+    return CopyPlan.checked(case.kind, (PeerCopy(0, True, (view,)),))
 
 
 def bench_device(device: torch.device, blocks: int, table: Table, verdicts: list[str]) -> None:

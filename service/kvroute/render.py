@@ -1,8 +1,8 @@
 """Plans for people as a text table: one row per (sender rank, view pair), under a header.
 
 Works on the typed plan (``geometry.Plan``: built here, or a document read back by
-``Plan.from_json``, which the functions do for a document they are given), so the service, the CLI
-and a worker holding a fetched plan render the same thing. Nothing here knows how plans are built. A new plan member
+``Plan.from_json`` where it arrived), so the service, the CLI and a worker holding a fetched plan
+render the same thing. Nothing here knows how plans are built. A new plan member
 shows up as one more header line in ``plan_text`` or one more column (``COLUMNS`` and a cell in
 ``plan_rows``). View pairs planned by period, windowed ones and ones without whole token rows add a
 line each; recurrent state adds a second table (one row
@@ -12,9 +12,8 @@ per sender rank and state view pair, per request slot). The pictures (SVG) live 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from itertools import pairwise
-from typing import Any
 
 from kvroute.geometry import Plan, Spread, StateTransfer, ViewTransfer, Window
 
@@ -44,11 +43,6 @@ COLUMNS = (
 )
 
 
-def as_plan(plan: Plan | Mapping[str, Any]) -> Plan:
-    """The typed plan of a plan or of its document (read strictly, ``Plan.from_json``)."""
-    return plan if isinstance(plan, Plan) else Plan.from_json(plan)
-
-
 def _heads(view: ViewTransfer) -> str:
     if view.mapper == "replicated":
         return "all"
@@ -65,9 +59,9 @@ def _layers(layers: Sequence[int]) -> str:
     return ",".join(map(str, ordered))
 
 
-def plan_rows(plan: Plan | Mapping[str, Any]) -> list[tuple[str, ...]]:
+def plan_rows(plan: Plan) -> list[tuple[str, ...]]:
     rows = []
-    for peer in as_plan(plan).peers:
+    for peer in plan.peers:
         if not peer.views:
             rows.append((str(peer.rank), "no", "-", "-", "-", "-", "-", "-", "0", "0"))
         for view in peer.views:
@@ -88,9 +82,8 @@ def plan_rows(plan: Plan | Mapping[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
-def plan_text(plan: Plan | Mapping[str, Any]) -> str:
+def plan_text(plan: Plan) -> str:
     """A fixed-width table with a header naming the pair, the generations and the bounce verdict."""
-    plan = as_plan(plan)
     generations = ", ".join(
         f"{rank}:{plan.sender_generations.get(rank)}" for rank in plan.sender_ranks
     )

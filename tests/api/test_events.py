@@ -131,3 +131,49 @@ async def test_a_revision_older_than_the_log_is_410(client):
     live = await client.get(EVENTS, headers=WORKER, params={"since": "3"})
     assert live.status == 200
     live.close()
+
+
+async def _ids_to_the_end(response: Any) -> list[int]:
+    """Every event id of a stream that must end by itself within ``WAIT_SECONDS``."""
+    async with asyncio.timeout(WAIT_SECONDS):
+        text = (await response.read()).decode()
+    return [int(line[4:]) for line in text.splitlines() if line.startswith("id: ")]
+
+
+async def test_follow_false_ends_after_the_events_the_log_holds(client):
+    for instance in ("ctx0", "ctx1", "ctx2"):
+        await register(client, instance, 0, rank_document())
+    bounded = {"follow": "false"}
+    response = await client.get(EVENTS, headers=WORKER, params={"since": "2", **bounded})
+    assert response.status == 200
+    assert await _ids_to_the_end(response) == [3, 4, 5, 6]
+    # Without ``since`` it starts at the current revision: only the comment naming it comes.
+    response = await client.get(EVENTS, headers=WORKER, params=bounded)
+    assert (await response.read()).decode() == "retry: 1000\n: revision 6\n\n"
+    # A write just before the request is in its stream, whether or not the hub read it yet.
+    await register(client, "ctx3", 0, rank_document())
+    response = await client.get(EVENTS, headers=WORKER, params={"since": "6", **bounded})
+    assert await _ids_to_the_end(response) == [7, 8]
+
+
+async def test_timeout_ends_a_following_stream(client):
+    await register(client, "ctx0", 0, rank_document())
+    started = asyncio.get_running_loop().time()
+    response = await client.get(EVENTS, headers=WORKER, params={"since": "0", "timeout": "1"})
+    assert await _ids_to_the_end(response) == [1, 2]
+    assert asyncio.get_running_loop().time() - started >= 1.0
+
+
+async def test_bounds_are_spelled_strictly(client):
+    for params, status in (
+        ({"follow": "False"}, 400),
+        ({"follow": "1"}, 400),
+        ({"follow": "no"}, 400),
+        ({"timeout": "0"}, 422),
+        ({"timeout": "86401"}, 422),
+        ({"timeout": "1.5"}, 400),
+    ):
+        response = await client.get(EVENTS, headers=WORKER, params=params)
+        problem = await response.json()
+        name = next(iter(params))
+        assert (response.status, problem["field"]) == (status, f"query.{name}"), params

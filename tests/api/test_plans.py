@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.control.plan_answers import PLAN_BUILD_BUCKETS_SECONDS
 from kvroute.geometry import Plan
+from kvroute.pictures import plan_svg
+from kvroute.render import plan_text
 from tests.api.conftest import ADMIN, WORKER, rank_path, register
 from tests.api.documents import rank_document
 from tests.clock import ManualClock
@@ -306,6 +308,20 @@ async def test_the_period_form_is_asked_for_and_tagged_apart(client: Client) -> 
         for peer in plan_doc["peers"]
         for view in peer["views"]
     )
+
+
+async def test_every_format_of_a_form_renders_the_document_of_that_form(client: Client) -> None:
+    """The table and the picture are rendered from the typed plan; a worker renders the JSON it
+    fetched, read back: both must be the same, in the block and the period form."""
+    await deploy(client)
+    for form in ({}, {"fragments": "period"}):
+        document = await (await fetch(client, **form)).json()
+        read = Plan.from_json(document)
+        text = await fetch(client, format="text", **form)
+        svg = await fetch(client, format="svg", **form)
+        assert (text.status, svg.status) == (200, 200)
+        assert await text.text() == plan_text(read)
+        assert await svg.text() == plan_svg(read)
 
 
 async def test_different_block_sizes_plan_by_period_over_http(client: Client) -> None:

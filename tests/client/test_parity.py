@@ -1,8 +1,9 @@
-"""The sync client mirrors the async one: the same methods with the same parameters.
+"""The sync client is the async one, blocking: the same methods with the same parameters.
 
-``KvrouteClient`` runs ``AsyncKvrouteClient`` on a private loop, method by method; a parameter
-added to one and forgotten in the other (as ``wait_transfer``'s ``poll_interval`` once was)
-fails here.
+``KvrouteClient`` runs ``AsyncKvrouteClient`` on a private loop; each of its methods wraps the async
+method of its name (``sync.blocking``, ``sync.started``), so a parameter cannot drift apart (as
+``wait_transfer``'s ``poll_interval`` once did when both were written out). A method added to the
+async client and not exposed fails here.
 """
 
 from __future__ import annotations
@@ -43,3 +44,8 @@ def test_constructors_take_the_same_parameters() -> None:
     assert _parameters(inspect.signature(KvrouteClient.__init__)) == _parameters(
         inspect.signature(AsyncKvrouteClient.__init__)
     )
+
+
+def test_every_sync_method_wraps_the_async_method_of_its_name() -> None:
+    for name in _public(KvrouteClient):
+        assert getattr(KvrouteClient, name).__wrapped__ is getattr(AsyncKvrouteClient, name), name

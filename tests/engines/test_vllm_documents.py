@@ -16,12 +16,15 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 from kvroute.geometry import Kind, RankRegistration
+from tests.engines import require_vllm
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+require_vllm()
+torch = pytest.importorskip("torch")
 
 # vLLM's planner and allocator on CPU, after importing vLLM (tens of seconds on its own).
 pytestmark = pytest.mark.slow

@@ -21,13 +21,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 
 pytest.importorskip("nixl._api", reason="nixl is not installed")
 
 from tests.client.live import WORKER_TOKEN, LiveServer, live_server_in
-from tests.engines import vllm_producer
+from tests.engines import require_vllm, vllm_producer
 from tests.world import true_heads
+
+require_vllm()
+torch = pytest.importorskip("torch")
 
 if TYPE_CHECKING:
     from tests.engines.engine import Engine

@@ -20,6 +20,7 @@ from kvroute.transfer import (
     CopyEngine,
     CopyPlan,
     LocalBackend,
+    PeerCopy,
     PoolMemory,
     PoolMemoryCache,
     Strategy,
@@ -27,8 +28,10 @@ from kvroute.transfer import (
     TransferJob,
     TransferLeg,
     TransferValidationError,
+    ViewCopy,
 )
 from tests.hybrid import HYBRID, MAMBA
+from tests.transfer.copies import copy_plan, pair
 from tests.transfer.pools import as_bytes
 from tests.truth import Truth, window_starts
 from tests.world import Layout, Side, ViewClass, instance
@@ -247,13 +250,16 @@ def test_a_state_slot_that_is_also_a_block_of_a_shared_pool_is_refused() -> None
 
 
 def test_two_senders_writing_one_state_byte_are_refused() -> None:
-    state = {"src_view": 0, "dst_view": 0, "src_pool": 1, "dst_pool": 1, "mapper": "ssm",
-             "fragments": [[0, 0, 64]]}  # fmt: skip
-    doc = {"peers": [{"rank": 0, "views": [], "states": [state]},
-                     {"rank": 1, "views": [], "states": [state | {"fragments": [[0, 32, 64]]}]}]}  # fmt: skip
+    def state(fragments: list[list[int]]) -> ViewCopy:
+        return pair(fragments, pool=1, mapper="ssm", state=True)
+
     with pytest.raises(TransferValidationError, match="written twice"):
-        CopyPlan.from_json(doc)
+        copy_plan(
+            PeerCopy(0, True, (), (state([[0, 0, 64]]),)),
+            PeerCopy(1, True, (), (state([[0, 32, 64]]),)),
+        )
     # A block fragment and a state fragment at the same offsets of one pool are different slots.
-    plan = CopyPlan.from_json({"peers": [{"rank": 0, "views": [state], "states": [state]}]})
+    block = pair([[0, 0, 64]], pool=1, mapper="ssm")
+    plan = copy_plan(PeerCopy(0, True, (block,), (state([[0, 0, 64]]),)))
     assert (plan.state_bytes, plan.bytes_per_block) == (64, 64)
     assert plan.shared_slot_pools == frozenset({1})

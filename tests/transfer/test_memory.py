@@ -11,7 +11,6 @@ import torch
 
 from kvroute.geometry import Pool
 from kvroute.transfer import (
-    CopyPlan,
     CudaIpcBackend,
     LocalBackend,
     PoolMemory,
@@ -22,12 +21,12 @@ from kvroute.transfer import (
     TransferLeg,
 )
 from tests.transfer.conftest import Owners
+from tests.transfer.copies import copy_plan, pair
 from tests.transfer.shm_owner import seeded_bytes
 
 POOL = Pool(pool_id=3, slot_bytes=96, slot_stride=128, num_slots=8)  # 1024 bytes
 # One view of pool 3 on both sides: a slot's first 16 bytes (two buffers of 8) move.
-ONE_VIEW = {"src_view": 0, "dst_view": 0, "src_pool": 3, "dst_pool": 3, "mapper": "hnd"}
-ONE_PLAN = {"peers": [{"rank": 0, "views": [ONE_VIEW | {"fragments": [[0, 0, 8], [8, 8, 8]]}]}]}
+ONE_PLAN = copy_plan((0, [pair([[0, 0, 8], [8, 8, 8]], pool=3)]))
 
 
 def test_shm_maps_exactly_the_pool_after_the_offset(owners: Owners) -> None:
@@ -197,8 +196,7 @@ def test_a_job_rechecks_its_pools_and_names_the_side(tmp_path: Path) -> None:
     _segment(tmp_path, "kvroute-dst", 2)
     src = backend.open({"backend": "shm", "name": "kvroute-src"}, POOL)
     dst = backend.open({"backend": "shm", "name": "kvroute-dst"}, POOL)
-    plan = CopyPlan.from_json(ONE_PLAN)
-    job = TransferJob([TransferLeg(plan, {(0, 3): src}, {3: dst})], [0], [0])
+    job = TransferJob([TransferLeg(ONE_PLAN, {(0, 3): src}, {3: dst})], [0], [0])
     job.verify_memory()
     os.truncate(tmp_path / "kvroute-dst", 100)
     with pytest.raises(PoolMemoryError, match=r"receiver: segment 'kvroute-dst': mapping is 100"):

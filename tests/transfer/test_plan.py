@@ -1,73 +1,34 @@
-"""Plan parsing (exactly-once, field-named errors) and fragment compilation into strided runs."""
+"""Executable plans (sorted read-only fragments, exactly-once across ranks) and fragment
+compilation into strided runs. Plan documents are read by ``Plan.from_json`` (``tests/unit/
+test_plan_document.py`` names what it refuses); here plans are written in the data plane's types."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.transfer import CopyPlan, TransferValidationError, compile_fragments
-
-
-def plan(*peers: tuple[int, list[list[int]]]) -> dict[str, Any]:
-    return {
-        "peers": [
-            {"rank": rank, "sends": True, "views": [
-                {"src_view": 0, "dst_view": 0, "src_pool": 0, "dst_pool": 0, "fragments": frags}
-            ]}
-            for rank, frags in peers
-        ]
-    }  # fmt: skip
+from kvroute.transfer import PeerCopy, TransferValidationError, compile_fragments
+from tests.transfer.copies import copy_plan, pair
 
 
 def test_fragments_are_sorted_read_only_and_counted() -> None:
-    parsed = CopyPlan.from_json(plan((0, [[64, 32, 16], [0, 0, 32]])))
-    (view,) = parsed.senders[0].views
+    plan = copy_plan((0, [pair([[64, 32, 16], [0, 0, 32]])]))
+    (view,) = plan.senders[0].views
     assert view.fragments.tolist() == [[0, 0, 32], [64, 32, 16]]
     assert not view.fragments.flags.writeable
-    assert (parsed.bytes_per_block, parsed.fragments_per_block) == (48, 2)
-    assert parsed.fingerprint.startswith("sha256:")
-    assert CopyPlan.from_json(plan((0, [[0, 0, 32], [64, 32, 16]]))).fingerprint != (
-        parsed.fingerprint
-    )
+    assert (plan.bytes_per_block, plan.fragments_per_block) == (48, 2)
 
 
 def test_silent_peers_copy_nothing() -> None:
-    doc = plan((0, [[0, 0, 8]]))
-    doc["peers"].append({"rank": 1, "sends": False, "views": []})
-    assert [peer.rank for peer in CopyPlan.from_json(doc).senders] == [0]
-
-
-@pytest.mark.parametrize(
-    ("fragment", "field"),
-    [
-        ([0, 0, 0], "plan.peers[0].views[0].fragments[1]"),
-        ([0, -1, 4], "plan.peers[0].views[0].fragments[1]"),
-        ([0, 8, True], "plan.peers[0].views[0].fragments[1]"),
-        ([0, 8], "plan.peers[0].views[0].fragments[1]"),
-    ],
-)
-def test_malformed_fragments_are_named(fragment: list[Any], field: str) -> None:
-    with pytest.raises(TransferValidationError) as raised:
-        CopyPlan.from_json(plan((0, [[0, 0, 4], fragment])))
-    assert raised.value.field == field
-
-
-def test_missing_fields_are_named() -> None:
-    with pytest.raises(TransferValidationError, match=r"plan\.peers: must be a list"):
-        CopyPlan.from_json({})
-    doc = plan((0, [[0, 0, 4]]))
-    del doc["peers"][0]["views"][0]["dst_pool"]
-    with pytest.raises(TransferValidationError, match=r"plan.peers\[0\].views\[0\].dst_pool"):
-        CopyPlan.from_json(doc)
+    plan = copy_plan((0, [pair([[0, 0, 8]])]), PeerCopy(1, False, ()))
+    assert [peer.rank for peer in plan.senders] == [0]
 
 
 def test_destination_written_twice_across_ranks_is_refused() -> None:
     with pytest.raises(TransferValidationError, match=r"written twice: by rank 0 .* and by rank 1"):
-        CopyPlan.from_json(plan((0, [[0, 0, 16]]), (1, [[0, 8, 16]])))
+        copy_plan((0, [pair([[0, 0, 16]])]), (1, [pair([[0, 8, 16]])]))
 
 
 def test_hnd_and_nhd_fragments_fold_into_one_run() -> None:

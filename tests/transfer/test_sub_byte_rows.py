@@ -151,7 +151,9 @@ def _job(plan: CopyPlan, src: np.ndarray, dst: np.ndarray, cache, backend, **mem
 
 COMPILED = {
     "the planner's plan": lambda: CopyPlan.from_plan(_plan()),
-    "the served period answer": lambda: CopyPlan.from_json(_plan().to_json(period=True)),
+    "the served period answer": lambda: CopyPlan.from_plan(
+        Plan.from_json(_plan().to_json(period=True))
+    ),
 }
 
 

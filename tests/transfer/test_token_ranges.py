@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.geometry import Pool, TokenRange, build_plan
+from kvroute.geometry import Plan, Pool, TokenRange, build_plan
 from kvroute.transfer import (
     CopyEngine,
     CopyPlan,
@@ -262,14 +262,14 @@ def test_a_cut_range_costs_the_fragments_of_its_blocks() -> None:
 
 def test_a_plan_with_block_fragments_only_cannot_cut_a_range() -> None:
     b = bench("hnd 4 -> 4 (equal), TP1 -> TP2")
-    document = build_plan(b.ctx, b.gen[0]).to_json()
+    document = build_plan(b.ctx, b.gen[0]).to_json()  # as a worker fetches it: block form
     dst_pools = _open(b, b.cache, "gen-blocks", b.gen_layouts[0], background(b.gen_layouts[0]))
-    leg = TransferLeg(CopyPlan.from_json(document), b.src_pools, dst_pools)
+    leg = TransferLeg(CopyPlan.from_plan(Plan.from_json(document)), b.src_pools, dst_pools)
     job = TransferJob([leg], [0, 1], [0, 1], window=TokenWindow(TokenRange(2, 8)))
     with pytest.raises(TransferValidationError, match="needs the plan's period form"):
         CopyEngine().validate(job)
     # the same plan in its period form cuts the range: 6 tokens of a 4-token-per-block world
-    period = CopyPlan.from_json(build_plan(b.ctx, b.gen[0]).to_json(period=True))
+    period = CopyPlan.from_plan(Plan.from_json(build_plan(b.ctx, b.gen[0]).to_json(period=True)))
     cut = TransferJob(
         [TransferLeg(period, b.src_pools, dst_pools)], [0, 1], [0, 1], window=job.window
     )

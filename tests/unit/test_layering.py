@@ -4,6 +4,10 @@
 ``store -> geometry``; ``client -> geometry``; ``engines -> client, geometry``; ``wire`` (the answers' shapes) is a leaf like
 ``geometry``, read by the store, the api and the client. The api layer runs no SQL (it imports no
 SQLAlchemy), the data plane knows no store, the control layer no HTTP, the geometry core no I/O.
+Of ``engines``, ``engines.vllm`` runs inside vLLM's processes only, and nothing of the server
+imports it; ``engines.models`` (a model config and two layouts to registration documents and a
+pre-flight verdict: pure functions of the config, no engine package, no server) is shared: the
+api's ``POST /v1/preflight`` and ``kvroute check`` run it, as a worker host may.
 The api's handlers and its reaper reach the store only through ``control``: of the store the api
 imports the error types its error table maps, the record types and the database's lifetime
 (``API_STORE_IMPORTS``), never a unit of work.
@@ -30,8 +34,10 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "wire": ("kvroute", "aiohttp", "sqlalchemy", "torch", "numpy", "asyncio"),
     "store": ("kvroute.api", "kvroute.control", "kvroute.transfer", "kvroute.cli", "aiohttp"),
     "transfer": ("kvroute.store", "kvroute.control", "kvroute.api", "kvroute.cli", "sqlalchemy"),
-    "control": ("kvroute.api", "kvroute.cli", "aiohttp"),
-    "api": ("kvroute.cli", "sqlalchemy"),
+    "control": ("kvroute.api", "kvroute.cli", "kvroute.engines", "aiohttp"),
+    # The api runs the models pre-flight (``engines.models``), never an engine's adapter.
+    "api": ("kvroute.cli", "kvroute.engines.vllm", "sqlalchemy"),
+    "cli": ("kvroute.engines.vllm",),
     "client": ("kvroute.store", "kvroute.control", "kvroute.api", "kvroute.cli", "sqlalchemy"),
     # Engine adapters run inside an engine's processes: a worker's dependencies, nothing of the server.
     "engines": ("kvroute.store", "kvroute.control", "kvroute.api", "kvroute.cli", "sqlalchemy"),
@@ -46,6 +52,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "sqlalchemy",
         "torch",
     ),
+    # The pre-flight the api shares reads a config: no engine package, no adapter, no I/O library.
+    "engines.models": ("kvroute.engines.vllm", "vllm", "torch", "aiohttp", "asyncio"),
 }
 # geometry and wire may import themselves; the entries above forbid every other kvroute package.
 ALLOWED_SELF = {"geometry": "kvroute.geometry", "wire": "kvroute.wire"}

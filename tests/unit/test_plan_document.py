@@ -4,11 +4,14 @@ is not a plan is refused by member (``invalid_plan``), never coerced or half rea
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from kvroute.geometry import GeometryError, Plan, build_plan
+from kvroute.pictures import plan_svg
+from kvroute.render import plan_text
 from kvroute.transfer import CopyPlan
 from tests.unit.docs import instance, view
 from tests.unit.test_reference_cp import _mla
@@ -77,6 +80,20 @@ def test_the_copy_plan_of_a_document_read_back_is_the_plans(name: str) -> None:
                 assert a.fragments.tolist() == b.fragments.tolist()
 
 
+@pytest.mark.parametrize("name", sorted(PLANS))
+@pytest.mark.parametrize("period", [False, True])
+def test_the_typed_plan_renders_as_its_document_read_back(name: str, period: bool) -> None:
+    """The service renders the typed plan (``period_form`` for ``fragments=period``); a worker
+    renders the document it fetched, read back: one table, one picture, one document."""
+    generations = {rank: 3 for rank in PLANS[name].sender_ranks}
+    plan = replace(PLANS[name], sender_generations=generations, receiver_generation=7)
+    read = Plan.from_json(plan.to_json(period=period))
+    typed = plan.period_form() if period else plan
+    assert typed.to_json() == read.to_json() == plan.to_json(period=period)
+    assert plan_text(typed) == plan_text(read)
+    assert plan_svg(typed) == plan_svg(read)
+
+
 def _refused(doc: Any) -> GeometryError:
     with pytest.raises(GeometryError) as refused:
         Plan.from_json(doc)
@@ -96,6 +113,18 @@ def test_missing_and_mistyped_members_are_named() -> None:
         (("peers", 0, "views", 0, "owner"), "both", "plan.peers[0].views[0].owner"),
         (("peers", 0, "views", 0, "heads", "dst"), [0], "plan.peers[0].views[0].heads.dst"),
         (("peers", 1, "views", 0, "fragments"), [[0, 0, 0]], "plan.peers[1].views[0].fragments[0]"),
+        (
+            ("peers", 1, "views", 0, "fragments"),
+            [[0, 0, 4], [0, -1, 4]],
+            "plan.peers[1].views[0].fragments[1]",
+        ),
+        (
+            ("peers", 1, "views", 0, "fragments"),
+            [[0, 8, True]],
+            "plan.peers[1].views[0].fragments[0]",
+        ),
+        (("peers", 1, "views", 0, "fragments"), [[0, 8]], "plan.peers[1].views[0].fragments[0]"),
+        (("peers", 1, "views", 0, "dst_pool"), None, "plan.peers[1].views[0].dst_pool"),
     ]:
         broken = copy.deepcopy(doc)
         *parents, last = path

@@ -13,6 +13,7 @@ import pytest
 from kvroute.geometry import (
     BlockList,
     GeometryError,
+    Plan,
     RankRegistration,
     Spread,
     TokenGap,
@@ -214,10 +215,11 @@ def test_zigzag_context_to_cp2_interleaved_generation_for_one_prompt() -> None:
     copies = range_copies(period, span, src, dst)
     # Token 9 in both layers (regions of 4 and 2 latent rows a block).
     assert sorted(copies) == [(11, 0, 22, 0, LATENT), (11, 4 * LATENT, 22, 2 * LATENT, LATENT)]
-    text = plan_text(doc)
+    read = Plan.from_json(doc)  # as a worker holds it
+    text = plan_text(read)
     assert "CP rank 0 of 2 (zigzag chunks of a 10-token prompt): tokens [0,3) [8,10)" in text
     assert "CP rank 1 of 2 (zigzag chunks of a 10-token prompt): tokens [3,8)" in text
-    assert "sender holds tokens [8, 10)" in plan_svg(doc)
+    assert "sender holds tokens [8, 10)" in plan_svg(read)
 
 
 def test_chunked_plans_and_jobs_need_their_prompt_length() -> None:
@@ -256,7 +258,7 @@ def test_generation_ranks_cannot_hold_prefill_chunks() -> None:
 def test_text_and_svg_show_the_token_split() -> None:
     ctx = [_mla("context", tpb=4, tp=2, tp_rank=q) for q in range(2)]
     gen = _mla("generation", tpb=2, cp=2, cp_rank=1)
-    plan = build_plan(ctx, gen).to_json()
+    plan = Plan.from_json(build_plan(ctx, gen).to_json())
     text = plan_text(plan)
     assert "receiver CP rank 1 of 2 (interleave 1): tokens [1,2) [3,4)" in text
     assert "sender every token" in text

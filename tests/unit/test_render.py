@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from kvroute.geometry import build_plan
+from kvroute.geometry import Plan, build_plan
 from kvroute.pictures import plan_svg
 from kvroute.render import plan_rows, plan_text
 from tests.unit.docs import instance, view
@@ -27,7 +27,7 @@ def _tp3_to_tp2(receiver: int) -> dict:
 
 
 def test_text_table_lists_each_sender_view_pair() -> None:
-    plan = _tp3_to_tp2(1)
+    plan = Plan.from_json(_tp3_to_tp2(1))
     assert plan_rows(plan) == [
         ("1", "yes", "0->0", "target", "key+value", "hnd", "3", "0-1", "512", "4"),
         ("2", "yes", "0->0", "target", "key+value", "hnd", "4-5", "0-1", "1024", "4"),
@@ -40,7 +40,7 @@ def test_text_table_lists_each_sender_view_pair() -> None:
 
 def test_text_table_shows_silent_replicas() -> None:
     ctx, (gen,) = d1(False)
-    rows = plan_rows(build_plan(ctx, gen).to_json())
+    rows = plan_rows(Plan.from_json(build_plan(ctx, gen).to_json()))
     assert [(r[0], r[1]) for r in rows] == [("0", "yes"), ("1", "no"), ("2", "yes"), ("3", "no")]
 
 
@@ -56,7 +56,7 @@ def _cells(svg: str) -> list[tuple[str, str]]:
 
 
 def test_svg_colours_every_receiver_head_with_its_writer() -> None:
-    texts, titles = _cells(plan_svg(_tp3_to_tp2(1)))
+    texts, titles = _cells(plan_svg(Plan.from_json(_tp3_to_tp2(1))))
     assert titles == [
         "head 3, layers 0-1: sender rank 1",
         "head 4, layers 0-1: sender rank 2",
@@ -67,7 +67,7 @@ def test_svg_colours_every_receiver_head_with_its_writer() -> None:
 
 def test_svg_draws_target_and_draft_views_separately() -> None:
     ctx, gen = d3(False)
-    texts, titles = _cells(plan_svg(build_plan(ctx, gen[0]).to_json()))
+    texts, titles = _cells(plan_svg(Plan.from_json(build_plan(ctx, gen[0]).to_json())))
     assert [t for t in texts if t.startswith("view")] == [
         "view 0 (target, key+value, hnd)",
         "view 1 (draft, key+value, intact)",
@@ -80,7 +80,7 @@ def test_svg_draws_target_and_draft_views_separately() -> None:
 
 
 def test_svg_names_both_sizes_the_totals_and_explains_its_labels() -> None:
-    texts, _ = _cells(plan_svg(_tp3_to_tp2(1)))
+    texts, _ = _cells(plan_svg(Plan.from_json(_tp3_to_tp2(1))))
     assert texts[:2] == [
         "plan d: ctx (context, TP3 PP1, dp group 0) -> gen rank 1 (generation, TP2 PP1)",
         "2 writers of 2 sender ranks heard; 1,536 bytes and 8 fragments per block; "
@@ -90,7 +90,7 @@ def test_svg_names_both_sizes_the_totals_and_explains_its_labels() -> None:
 
 
 def test_svg_lists_the_heads_and_bytes_each_writer_moves() -> None:
-    plan = _tp3_to_tp2(1)
+    plan = Plan.from_json(_tp3_to_tp2(1))
     texts, _ = _cells(plan_svg(plan))
     writers = [t for t in texts if " writes view " in t]
     assert writers == [
@@ -98,20 +98,20 @@ def test_svg_lists_the_heads_and_bytes_each_writer_moves() -> None:
         "tp2 pp0 writes view 0 (target) h4-5 = 1,024 bytes, 4 fragments",
     ]
     moved = sum(int(line.split("= ")[1].split(" bytes")[0].replace(",", "")) for line in writers)
-    assert moved == plan["bytes_per_block"]
+    assert moved == plan.bytes_per_block
 
 
 def test_svg_says_which_replicas_stay_silent() -> None:
     ctx, (gen,) = d1(False)
-    texts, _ = _cells(plan_svg(build_plan(ctx, gen).to_json()))
+    texts, _ = _cells(plan_svg(Plan.from_json(build_plan(ctx, gen).to_json())))
     silent = [t for t in texts if "sends nothing" in t]
     assert [t.split()[0] for t in silent] == ["tp1", "tp3"]
 
 
-def _sixteen_to_sixty_four() -> dict:
+def _sixteen_to_sixty_four() -> Plan:
     ctx = instance("context", tp=2, views=lambda t, p: [view(0, [0, 1], 512)])
     gen = instance("generation", tp=2, tpb=64, views=lambda t, p: [view(0, [0, 1], 2048)])
-    return build_plan(ctx, gen[0]).to_json()
+    return Plan.from_json(build_plan(ctx, gen[0]).to_json())
 
 
 def test_text_names_each_cut_of_a_period() -> None:
@@ -136,10 +136,10 @@ def test_svg_draws_the_period_under_its_view() -> None:
     assert "64 tokens per period, 32 fragments" in texts
 
 
-def _hybrid_plan() -> dict:
+def _hybrid_plan() -> Plan:
     ctx = instance("context", tp=4, views=lambda t, p: _hybrid_views(4))
     gen = instance("generation", tp=2, views=lambda t, p: _hybrid_views(2))
-    return build_plan(ctx, gen[1]).to_json()
+    return Plan.from_json(build_plan(ctx, gen[1]).to_json())
 
 
 def _hybrid_views(tp: int) -> list[dict]:
@@ -181,7 +181,7 @@ def test_text_names_a_window_between_block_sizes() -> None:
     gen = instance(
         "generation", tp=2, tpb=64, views=lambda t, p: [view(0, [0, 1], 2048, sliding_window=64)]
     )
-    text = plan_text(build_plan(ctx, gen[0]).to_json())
+    text = plan_text(Plan.from_json(build_plan(ctx, gen[0]).to_json()))
     assert (
         "window 0->0: last 64 tokens (sender 64, receiver 64); tokens from the later block start "
         "at or before prompt_tokens + 1 - 64 (16-token sender blocks, 64-token receiver blocks) "

@@ -4,10 +4,13 @@ Each event is ``id: <revision>``, ``event: <kind>`` and ``data: <Event JSON>``; 
 (``: keepalive``) is sent when nothing happened for a while, so proxies and clients see a live
 connection. A client resumes from ``?since=<revision>`` or the standard ``Last-Event-ID`` header;
 a revision older than the log keeps is 410 ``events_compacted`` before the stream starts.
+``?follow=false`` ends the stream once it has sent the events up to the log's revision at the
+request, ``?timeout=<seconds>`` after that long: bounded forms a test or a ``curl`` can wait for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from aiohttp import web
@@ -24,10 +27,12 @@ async def stream_events(request: web.Request) -> web.StreamResponse:
     validated = request[validated_key]
     deployment = validated.path["deployment"]
     since = validated.query.get("since", _last_event_id(request))
+    follow = validated.query.get("follow", True)
     try:
-        watch = await request.app[event_hub_key].open(deployment, since)
+        watch = await request.app[event_hub_key].open(deployment, since, follow=follow)
     except EventsCompacted as error:
         raise ProblemError(Problem(410, "Gone", str(error), error.code)) from error
+    bound = asyncio.timeout(validated.query.get("timeout"))  # None: no deadline
     response = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
@@ -36,13 +41,17 @@ async def stream_events(request: web.Request) -> web.StreamResponse:
         }
     )
     try:
-        await response.prepare(request)
-        # The revision watched from, so a client can resume from it before any event arrives.
-        await response.write(f"retry: {RETRY_MS}\n: revision {watch.cursor}\n\n".encode())
-        async for event in watch:
-            await response.write(_frame(event))
+        async with bound:
+            await response.prepare(request)
+            # The revision watched from, so a client can resume from it before any event arrives.
+            await response.write(f"retry: {RETRY_MS}\n: revision {watch.cursor}\n\n".encode())
+            async for event in watch:
+                await response.write(_frame(event))
     except ConnectionResetError:
         pass  # the watcher went away
+    except TimeoutError:
+        if not bound.expired():
+            raise
     finally:
         watch.close()
     return response

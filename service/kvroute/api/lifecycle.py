@@ -73,7 +73,8 @@ async def events_context(app: web.Application) -> AsyncIterator[None]:
 
 
 async def close_event_streams(app: web.Application) -> None:
-    """``on_shutdown``: event streams never end by themselves; end them before the drain waits."""
+    """``on_shutdown``: following event streams never end by themselves; end them before the
+    drain waits."""
     await app[event_hub_key].close()
 
 

@@ -3,9 +3,9 @@
 Per operation, the spec's declared parameters become one JSON schema (``{"path": {...},
 "query": {...}}`` with their schemas and ``required`` lists), compiled once by ``jsonschema_rs``
 like the body schemas. A request's raw strings are first checked for spelling
-(``spec.StrictParameter``), integers are then read as integers, and the object is validated:
-microseconds where openapi-core spent milliseconds resolving each parameter's schema again on
-every request (a fleet's registrations and heartbeats each name a new URL).
+(``spec.StrictParameter``), integers and booleans are then read as such, and the object is
+validated: microseconds where openapi-core spent milliseconds resolving each parameter's schema
+again on every request (a fleet's registrations and heartbeats each name a new URL).
 """
 
 from __future__ import annotations
@@ -34,22 +34,27 @@ class ParameterSchemaError(Exception):
 class OperationParameters:
     integers: frozenset[tuple[str, str]]  # (location, name) of integer parameters
     validator: Any  # jsonschema_rs validator of {"path": {...}, "query": {...}}
+    booleans: frozenset[tuple[str, str]] = frozenset()  # spelled "true" or "false" (checked)
 
     def unmarshal(
         self, path: Mapping[str, str], query: Mapping[str, str]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Typed path and query parameters; raises ``ParameterSchemaError``."""
         typed = {
-            location: {
-                name: int(value) if (location, name) in self.integers else value
-                for name, value in raw.items()
-            }
+            location: {name: self._read(location, name, value) for name, value in raw.items()}
             for location, raw in (("path", path), ("query", query))
         }
         errors = list(islice(self.validator.iter_errors(typed), MAX_REPORTED_ERRORS))
         if errors:
             raise ParameterSchemaError(field_errors(errors))
         return typed["path"], typed["query"]
+
+    def _read(self, location: str, name: str, value: str) -> int | bool | str:
+        if (location, name) in self.integers:
+            return int(value)
+        if (location, name) in self.booleans:
+            return value == "true"
+        return value
 
 
 def operation_parameters(
@@ -63,7 +68,7 @@ def operation_parameters(
         schemas: dict[str, dict[str, Any]] = {
             location: {"type": "object", "properties": {}, "required": []} for location in LOCATIONS
         }
-        integers = set()
+        integers, booleans = set(), set()
         for parameter in (resolve(spec, node) for node in declared):
             location = parameter["in"]
             if location not in LOCATIONS:
@@ -74,9 +79,11 @@ def operation_parameters(
                 schemas[location]["required"].append(parameter["name"])
             if schema.get("type") == "integer":
                 integers.add((location, parameter["name"]))
+            elif schema.get("type") == "boolean":
+                booleans.add((location, parameter["name"]))
         root = {"type": "object", "properties": schemas}
         compiled[(method, path)] = OperationParameters(
-            frozenset(integers), jsonschema_rs.Draft202012Validator(root)
+            frozenset(integers), jsonschema_rs.Draft202012Validator(root), frozenset(booleans)
         )
     return compiled
 

@@ -141,6 +141,6 @@ def preflight(body: dict[str, Any]) -> dict[str, Any]:
         raise _invalid(
             "rank", f"the generation instance has {len(verdict.plans)} ranks", "invalid_rank"
         )
-    plan = verdict.plans[rank].to_json()
+    plan = verdict.plans[rank]
     answer.update(rank=rank, plan_text=plan_text(plan), svg=plan_svg(plan))
     return answer

@@ -24,6 +24,12 @@ from kvroute.api.parameters import ParameterSchemaError, operation_parameters, r
 SPEC_RESOURCE = ("kvroute.api", "openapi.yaml")
 # How an integer parameter is spelled: int() would also take "١", "+1", " 1", "1_0" and "01".
 CANONICAL_INTEGER = re.compile(r"0|-?[1-9][0-9]{0,17}", re.ASCII)
+# How a typed parameter is spelled, and how its refusal says so; a boolean as JSON's literals, so
+# "1", "yes" and "True" alias nothing.
+SPELLINGS = {
+    "integer": (CANONICAL_INTEGER, "a decimal integer (ASCII digits, no leading zeros)"),
+    "boolean": (re.compile(r"true|false"), "true or false"),
+}
 
 
 def spec_bytes() -> bytes:
@@ -79,13 +85,14 @@ class StrictParameter:
 
     location: str
     name: str
-    integer: bool
+    kind: str | None  # "integer" or "boolean": spelled as ``SPELLINGS`` says
     pattern: re.Pattern[str] | None
 
     def check(self, value: str) -> None:
-        if self.integer and not CANONICAL_INTEGER.fullmatch(value):
-            expected = "a decimal integer (ASCII digits, no leading zeros)"
-            raise AliasedParameter(self.location, self.name, value, expected, malformed=True)
+        if self.kind is not None:
+            spelling, expected = SPELLINGS[self.kind]
+            if not spelling.fullmatch(value):
+                raise AliasedParameter(self.location, self.name, value, expected, malformed=True)
         if self.pattern is not None and not self.pattern.fullmatch(value):
             expected = f"matched by {self.pattern.pattern}"
             raise AliasedParameter(self.location, self.name, value, expected, malformed=False)
@@ -149,7 +156,8 @@ def spec_validator(text: bytes) -> SpecValidator:
 def strict_parameters(
     spec: Mapping[str, Any],
 ) -> dict[tuple[str, str], tuple[StrictParameter, ...]]:
-    """(METHOD, path template) -> the spelling rules of its integer and patterned parameters."""
+    """(METHOD, path template) -> the spelling rules of its integer, boolean and patterned
+    parameters."""
     rules = {}
     for method, path in spec_operations(spec):
         item = spec["paths"][path]
@@ -160,12 +168,13 @@ def strict_parameters(
             pattern = schema.get("pattern")
             if parameter["in"] not in ("path", "query"):
                 continue
-            if schema.get("type") == "integer" or pattern is not None:
+            kind = schema.get("type") if schema.get("type") in SPELLINGS else None
+            if kind is not None or pattern is not None:
                 found.append(
                     StrictParameter(
                         parameter["in"],
                         parameter["name"],
-                        schema.get("type") == "integer",
+                        kind,
                         # ECMA-262 semantics: ASCII classes, and "$" only at the very end.
                         re.compile(pattern, re.ASCII) if pattern is not None else None,
                     )

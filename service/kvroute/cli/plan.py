@@ -28,6 +28,7 @@ from rich.console import Console
 
 from kvroute.geometry import (
     GeometryError,
+    Plan,
     RankRegistration,
     build_plan,
     check_registration,
@@ -119,9 +120,9 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(plan: dict[str, Any], plan_format: str) -> str:
+def render(plan: Plan, plan_format: str) -> str:
     if plan_format == "json":
-        return json.dumps(plan, indent=2) + "\n"
+        return json.dumps(plan.to_json(), indent=2) + "\n"
     return plan_svg(plan) if plan_format == "svg" else plan_text(plan)
 
 
@@ -167,7 +168,7 @@ def sender_ranks(args: argparse.Namespace, deployment: str) -> list[RankRegistra
     return sorted(senders, key=lambda sender: sender.rank)
 
 
-def local_plan(args: argparse.Namespace) -> dict[str, Any]:
+def local_plan(args: argparse.Namespace) -> Plan:
     """Checks the documents as registration would (instance, then peers), then plans."""
     deployment = args.deployment or LOCAL_DEPLOYMENT
     senders = sender_ranks(args, deployment)
@@ -175,10 +176,9 @@ def local_plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.rank is not None:
         receiver = replace(receiver, rank=args.rank)
     check_registration(receiver, [], senders)
-    plan = build_plan(
+    return build_plan(
         senders, receiver, sender_dp_rank=args.sender_dp_rank, prompt_tokens=args.prompt_tokens
     )
-    return plan.to_json()
 
 
 def fetch_plan(args: argparse.Namespace) -> str:

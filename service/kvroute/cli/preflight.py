@@ -180,7 +180,7 @@ def _plan_outputs(args: argparse.Namespace, verdict: Verdict) -> None:
         return
     if not 0 <= args.rank < len(verdict.plans):
         raise CommandError(f"--rank {args.rank}: the generation instance has {len(verdict.plans)}")
-    plan = verdict.plans[args.rank].to_json()
+    plan = verdict.plans[args.rank]
     if args.plan:
         sys.stdout.write("\n" + plan_text(plan))
     if args.svg is not None:

@@ -102,19 +102,27 @@ class EventHub:
 
     # Watching.
 
-    async def open(self, deployment: str, since: int | None) -> Watch:
+    async def open(self, deployment: str, since: int | None, *, follow: bool = True) -> Watch:
         """A watch of the events after revision ``since`` (default: from now on); raises
-        ``EventsCompacted`` when the log no longer holds the event after ``since``."""
+        ``EventsCompacted`` when the log no longer holds the event after ``since``. Unless it
+        ``follow``s, the watch ends after the revision the log holds now."""
         feed = await self._feed(deployment)
         feed.watchers += 1
         cursor = feed.revision if since is None else since
         try:
             if cursor < feed.revision:
                 await self._check_resumable(deployment, cursor, feed)
+            # The log's revision, not the feed's: the feed may not have read a write that
+            # committed before this request yet; when so, it reads now rather than at its poll.
+            until = None
+            if not follow:
+                until = await log_store.current_revision(self.sessionmaker, deployment)
+                if until > feed.revision:
+                    self.poke(deployment)
         except BaseException:
             self._leave(deployment, feed)
             raise
-        return Watch(self, deployment, feed, cursor)
+        return Watch(self, deployment, feed, cursor, until)
 
     def _leave(self, deployment: str, feed: _Feed) -> None:
         feed.watchers -= 1
@@ -240,13 +248,17 @@ class EventHub:
 
 
 class Watch:
-    """One watcher's events, in revision order: ``async for event in watch`` (None: a keepalive).
-    ``close()`` when done (the handler's ``finally``)."""
+    """One watcher's events, in revision order: ``async for event in watch`` (None: a keepalive),
+    ending after revision ``until`` when it has one. ``close()`` when done (the handler's
+    ``finally``)."""
 
-    def __init__(self, hub: EventHub, deployment: str, feed: _Feed, cursor: int) -> None:
+    def __init__(
+        self, hub: EventHub, deployment: str, feed: _Feed, cursor: int, until: int | None = None
+    ) -> None:
         self.hub = hub
         self.deployment = deployment
         self.cursor = cursor
+        self.until = until
         self._feed = feed
         self._pending: deque[wire.Event] = deque()
         self._closed = False
@@ -256,6 +268,8 @@ class Watch:
 
     async def __anext__(self) -> wire.Event | None:
         hub, feed = self.hub, self._feed
+        if self.until is not None and self.cursor >= self.until:
+            raise StopAsyncIteration
         while not self._pending:
             if hub._closed or self._closed:
                 raise StopAsyncIteration

@@ -28,7 +28,7 @@ from kvroute.control.plans import (
     ServedPlan,
     require_complete,
 )
-from kvroute.geometry import GeometryError
+from kvroute.geometry import GeometryError, Plan
 from kvroute.pictures import plan_svg
 from kvroute.render import plan_text
 from kvroute.store.snapshots import instance_state
@@ -99,33 +99,35 @@ def encode_json(document: dict[str, Any]) -> bytes:
     return json.dumps(document, separators=(",", ":")).encode()
 
 
-ENCODERS: dict[str, Callable[[dict[str, Any]], bytes]] = {
-    "json": encode_json,
-    "text": lambda document: plan_text(document).encode(),
-    "svg": lambda document: plan_svg(document).encode(),
+# Each format from the typed plan; JSON is written only here, at the edge.
+ENCODERS: dict[str, Callable[[Plan], bytes]] = {
+    "json": lambda plan: encode_json(plan.to_json()),
+    "text": lambda plan: plan_text(plan).encode(),
+    "svg": lambda plan: plan_svg(plan).encode(),
 }
 
 
-def _encode(encoder: Callable[[dict[str, Any]], bytes], served: ServedPlan, period: bool) -> bytes:
-    if not period:
-        return encoder(served.document)
-    try:
-        document = served.plan.to_json(
-            sender_generations=served.sender_generations,
-            receiver_generation=served.receiver_generation,
-            period=True,
-        )
-    except ValueError as error:  # defensive: a pair without whole token rows keeps its block
-        # form (token_rows: false) and registration refuses re-cutting one, so none is expected
-        raise GeometryError(
-            "period_form_unavailable",
-            f"fragments=period: {error}",
-            field="fragments",
-            local="period",
-            peer="block",
-            stage="plan",
-        ) from error
-    return encoder(document)
+def _encode(plan_format: str, served: ServedPlan, period: bool) -> bytes:
+    if plan_format == "json" and not period:
+        return encode_json(served.document)  # written once, when the plan was built
+    plan = replace(
+        served.plan,
+        sender_generations=served.sender_generations,
+        receiver_generation=served.receiver_generation,
+    )
+    if period:
+        try:
+            plan = plan.period_form()
+        except ValueError as error:  # a view pair without whole token rows has no period form
+            raise GeometryError(
+                "period_form_unavailable",
+                f"fragments=period: {error}",
+                field="fragments",
+                local="period",
+                peer="block",
+                stage="plan",
+            ) from error
+    return ENCODERS[plan_format](plan)
 
 
 def plan_version(served: ServedPlan) -> str:
@@ -162,9 +164,8 @@ class PlanAnswers:
         form = f"{plan_format}-period" if period else plan_format
         body = entry[1].get(form)
         if body is None:
-            encoder = ENCODERS[plan_format]
             # A per-token NHD plan encodes to megabytes: keep that off the event loop.
-            body = await asyncio.to_thread(_encode, encoder, served, period)
+            body = await asyncio.to_thread(_encode, plan_format, served, period)
             entry[1][form] = body
         return EncodedPlan(
             etag=f'"{version}-{form}"',

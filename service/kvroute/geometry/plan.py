@@ -27,7 +27,7 @@ axis, and the generations it was served with.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvroute.geometry.plan_pairs import StateTransfer, ViewTransfer
@@ -141,6 +141,16 @@ class Plan:
     @property
     def has_state(self) -> bool:
         return any(peer.states for peer in self.peers)
+
+    def period_form(self) -> Plan:
+        """The plan with every view pair in its period form where it has one: what
+        ``to_json(period=True)`` writes, without writing it (``ValueError`` where a pair's
+        bytes are not whole token rows)."""
+        peers = tuple(
+            replace(peer, views=tuple(view.period_form() for view in peer.views))
+            for peer in self.peers
+        )
+        return replace(self, peers=peers)
 
     def to_json(
         self,

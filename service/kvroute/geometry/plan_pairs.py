@@ -7,7 +7,7 @@ relative to a request's state slot on each side. ``plan`` puts them into peers a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvroute.geometry.mappers import Fragment
@@ -122,6 +122,12 @@ class ViewTransfer(PairTransfer):
     def descriptors_per_block(self) -> int:
         """Fragments per receiver block (where blocks differ, the most any receiver block needs)."""
         return self.period_map.descriptors_per_dst_block if self.periodic else len(self.fragments)
+
+    def period_form(self) -> ViewTransfer:
+        """The pair as ``to_json(period=True)`` writes it and ``from_json`` reads it back: its
+        period form alone where it has one (``token_form``), else itself."""
+        form = self.token_form
+        return self if form is None else replace(self, fragments=(), axis=None, period=form)
 
     def to_json(self, *, period: bool = False) -> dict[str, Any]:
         doc: dict[str, Any] = {

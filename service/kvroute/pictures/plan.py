@@ -4,19 +4,18 @@ Top to bottom: the pair and both instances' TP/PP sizes; the totals; a legend sa
 and its ``rN`` label mean; one row per sender rank heard from (the heads it writes in each view, its
 bytes and fragments per block); then one grid per receiver view, columns being the receiver's
 heads and rows runs of layers whose writers are the same (a windowed view names its window), and
-one grid per recurrent-state view, written once per request slot. Works on the typed plan
-(``render.as_plan`` reads a document it is given).
+one grid per recurrent-state view, written once per request slot. Works on the typed plan (a
+document is read with ``Plan.from_json`` first, at the edge that received it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
 from kvroute.geometry import Plan, StateTransfer, ViewTransfer
 from kvroute.pictures.period import period_strip
 from kvroute.pictures.svg import LINE, Canvas, colour
-from kvroute.render import as_plan, state_shard
+from kvroute.render import state_shard
 
 CELL = 44
 SWATCH = 14
@@ -196,9 +195,8 @@ def _cells(
     return y + 24
 
 
-def plan_svg(plan: Plan | Mapping[str, Any]) -> str:
+def plan_svg(plan: Plan) -> str:
     """The plan's picture (see the module docstring) as a standalone SVG document."""
-    plan = as_plan(plan)
     canvas = Canvas()
     y = _header(canvas, plan)
     y = _legend(canvas, y)

@@ -1,9 +1,9 @@
 """kvroute.transfer: the same-node data plane.
 
 Reading path: memory (pool -> flat byte tensor; backends in memfd, shm (both through mapped),
-cuda_ipc; opened: the pools a process holds, shared by jobs and closed when done) -> plan (a plan
-document made executable) and exactly_once (its destination checks) -> program (fragments folded
-into strided runs) -> jobs (what is submitted, its states) -> slots (state slots and prompt length a
+cuda_ipc; opened: the pools a process holds, shared by jobs and closed when done) -> plan (the
+typed ``geometry.Plan`` made executable) and exactly_once (its destination checks) -> program
+(fragments folded into strided runs) -> jobs (what is submitted, its states) -> slots (state slots and prompt length a
 leg needs) -> passes (a job's blocks or token range, a window's part of it or the state slot pair,
 split into block-pair passes and cut pieces) -> engine (bounds checks and the copy strategies) ->
 workers (threads, CUDA streams, the bounded queue, drain) -> metrics.
@@ -13,7 +13,8 @@ Typical use (names are imported on first use, so ``kvroute.transfer.errors`` nee
     memories = PoolMemoryCache()                      # one per app; close() after drain
     pool = WorkerPool(workers=2, queue_size=64, registry=registry)
     await pool.start()
-    leg = TransferLeg(CopyPlan.from_json(plan_doc), src_pools, dst_pools)   # pools via open_pool
+    plan = CopyPlan.from_plan(Plan.from_json(plan_doc))  # a served document read once
+    leg = TransferLeg(plan, src_pools, dst_pools)     # pools via open_pool
     handle = await pool.submit(TransferJob([leg], src_blocks, dst_blocks))  # 202 with handle.job_id
     status = await handle                             # or pool.status(job_id) / pool.cancel(job_id)
     report = await pool.drain(10.0)

@@ -6,9 +6,8 @@ sorted by destination offset: block views (copied per block pair or token range,
 windowed one only from its window on) and recurrent-state views (``states``, copied once per request
 between the request's state slots). Compiling refuses anything that can never copy exactly once
 (``exactly_once``): destination bytes written by two fragments (of one view, of two views, or of
-two sender ranks). Bounds against concrete pools are checked later, per job. ``CopyPlan.from_json``
-reads only the members the data plane executes (rank, sends, pools, fragments, period, window) of
-a document, such as the hand-written ones of tests and benchmarks, refusing malformed fragments.
+two sender ranks). Bounds against concrete pools are checked later, per job. A plan document (a
+server's answer, a file) is read by ``Plan.from_json`` first, the one reader of plan JSON.
 
 A view pair planned by period (different block sizes, or a plan fetched in the period form) carries
 its ``PeriodMap``: spans with their tokens, from which any token range is cut. A plan built in this
@@ -18,19 +17,14 @@ blocks a token range cuts.
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from kvroute.geometry import GeometryError, PeriodMap, Plan, Spread, StateTransfer, ViewTransfer
-from kvroute.geometry.plan_pairs import PairTransfer, read_window
-from kvroute.geometry.reading import Members
+from kvroute.geometry import PeriodMap, Plan, Spread, StateTransfer, ViewTransfer
+from kvroute.geometry.plan_pairs import PairTransfer
 from kvroute.geometry.window import Window
-from kvroute.transfer.errors import TransferValidationError
 from kvroute.transfer.exactly_once import check_exactly_once, shared_slot_pools
 from kvroute.transfer.fragments import DST, LENGTH, SRC, fragment_array
 
@@ -186,19 +180,6 @@ class CopyPlan:
         return any(view.sliding_window for peer in self.senders for view in peer.views)
 
     @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> CopyPlan:
-        """Parse an API.md plan document; raises ``TransferValidationError`` naming the field."""
-        peers_doc = doc.get("peers")
-        if not isinstance(peers_doc, list):
-            raise TransferValidationError("plan.peers", "must be a list of sender ranks")
-        peers = tuple(_parse_peer(peer, f"plan.peers[{i}]") for i, peer in enumerate(peers_doc))
-        fingerprint = doc.get("fingerprint")
-        if not isinstance(fingerprint, str) or not fingerprint:
-            canonical = json.dumps(peers_doc, sort_keys=True, separators=(",", ":"))
-            fingerprint = "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
-        return cls.checked(fingerprint, peers)
-
-    @classmethod
     def from_plan(cls, plan: Plan) -> CopyPlan:
         """Compile a plan: block fragments where the pair has them, beside its period form
         wherever it has one (``ViewTransfer.token_form``)."""
@@ -248,97 +229,3 @@ def _copy(pair: PairTransfer, fragments: Any, **members: Any) -> ViewCopy:
         fragments=fragment_array(fragments),
         **members,
     )
-
-
-def _field_int(doc: Mapping[str, Any], name: str, path: str, minimum: int = 0) -> int:
-    value = doc.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TransferValidationError(f"{path}.{name}", f"must be an integer >= {minimum}")
-    return value
-
-
-def _parse_list(doc: Mapping[str, Any], name: str, path: str) -> list[Any]:
-    value = doc.get(name, [])
-    if not isinstance(value, list):
-        raise TransferValidationError(f"{path}.{name}", "must be a list")
-    return value
-
-
-def _parse_peer(doc: Any, path: str) -> PeerCopy:
-    if not isinstance(doc, Mapping):
-        raise TransferValidationError(path, "must be an object")
-    sends = doc.get("sends", True)
-    if not isinstance(sends, bool):
-        raise TransferValidationError(f"{path}.sends", "must be a boolean")
-    views = [
-        _parse_view(view, f"{path}.views[{i}]")
-        for i, view in enumerate(_parse_list(doc, "views", path))
-    ]
-    states = [
-        _parse_view(state, f"{path}.states[{i}]", state=True)
-        for i, state in enumerate(_parse_list(doc, "states", path))
-    ]
-    return PeerCopy(
-        rank=_field_int(doc, "rank", path),
-        sends=sends,
-        views=tuple(view for view in views if view.bytes_per_block),
-        states=tuple(state for state in states if len(state.fragments)),
-    )
-
-
-def _parse_view(doc: Any, path: str, *, state: bool = False) -> ViewCopy:
-    if not isinstance(doc, Mapping):
-        raise TransferValidationError(path, "must be an object")
-    mapper = doc.get("mapper", "")
-    period = None
-    if "period_fragments" in doc and not state:
-        try:
-            period = PeriodMap.from_json(doc)
-        except ValueError as error:
-            raise TransferValidationError(path, str(error)) from error
-    fragments = doc.get("fragments")
-    if period is not None and fragments is None:
-        fragments = []
-    window = None if state else _parse_window(doc.get("window"), f"{path}.window", period)
-    token_rows = doc.get("token_rows", True)
-    if not isinstance(token_rows, bool):
-        raise TransferValidationError(f"{path}.token_rows", "must be a boolean")
-    return ViewCopy(
-        src_view=_field_int(doc, "src_view", path),
-        dst_view=_field_int(doc, "dst_view", path),
-        src_pool=_field_int(doc, "src_pool", path),
-        dst_pool=_field_int(doc, "dst_pool", path),
-        mapper=mapper if isinstance(mapper, str) else "",
-        fragments=_parse_fragments(fragments, f"{path}.fragments"),
-        period=period,
-        groups=period_groups(period) if period is not None else (),
-        sliding_window=window,
-        state=state,
-        token_rows=token_rows,
-    )
-
-
-def _parse_window(doc: Any, path: str, period: PeriodMap | None) -> Window | None:
-    if doc is None:
-        return None
-    try:
-        return read_window(Members(doc, path), period)
-    except GeometryError as error:
-        raise TransferValidationError(error.field, error.detail.split(": ", 1)[-1]) from None
-
-
-def _parse_fragments(doc: Any, path: str) -> np.ndarray:
-    if not isinstance(doc, Sequence) or isinstance(doc, str):
-        raise TransferValidationError(path, "must be a list of [src_offset, dst_offset, length]")
-    for i, fragment in enumerate(doc):
-        if (
-            not isinstance(fragment, Sequence)
-            or len(fragment) != 3
-            or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in fragment)
-            or fragment[LENGTH] == 0
-        ):
-            raise TransferValidationError(
-                f"{path}[{i}]",
-                "must be [src_offset, dst_offset, length] with integers >= 0, length > 0",
-            )
-    return fragment_array(doc)
