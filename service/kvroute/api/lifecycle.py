@@ -35,7 +35,6 @@ from kvroute.api.keys import (
 from kvroute.api.problems import Problem, ProblemError
 from kvroute.api.transfers import sweep_pools
 from kvroute.control.events import EventHub
-from kvroute.store import statistics
 from kvroute.store.engine import create_engine, dispose, make_sessionmaker
 from kvroute.store.records import RankName
 
@@ -107,7 +106,7 @@ async def _reap_forever(app: web.Application) -> None:
 async def _refresh_statistics(app: web.Application) -> None:
     """The planner's statistics of the tables a fleet grows (``store.statistics``)."""
     try:
-        analyzed = await statistics.refresh(app[engine_key])
+        analyzed = await app[registry_key].refresh_statistics()
     except Exception:  # the plans only get slower: never a reason to stop the reaper
         log.warning("refreshing the planner's statistics failed", exc_info=True)
         return

@@ -21,8 +21,8 @@ from kvroute.control.answers import AnswerCache
 from kvroute.control.renewals import Renewals
 from kvroute.geometry import GeometryError, RankRegistration
 from kvroute.geometry.classes import Verdict
-from kvroute.store import admission, engine_leases, events, lease_watch, registry
-from kvroute.store.engine import SessionMaker
+from kvroute.store import admission, engine_leases, events, lease_watch, registry, statistics
+from kvroute.store.engine import SessionMaker, engine_of
 from kvroute.store.errors import LeaseExpired
 from kvroute.store.records import LeaseRecord, RankName, RegisterOutcome
 from kvroute.store.registrations import RegistrationCache
@@ -168,6 +168,11 @@ class Registry:
         reaped = await registry.reap_expired(self.sessionmaker, now=now, grace=grace)
         counts = await lease_watch.rank_counts(self.sessionmaker, now=now)
         return ReapRound(expired, reaped, counts)
+
+    async def refresh_statistics(self) -> list[str]:
+        """Analyzes the tables a fleet grew since they were last analyzed (``store.statistics``);
+        the reaper's rounds call it. Answers the tables analyzed."""
+        return await statistics.refresh(engine_of(self.sessionmaker))
 
     async def reap_engine_leases(self, *, cutoff: datetime) -> None:
         """Removes the engine leases that ended by ``cutoff`` with their ranks (reaped before),

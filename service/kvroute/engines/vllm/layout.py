@@ -21,7 +21,8 @@ from kvroute.client.nixl_descs import PoolAddress
 from kvroute.client.nixl_transport import nixl_memory
 from kvroute.client.pools import PoolDescription
 from kvroute.engines.vllm.probe import Layout
-from kvroute.geometry import DTYPE_BITS, Kind, Owner
+from kvroute.engines.vllm.states import dtype_name, state_specs
+from kvroute.geometry import Kind, Owner
 from kvroute.geometry.builder import LayerSpec, build_views
 from kvroute.geometry.rendering import render_view
 
@@ -79,13 +80,6 @@ class _Pool:
     device: int
     specs: list[tuple[LayerSpec, int, int]] = field(default_factory=list)  # spec, address, group
     end: int = 0  # bytes used in a slot
-
-
-def dtype_name(dtype: Any) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_BITS:
-        raise ValueError(f"KV cache dtype {dtype} has no kvroute name; known: {sorted(DTYPE_BITS)}")
-    return name
 
 
 def describe(
@@ -181,8 +175,6 @@ def _layer_specs(
 
     spec, tensor = layer.spec, layer.tensor
     if isinstance(spec, MambaSpec):
-        from kvroute.engines.vllm.states import state_specs
-
         return state_specs(layer, conv_dim_first)
     if isinstance(spec, MLAAttentionSpec):
         return [(0, _mla_spec(layer))]

@@ -23,7 +23,7 @@ with the spec's own words.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvroute.geometry import DTYPE_BITS, Kind
 from kvroute.geometry.builder import LayerSpec
@@ -37,10 +37,16 @@ SSM_ROLES = frozenset({"ssm"})
 STATE_COUNTS = {"MAMBA2": 2, "GDN_ATTN": 2, "MAMBA1": 2, "LINEAR": 1}
 
 
+def dtype_name(dtype: Any) -> str:
+    """kvroute's name of a torch dtype (``torch.bfloat16`` -> ``bfloat16``)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BITS:
+        raise ValueError(f"KV cache dtype {dtype} has no kvroute name; known: {sorted(DTYPE_BITS)}")
+    return name
+
+
 def state_specs(layer: Layer, conv_dim_first: bool) -> list[tuple[int, LayerSpec]]:
     """(offset inside the layer's page, region) of each state a ``MambaSpec`` page holds."""
-    from kvroute.engines.vllm.layout import dtype_name
-
     spec = layer.spec
     family = getattr(spec.mamba_type, "name", str(spec.mamba_type))
     shapes = tuple(tuple(shape) for shape in spec.shapes)
