@@ -55,12 +55,13 @@ def view_work(
     if view.state:
         return (Pass(key, view.fragments, *state_slots(job)),)
     if job.pairs_blocks and view.sliding_window is None and not view.periodic:
-        src, dst = job.src_blocks, job.dst_blocks
-        if len(src) != len(dst):
+        src_blocks, dst_blocks = job.src_blocks, job.dst_blocks
+        if len(src_blocks) != len(dst_blocks):
             raise TransferValidationError(
-                "dst_blocks", f"has {len(dst)} ids but src_blocks has {len(src)}; they pair up"
+                "dst_blocks",
+                f"has {len(dst_blocks)} ids but src_blocks has {len(src_blocks)}; they pair up",
             )
-        return (Pass(key, view.fragments, src, dst),)
+        return (Pass(key, view.fragments, src_blocks, dst_blocks),)
     sizes = view.tokens_per_block
     if sizes is None:
         raise _needs_period(where)

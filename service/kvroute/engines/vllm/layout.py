@@ -189,7 +189,7 @@ def _layer_specs(
     if spec.num_head_slots is not None or spec.state_content_bytes is not None:
         raise ValueError(f"layer {layer.name}: packed head slots are not supported by kvroute")
     kind, buffers = attention_layout(tensor, layer.name)
-    common = {
+    common: dict[str, Any] = {
         "layer": layer.layer_id,
         "pool_id": 0,
         "offset": 0,

@@ -144,7 +144,7 @@ class Worker:
         self.endpoint = NixlEndpoint(f"{settings.instance}-rank{rank}")
         storage = next(iter(kv_caches.values())).untyped_storage()
         backing = torch.empty(0, dtype=torch.int8, device=storage.device)
-        backing.set_(storage, 0, (storage.nbytes(),))
+        backing.set_(storage, 0, (storage.nbytes(),), (1,))
         self.endpoint.register(backing)
         document = {
             **cache.document,
