@@ -60,7 +60,7 @@ def _layers(layers: Sequence[int]) -> str:
 
 
 def plan_rows(plan: Plan) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for peer in plan.peers:
         if not peer.views:
             rows.append((str(peer.rank), "no", "-", "-", "-", "-", "-", "-", "0", "0"))
@@ -182,8 +182,8 @@ def period_pieces(view: ViewTransfer) -> list[tuple[int, int, int, int]]:
     tokens = period.period_tokens
     src = tokens // period.src_blocks_per_period
     dst = tokens // period.dst_blocks_per_period
-    cuts = sorted({*range(0, tokens, src), *range(0, tokens, dst), tokens})
-    return [(a // src, a // dst, a, b) for a, b in pairwise(cuts)]
+    bounds = sorted({*range(0, tokens, src), *range(0, tokens, dst), tokens})
+    return [(a // src, a // dst, a, b) for a, b in pairwise(bounds)]
 
 
 def period_lines(plan: Plan, limit: int = 12) -> list[str]:
@@ -258,7 +258,7 @@ def _tokens(window: int | None) -> str:
 
 def state_rows(plan: Plan) -> list[tuple[str, ...]]:
     """One row per (sender rank, state view pair): what it writes of the request's state slot."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for peer in plan.peers:
         for state in peer.states:
             (s_tp, s_rank), (r_tp, r_rank) = state.mamba_tp

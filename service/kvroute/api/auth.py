@@ -72,11 +72,13 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return await handler(request)
     granted = granted_scope(request)
     if granted is Scope.WORKER and required is Scope.ADMIN:
+        resource = request.match_info.route.resource  # matched: unmatched routes are public
+        template = resource.canonical if resource is not None else request.path
         raise ProblemError(
             Problem(
                 403,
                 "Forbidden",
-                f"{request.method} {request.match_info.route.resource.canonical} needs the admin token",
+                f"{request.method} {template} needs the admin token",
                 "insufficient_scope",
             )
         )

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from aiohttp import web
 
 Clock = Callable[[], datetime]
-clock_key = web.AppKey("clock", Clock)
+clock_key: web.AppKey[Clock] = web.AppKey("clock")
 
 
 def system_clock() -> datetime:

@@ -74,11 +74,11 @@ async def post_admission_check(request: web.Request) -> web.Response:
                 422, "Unprocessable Content", "an instance is named twice", "duplicate_instance"
             )
         )
-    checked, error = await request.app[registry_key].dry_run(candidates, now=app_now(request.app))
+    checked, refusal = await request.app[registry_key].dry_run(candidates, now=app_now(request.app))
     answer["checked_ranks"] = checked
-    if error is not None:
+    if refusal is not None:
         refused = candidates[checked]
-        answer.update(admitted=False, refusal=refusal_json(error, refused.instance, refused.rank))
+        answer.update(admitted=False, refusal=refusal_json(refusal, refused.instance, refused.rank))
     return web.json_response(answer)
 
 

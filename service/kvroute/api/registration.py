@@ -8,7 +8,9 @@ Handlers only translate: the validated request becomes a ``RankRegistration`` an
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from datetime import datetime
+from typing import Any
 
 from aiohttp import web
 
@@ -70,7 +72,9 @@ async def _parse(
         raise
 
 
-def _checked(body: object, *, deployment: str, instance: str, rank: int) -> RankRegistration:
+def _checked(
+    body: Mapping[str, Any], *, deployment: str, instance: str, rank: int
+) -> RankRegistration:
     """The document parsed, then what admission's ``prepare`` does: the document's own checks and
     the digests and face admission reads under the deployment's lock (refused in that order)."""
     reg = RankRegistration.from_json(body, deployment=deployment, instance=instance, rank=rank)

@@ -264,12 +264,12 @@ def _model(args: argparse.Namespace) -> tuple[ModuleType, Any, list[dict[str, An
             if zigzag
             else (demo_mla.SMALL, demo_mla.FULL)
         )
-        model = replace(small if args.small else full, jobs=args.jobs)
-        return demo_mla, model, demo_mla.requests(model, args.jobs)
+        mla = replace(small if args.small else full, jobs=args.jobs)
+        return demo_mla, mla, demo_mla.requests(mla, args.jobs)
     if args.model == "hybrid":
         base = demo_hybrid.SMALL if args.small else demo_hybrid.FULL
-        model = replace(base, jobs=args.jobs)
-        return demo_hybrid, model, model.requests()
+        hybrid = replace(base, jobs=args.jobs)
+        return demo_hybrid, hybrid, hybrid.requests()
     model = demo_workers.SMALL if args.small else demo_workers.FULL
     return demo_workers, model, demo_workers.requests(model, args.jobs)
 

@@ -210,9 +210,10 @@ def _print_summary(context: Any, generation: Any, facts: dict[str, Any]) -> None
         f"compatible: {CONTEXT} ({len(context.documents)} ranks) -> "
         f"{GENERATION} ({len(generation.documents)} ranks)"
     )
-    columns = ("generation rank", "writers", "bytes/block", "fragments/block", "NIXL descs/block")
+    columns: tuple[str, ...] = ("generation rank", "writers", "bytes/block", "fragments/block")
+    columns += ("NIXL descs/block",)
     columns += ("state bytes", "state frags")
-    keys = ("rank", "expected_writers", "bytes_per_block", "fragments_per_block")
+    keys: tuple[str, ...] = ("rank", "expected_writers", "bytes_per_block", "fragments_per_block")
     keys += ("nixl_descriptors_per_block", "state_bytes", "state_fragments")
     print(" ".join(f"{name:>{max(len(name), 8)}}" for name in columns))
     for row in facts["receivers"]:

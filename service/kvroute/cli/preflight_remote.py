@@ -46,7 +46,7 @@ def remote_verdict(
         raise CommandError("give --context or --generation (or both) to check against --url")
     if args.instance is not None and len(sides) > 1:
         raise CommandError("--instance names one new instance: give one layout with it")
-    instances = []
+    instances: list[dict[str, Any]] = []
     for role, text, spec, spec_draft in sides:
         name = args.instance or DEFAULT_NAMES[role]
         documents = describe(spec, parse_layout(text, role), draft=spec_draft, name=name).documents

@@ -138,7 +138,7 @@ def pair_verdict(
     ``senders`` are the context instance's class representatives; ``outcome`` the cell's outcome
     when known (a callable computes it, only for a complete pair).
     """
-    names = {"context": context.name, "generation": generation.name}
+    names: dict[str, Any] = {"context": context.name, "generation": generation.name}
     if context.missing_tuple or generation.missing_tuple:
         incomplete = {
             side.name: side.missing for side in (context, generation) if side.missing_tuple

@@ -137,7 +137,7 @@ def _require_live(sender: InstanceState, receiver: InstanceState, receiver_rank:
             )
     require_complete("sender", sender)
     if receiver_rank not in receiver.live:
-        state = "expired" if receiver_rank in receiver.expired else "not registered"
+        status = "expired" if receiver_rank in receiver.expired else "not registered"
         raise PlanUnavailable(
-            f"receiver instance {receiver.instance} rank {receiver_rank} is {state}"
+            f"receiver instance {receiver.instance} rank {receiver_rank} is {status}"
         )

@@ -8,6 +8,7 @@ It reads the registration's parts only: ``RankRegistration.from_json`` (above) p
 
 from __future__ import annotations
 
+import builtins
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -49,10 +50,8 @@ def _invalid(field: str, detail: str, value: Any = None) -> GeometryError:
 
 
 class _Reader:
-    """Reads one JSON object of spec schema ``schema``, naming every error's field by its path.
-
-    Integer, array and string bounds are looked up as ``"<schema>.<key>"`` in ``limits``.
-    """
+    """Reads one JSON object of spec schema ``schema``, naming every error's field by its path;
+    bounds are ``limits``' ``"<schema>.<key>"`` (for ``builtins.`` see ``reading.Members``)."""
 
     def __init__(self, obj: Any, path: str, schema: str) -> None:
         if not isinstance(obj, Mapping):
@@ -77,7 +76,7 @@ class _Reader:
             return default
         return _bounded_int(field, value, low, high)
 
-    def opt_int(self, key: str) -> int | None:
+    def opt_int(self, key: str) -> builtins.int | None:
         return self.int(key) if self.has(key) else None
 
     def bool(self, key: str, *, default: bool | None = None) -> bool:
@@ -90,7 +89,9 @@ class _Reader:
             )
         return value
 
-    def str(self, key: str, *, pattern: re.Pattern[str] | None = None, max_len: int = 4096) -> str:
+    def str(
+        self, key: str, *, pattern: re.Pattern[str] | None = None, max_len: builtins.int = 4096
+    ) -> str:
         value = self.obj.get(key)
         field = self._field(key)
         if not isinstance(value, str):
@@ -100,10 +101,10 @@ class _Reader:
             raise _invalid(field, f"is not a valid value: {_short(value)}", _short(value))
         return value
 
-    def opt_str(self, key: str, **kwargs: Any) -> str | None:
+    def opt_str(self, key: builtins.str, **kwargs: Any) -> builtins.str | None:
         return self.str(key, **kwargs) if self.has(key) else None
 
-    def enum(self, key: str, enum: type[E], *, default: E | None = None) -> E:
+    def enum(self, key: builtins.str, enum: type[E], *, default: E | None = None) -> E:
         if default is not None and key not in self.obj:
             return default
         value = self.obj.get(key)
@@ -115,7 +116,7 @@ class _Reader:
                 self._field(key), f"must be one of {allowed}; got {_short(value)}", _short(value)
             ) from None
 
-    def dtype(self, key: str) -> str:
+    def dtype(self, key: builtins.str) -> builtins.str:
         value = self.str(key, max_len=32)
         if value not in DTYPE_BITS:
             raise _invalid(
@@ -123,7 +124,7 @@ class _Reader:
             )
         return value
 
-    def list(self, key: str, *, min_items: int | None = None) -> list[Any]:
+    def list(self, key: builtins.str, *, min_items: builtins.int | None = None) -> list[Any]:
         low, high = ARRAY_BOUNDS[f"{self.schema}.{key}"]
         low = low if min_items is None else min_items
         value = self.obj.get(key)
@@ -134,10 +135,10 @@ class _Reader:
             raise _invalid(field, f"must have {low}..{high} items, got {len(value)}", len(value))
         return value
 
-    def child(self, key: str, schema: str) -> _Reader:
+    def child(self, key: builtins.str, schema: builtins.str) -> _Reader:
         return _Reader(self.obj.get(key), self._field(key), schema)
 
-    def item(self, key: str, index: int, schema: str) -> _Reader:
+    def item(self, key: builtins.str, index: builtins.int, schema: builtins.str) -> _Reader:
         return _Reader(self.obj[key][index], f"{self._field(key)}[{index}]", schema)
 
 

@@ -39,7 +39,7 @@ def _invalid(field: str, detail: str, value: Any = None) -> GeometryError:
     )
 
 
-def parse_topology(r: _Reader) -> dict[str, Topology]:
+def parse_topology(r: _Reader) -> dict[str, Any]:
     """The ``topology`` member as a RankRegistration field ({} when absent)."""
     if not r.has("topology"):
         return {}

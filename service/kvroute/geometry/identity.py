@@ -65,10 +65,14 @@ class KvQuantization:
 class _Identified(Protocol):
     """What the identity checks read: a registration or its face."""
 
-    instance: str
-    rank: int
-    model: ModelIdentity | None
-    kv_quantization: KvQuantization | None
+    @property
+    def instance(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def model(self) -> ModelIdentity | None: ...
+    @property
+    def kv_quantization(self) -> KvQuantization | None: ...
 
     def label(self) -> str: ...
 

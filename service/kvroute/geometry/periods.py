@@ -179,7 +179,7 @@ class PeriodMap:
             raise ValueError(f"{where}: tokens [{first}, {last + 1}) leave the period")
         if self.context_parallel:
             self._check_spread_span(where, first, last, src_block, dst_block)
-            return tuple(span)  # type: ignore[return-value]
+            return tuple(span)
         if (first // ts, last // ts, first // td, last // td) != (
             src_block,
             src_block,
@@ -190,7 +190,7 @@ class PeriodMap:
                 f"{where}: tokens [{first}, {last + 1}) are not inside sender block {src_block} "
                 f"({ts} tokens each) and receiver block {dst_block} ({td} tokens each)"
             )
-        return tuple(span)  # type: ignore[return-value]
+        return tuple(span)
 
     def _check_spread_span(
         self, where: str, first: int, last: int, src_block: int, dst_block: int

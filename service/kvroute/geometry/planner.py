@@ -159,7 +159,7 @@ def _check_roles(senders: Sequence[RankRegistration], receiver: RankRegistration
         raise GeometryError(
             "no_sender_ranks", "the sender instance has no live ranks", field="sender", stage="plan"
         )
-    problems = [
+    problems: list[tuple[str, object, object]] = [
         ("sender.role", senders[0].role.value, Role.CONTEXT.value),
         ("receiver.role", receiver.role.value, Role.GENERATION.value),
         ("sender.deployment", senders[0].deployment, receiver.deployment),

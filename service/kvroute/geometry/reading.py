@@ -7,6 +7,7 @@ name, never with a KeyError or by coercing ``"3"`` into 3.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,9 @@ def is_int(value: Any, minimum: int = 0) -> bool:
 
 class Members:
     """One JSON object of a plan document at ``path`` (``plan``, ``plan.peers[0]``, ...)."""
+
+    # Annotations below a method named int, str, bool or list say ``builtins.``: a type checker
+    # reads them in the class's scope, where that name is now the method.
 
     def __init__(self, doc: Any, path: str) -> None:
         if not isinstance(doc, Mapping):
@@ -50,7 +54,7 @@ class Members:
             raise invalid(self.at(key), f"must be an integer >= {minimum}, got {value!r}", value)
         return value
 
-    def opt_int(self, key: str) -> int | None:
+    def opt_int(self, key: str) -> builtins.int | None:
         return None if self.doc.get(key) is None else self.int(key)
 
     def bool(self, key: str) -> bool:
@@ -66,35 +70,39 @@ class Members:
             raise invalid(self.at(key), f"must be {wanted}, got {value!r}", value)
         return value
 
-    def list(self, key: str, *, optional: bool = False) -> list[Any]:
+    def list(self, key: builtins.str, *, optional: builtins.bool = False) -> list[Any]:
         value = self.doc.get(key, []) if optional else self.value(key)
         if not isinstance(value, list):
             raise invalid(self.at(key), "must be a list", type(value).__name__)
         return value
 
-    def ints(self, key: str, length: int | None = None) -> tuple[int, ...]:
+    def ints(
+        self, key: builtins.str, length: builtins.int | None = None
+    ) -> tuple[builtins.int, ...]:
         value = self.list(key)
         if any(not is_int(item) for item in value) or length not in (None, len(value)):
             count = f"{length} " if length is not None else ""
             raise invalid(self.at(key), f"must be a list of {count}integers >= 0", value)
         return tuple(value)
 
-    def strs(self, key: str) -> tuple[str, ...]:
+    def strs(self, key: builtins.str) -> tuple[builtins.str, ...]:
         value = self.list(key)
         if any(not isinstance(item, str) for item in value):
             raise invalid(self.at(key), "must be a list of strings", value)
         return tuple(value)
 
-    def child(self, key: str) -> Members:
+    def child(self, key: builtins.str) -> Members:
         return Members(self.value(key), self.at(key))
 
-    def items(self, key: str, *, optional: bool = False) -> list[Members]:
+    def items(
+        self, key: builtins.str, *, optional: builtins.bool = False
+    ) -> builtins.list[Members]:
         return [
             Members(item, f"{self.at(key)}[{index}]")
             for index, item in enumerate(self.list(key, optional=optional))
         ]
 
-    def fragments(self, key: str) -> tuple[Fragment, ...]:
+    def fragments(self, key: builtins.str) -> tuple[Fragment, ...]:
         """``[src_offset, dst_offset, length]`` triples: integers >= 0, lengths > 0."""
         fragments = []
         for index, item in enumerate(self.list(key)):
@@ -112,7 +120,7 @@ class Members:
             fragments.append((item[0], item[1], item[2]))
         return tuple(fragments)
 
-    def derived(self, key: str, computed: Any) -> None:
+    def derived(self, key: builtins.str, computed: Any) -> None:
         """A member the plan's other members determine must say what they do."""
         if key in self.doc and self.doc[key] != computed:
             raise invalid(

@@ -50,7 +50,8 @@ def chunk_runs(layout: str, size: int, prompt: int) -> tuple[tuple[Run, ...], ..
     ranks = []
     for rank in range(size):
         chunks = (rank, 2 * size - 1 - rank) if zigzag else (rank,)
-        runs, local = [], 0
+        runs: list[Run] = []
+        local = 0
         for chunk in chunks:
             first, end = starts[chunk], starts[chunk + 1]
             if runs and runs[-1][1] == first:  # zig-zag's middle rank: two adjacent chunks
@@ -243,10 +244,10 @@ def shared_runs(src_tokens: int, dst_tokens: int, src: Spread, dst: Spread) -> l
     token = 0
     while token < period:
         if not (src.holds(token) and dst.holds(token)):
-            later = (src.next_held(token), dst.next_held(token))
-            if None in later:  # a chunked side holds no token from here on
+            src_next, dst_next = src.next_held(token), dst.next_held(token)
+            if src_next is None or dst_next is None:  # a chunked side holds no token from here on
                 break
-            token = max(later)  # type: ignore[type-var]
+            token = max(src_next, dst_next)
             continue
         ls, ld = src.local(token), dst.local(token)
         ends = (src.run_end(token), dst.run_end(token))

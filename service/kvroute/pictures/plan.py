@@ -205,8 +205,8 @@ def plan_svg(plan: Plan) -> str:
     for view_id, sample in views:
         y = _grid(canvas, plan, view_id, sample, y)
     states = sorted({s.dst_view: s for p in plan.peers for s in p.states}.items())
-    for view_id, sample in states:
-        y = _state_grid(canvas, plan, view_id, sample, y)
+    for view_id, state in states:
+        y = _state_grid(canvas, plan, view_id, state, y)
     return canvas.render()
 
 

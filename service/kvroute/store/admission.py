@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, update
+from sqlalchemy import BindParameter, bindparam, func, select, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -302,14 +302,20 @@ def _opening_statement() -> Any:
     CTEs of one statement. Each fence still waits for a renewal committing on its row and then
     judges the renewed row (READ COMMITTED re-checks an updated row), as a statement of its own
     would; ``read_peers`` comes after it, in a statement of its own, and sees those renewals."""
-    deployment = bindparam("key_deployment")  # "deployment" would also set that column
+    # "deployment" would also set that column
+    deployment: BindParameter[str] = bindparam("key_deployment")
     now = bindparam("now", type_=UTCDateTime())
-    judged = postgresql.insert(DEPLOYMENTS).values(name=deployment, created_at=now, checked_at=now)
-    judged = judged.on_conflict_do_update(
-        index_elements=[DEPLOYMENTS.c.name],
-        set_={"checked_at": func.greatest(DEPLOYMENTS.c.checked_at, judged.excluded.checked_at)},
-    ).returning(DEPLOYMENTS.c.checked_at)
-    judged = judged.cte("judged")
+    opened = postgresql.insert(DEPLOYMENTS).values(name=deployment, created_at=now, checked_at=now)
+    judged = (
+        opened.on_conflict_do_update(
+            index_elements=[DEPLOYMENTS.c.name],
+            set_={
+                "checked_at": func.greatest(DEPLOYMENTS.c.checked_at, opened.excluded.checked_at)
+            },
+        )
+        .returning(DEPLOYMENTS.c.checked_at)
+        .cte("judged")
+    )
     at = select(judged.c.checked_at).scalar_subquery()
     fences = (_fence(table, expiry, deployment, at).cte(name) for table, expiry, name in FENCED)
     return select(judged.c.checked_at).add_cte(*fences)

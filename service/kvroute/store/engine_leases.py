@@ -263,7 +263,8 @@ async def _renew_attached(
     rows: list[Any] = []
     for lease_id, ranks in renewed.items():
         _, expires, seconds = terms[lease_id]
-        kept = ranks or [(None, None)]  # a lease renewed with no rank still answers
+        # A lease renewed with no rank still answers.
+        kept: Sequence[tuple[str | None, int | None]] = ranks or [(None, None)]
         rows += [(lease_id, expires, seconds, instance, rank) for instance, rank in kept]
     return rows
 

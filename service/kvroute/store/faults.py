@@ -33,7 +33,7 @@ UNAVAILABLE_SQLSTATE_PREFIXES = {
 }
 # What a unit of work may raise when the database is in trouble (``database_fault`` sorts them;
 # it declines a driver error that is not an outage).
-DATABASE_ERRORS: tuple[type[BaseException], ...] = (
+DATABASE_ERRORS: tuple[type[Exception], ...] = (
     DBAPIError,
     PoolTimeoutError,
     TimeoutError,

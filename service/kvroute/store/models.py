@@ -17,7 +17,7 @@ counts by the store, never mapped.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -32,6 +32,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Table,
     Text,
     TypeDecorator,
 )
@@ -85,6 +86,11 @@ def _in(column: str, values: tuple[str, ...]) -> str:
 
 
 class Base(DeclarativeBase):
+    # Every model here maps one Table (SQLAlchemy types ``__table__`` as any FromClause), so the
+    # store's statements may use a model's table as a table: insert(), update(), .c.
+    if TYPE_CHECKING:
+        __table__: ClassVar[Table]
+
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {  # noqa: RUF012 - SQLAlchemy reads this class attribute as is
         datetime: UTCDateTime(),

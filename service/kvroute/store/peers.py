@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import String, bindparam, literal, null, select, union_all
+from sqlalchemy import BindParameter, String, bindparam, literal, null, select, union_all
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.orm import aliased
 
@@ -63,7 +63,7 @@ async def read_peers(
 def _peers_statement(roles: tuple[str, ...]) -> Any:
     """``read_peers``'s statement, built once per set of roles (building it is milliseconds of
     Python); parameters ``deployment``, ``instances`` and ``at``."""
-    deployment = bindparam("deployment")
+    deployment: BindParameter[str] = bindparam("deployment")
     own = select(
         RANKS.c.instance,
         RANKS.c.rank,

@@ -206,11 +206,14 @@ def _storing_statement() -> Any:
     counter = postgresql.insert(GENERATIONS).from_select(
         [*KEY, "generation"], select(*counted.c, literal(1, BigInteger()))
     )
-    following = counter.on_conflict_do_update(
-        index_elements=[GENERATIONS.c[name] for name in KEY],
-        set_={"generation": GENERATIONS.c.generation + 1},
-    ).returning(GENERATIONS.c.instance, GENERATIONS.c.rank, GENERATIONS.c.generation)
-    following = following.cte("following")
+    following = (
+        counter.on_conflict_do_update(
+            index_elements=[GENERATIONS.c[name] for name in KEY],
+            set_={"generation": GENERATIONS.c.generation + 1},
+        )
+        .returning(GENERATIONS.c.instance, GENERATIONS.c.rank, GENERATIONS.c.generation)
+        .cte("following")
+    )
     instances = bulk.unnest_rows(INSTANCES, INSTANCE_COLUMNS, "instance_rows")
     restated = postgresql.insert(INSTANCES).from_select(
         INSTANCE_COLUMNS, select(*bulk.values(INSTANCES, instances, INSTANCE_COLUMNS))

@@ -88,7 +88,7 @@ class RegistrationCache:
             for start in range(0, len(wanted), READ_CHUNK)
         ]
 
-        async def read_on(on: AsyncConnection) -> list[Row[Any]]:
+        async def read_on(on: AsyncConnection) -> Sequence[Row[*tuple[Any, ...]]]:
             # Chunks may see different snapshots: harmless, every key names its generation.
             return [row for query in queries for row in (await on.execute(query)).all()]
 
@@ -96,7 +96,7 @@ class RegistrationCache:
             rows = await read_on(connection)
         else:
 
-            async def read() -> Sequence[Row[Any]]:
+            async def read() -> Sequence[Row[*tuple[Any, ...]]]:
                 async with autocommit_connection(engine_of(self._sessionmaker)) as own:
                     return await read_on(own)
 

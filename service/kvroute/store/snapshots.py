@@ -82,7 +82,7 @@ async def deployment_states(
     return [states[name] for name in sorted(states)]
 
 
-def _query(*where: ColumnElement[bool]) -> Select[Any]:
+def _query(*where: ColumnElement[bool]) -> Select[*tuple[Any, ...]]:
     """The state query, one row per rank, built once per shape (SQLAlchemy reuses its compiled
     form); leases are judged in Python."""
     return (
@@ -106,7 +106,7 @@ def _query(*where: ColumnElement[bool]) -> Select[Any]:
     )
 
 
-def _aggregated(*where: ColumnElement[bool]) -> Select[Any]:
+def _aggregated(*where: ColumnElement[bool]) -> Select[*tuple[Any, ...]]:
     """The state query on PostgreSQL: one row per instance, leases judged by the database and the
     live ranks, their generations and the expired ranks as arrays (decoded by the driver). A plan
     read of two 32-rank instances then costs two rows instead of sixty-four Python objects."""
@@ -158,7 +158,7 @@ async def _states(
     if grouped:
         values = {**values, "now": now}
 
-    async def read() -> Sequence[Row[Any]]:
+    async def read() -> Sequence[Row[*tuple[Any, ...]]]:
         async with autocommit_connection(engine) as connection:
             return (await connection.execute(query, values)).all()
 
@@ -168,7 +168,7 @@ async def _states(
     return _judged(values["deployment"], rows, now)
 
 
-def _grouped(deployment: str, row: Row[Any]) -> InstanceState:
+def _grouped(deployment: str, row: Row[*tuple[Any, ...]]) -> InstanceState:
     name, role, tp_size, pp_size, cp_size, live, generations, expired = row
     return InstanceState(
         deployment,
@@ -182,7 +182,9 @@ def _grouped(deployment: str, row: Row[Any]) -> InstanceState:
     )
 
 
-def _judged(deployment: str, rows: Sequence[Row[Any]], now: datetime) -> dict[str, InstanceState]:
+def _judged(
+    deployment: str, rows: Sequence[Row[*tuple[Any, ...]]], now: datetime
+) -> dict[str, InstanceState]:
     """Instance states from one row per rank, each lease judged at ``judged_at_time``."""
     layouts: dict[str, tuple[str, int, int, int]] = {}
     live: dict[str, dict[int, int]] = {}

@@ -262,7 +262,7 @@ def _width(passes: list[_Pass], src: PoolMemory, dst: PoolMemory, *more: int) ->
     values = [part.program.alignment for part in passes] + list(more)
     for memory in (src, dst):
         tensor = memory.tensor
-        values += [memory.pool.slot_stride, tensor.data_ptr(), tensor.storage_offset()]
+        values += [memory.pool.slot_stride, tensor.data_ptr(), int(tensor.storage_offset())]
     common = reduce(math.gcd, values, 0)
     return next(width for width in (8, 4, 2, 1) if common % width == 0)
 

@@ -11,7 +11,19 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Same-node copies of a few blocks take milliseconds; a large multi-rank job may take seconds.
-DURATION_BUCKETS_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+DURATION_BUCKETS_SECONDS: tuple[float, ...] = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
 DURATION_BUCKETS_SECONDS += (2.5, 5.0, 10.0, 30.0)
 
 

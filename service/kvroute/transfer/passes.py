@@ -63,12 +63,13 @@ def view_work(
     window = job.window or TokenWindow()
     whole = view.sliding_window is None and not view.periodic
     if whole and job.pairs_blocks:
-        src, dst = job.src_blocks, job.dst_blocks
-        if len(src) != len(dst):
+        src_blocks, dst_blocks = job.src_blocks, job.dst_blocks
+        if len(src_blocks) != len(dst_blocks):
             raise TransferValidationError(
-                "dst_blocks", f"has {len(dst)} ids but src_blocks has {len(src)}; they pair up"
+                "dst_blocks",
+                f"has {len(dst_blocks)} ids but src_blocks has {len(src_blocks)}; they pair up",
             )
-        return (Pass(key, view.fragments, src, dst),)
+        return (Pass(key, view.fragments, src_blocks, dst_blocks),)
     if whole and not view.token_rows and not window.names_tokens:
         # Equal block sizes: both suffix lists end with the block holding the prompt's last token.
         count = min(len(job.src_blocks), len(job.dst_blocks))

@@ -26,8 +26,9 @@ class WireError(ValueError):
 
 
 def to_json(model: object) -> dict[str, Any]:
-    out = {}
-    for name, omit_none in _members(type(model)):
+    out: dict[str, Any] = {}
+    # mypy holds a class not Hashable (its __hash__ is read as the instances' unbound one).
+    for name, omit_none in _members(type(model)):  # type: ignore[arg-type]
         value = getattr(model, name)
         if value is None:
             if not omit_none:
@@ -44,8 +45,7 @@ def _members(cls: type) -> tuple[tuple[str, bool], ...]:
     """(name, omit_none) of each field, in order: read once per class, not once per object (a
     matrix renders tens of thousands of cells)."""
     return tuple(
-        (field.name, bool(field.metadata.get("omit_none")))
-        for field in dataclasses.fields(cls)  # type: ignore[arg-type]
+        (field.name, bool(field.metadata.get("omit_none"))) for field in dataclasses.fields(cls)
     )
 
 
@@ -76,7 +76,8 @@ def from_json(cls: type[M], body: Mapping[str, Any]) -> M:
                 continue
             raise WireError(f"{cls.__name__}: member {field.name!r} is missing")
         try:
-            values[field.name] = _decode(_hints(cls)[field.name], body[field.name])
+            hint = _hints(cls)[field.name]  # type: ignore[arg-type]  # (a class is Hashable)
+            values[field.name] = _decode(hint, body[field.name])
         except (TypeError, ValueError) as error:
             raise WireError(f"{cls.__name__}.{field.name}: {error}") from None
     return cls(**values)

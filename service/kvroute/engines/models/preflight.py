@@ -146,7 +146,7 @@ def nixl_descriptors_per_block(
     period = math.lcm(src_tpb, dst_tpb)
     stateless = replace(plan, peers=tuple(replace(peer, states=()) for peer in plan.peers))
     src_count, dst_count = period // src_tpb, period // dst_tpb
-    ranged = {"tokens": (0, period), "src_first_token": 0, "dst_first_token": 0}
+    ranged: dict[str, Any] = {"tokens": (0, period), "src_first_token": 0, "dst_first_token": 0}
     transfer = plan_descriptors(
         stateless,
         receiver_pools=_addresses(receiver, 1),

@@ -191,7 +191,7 @@ def _layer_specs(
     layout = layouts.get(layer.name)
     if layout is None:
         raise ValueError(f"layer {layer.name}: its layout was not probed; nothing is guessed")
-    common = {
+    common: dict[str, Any] = {
         "layer": layer.layer_id,
         "pool_id": 0,
         "offset": 0,

@@ -35,14 +35,14 @@ class Settings:
     members: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
-    def from_config(cls, kv_role: str, extra: Mapping[str, Any]) -> Settings:
+    def from_config(cls, kv_role: str | None, extra: Mapping[str, Any]) -> Settings:
         missing = [key for key in ("url", "deployment", "instance") if not extra.get(key)]
         if missing:
             raise ValueError(
                 f"kv_connector_extra_config needs {missing} for KvrouteConnector "
                 '(e.g. {"url": "http://kvroute:8080", "deployment": "llama", "instance": "prefill0"})'
             )
-        role = extra.get("role") or ROLES.get(kv_role)
+        role = extra.get("role") or (ROLES.get(kv_role) if kv_role is not None else None)
         if role not in ("context", "generation"):
             raise ValueError(
                 f"kv_role {kv_role!r} does not say whether this engine sends or receives: use "

@@ -52,7 +52,7 @@ class _Producer:
     """A producer instance as this rank knows it: its plan, rank documents and NIXL agents."""
 
     plan: Plan
-    documents: dict[int, Mapping[str, Any]]
+    documents: Mapping[int, Mapping[str, Any]]
     agents: dict[int, str]
     fetched: Fetched  # what the prefetcher answered (a new answer replaces this producer)
 

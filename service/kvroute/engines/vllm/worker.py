@@ -170,7 +170,7 @@ class Worker:
         self.endpoint = NixlEndpoint(f"{settings.instance}-rank{rank}")
         for storage in _storages(kv_caches):  # a layer-outermost cache has one per layer
             backing = torch.empty(0, dtype=torch.int8, device=storage.device)
-            backing.set_(storage, 0, (storage.nbytes(),))
+            backing.set_(storage, 0, (storage.nbytes(),), (1,))
             self.endpoint.register(backing)
         document = {
             **cache.document,
