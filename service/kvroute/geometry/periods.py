@@ -142,7 +142,8 @@ class PeriodMap:
                 f"period_tokens {period} is not a whole number of blocks "
                 f"({src_blocks} sender, {dst_blocks} receiver blocks per period)"
             )
-        result = cls(src_local // src_blocks, dst_local // dst_blocks, (), *spreads)
+        src_spread, dst_spread = spreads
+        result = cls(src_local // src_blocks, dst_local // dst_blocks, (), src_spread, dst_spread)
         if result.period_tokens != period:
             raise ValueError(
                 f"period_tokens {period} is not the least common multiple of the block sizes "
@@ -157,7 +158,7 @@ class PeriodMap:
             raise ValueError("period_fragments must be a list of 7-integer fragments")
         spans = tuple(result.checked_span(span, index) for index, span in enumerate(raw))
         sizes = result.src_tokens_per_block, result.dst_tokens_per_block
-        return cls(*sizes, spans, *spreads, token_group=group)
+        return cls(*sizes, spans, src_spread, dst_spread, token_group=group)
 
     def checked_span(self, span: object, index: int) -> Span:
         """``span`` as a Span when it lies inside one block on each side; ``ValueError`` otherwise."""
