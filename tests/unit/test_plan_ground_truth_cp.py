@@ -239,14 +239,16 @@ def test_cp_plans_write_every_token_once_on_the_rank_holding_it(world, data) -> 
 @st.composite
 def hybrid_cp_worlds(draw: st.DrawFn) -> tuple[list[ViewClass], Side, Side]:
     cls, ctx, gen = draw(hybrid_worlds())
-    ssm_heads = next(c.total_heads for c in cls if c.kind == "ssm")
+    # State is split over TP x CP: the SSM heads and every conv section (a Gated DeltaNet's key
+    # sections hold fewer heads than its value section) must divide by it.
+    state = [c.total_heads for c in cls if c.kind == "ssm"]
+    state += [size for c in cls if c.kind == "conv" for size in c.sections]
     sides = []
     for base in (ctx, gen):
-        # State is split over TP x CP: the SSM heads (and conv channels) must divide by it.
         cps = [
             cp
             for cp in (1, 2, 3, 4)
-            if ssm_heads % (base.tp_per_dp * cp) == 0 and base.ranks * cp <= 32
+            if all(size % (base.tp_per_dp * cp) == 0 for size in state) and base.ranks * cp <= 32
         ]
         if sides and sides[0].cp_size == 1 and len(cps) > 1:
             cps = cps[1:]  # CP on at least one side where the state allows it
