@@ -231,3 +231,31 @@ def test_a_refused_pairing_stops_start_up_with_the_refusal(world: Any) -> None:
     assert (error.local, error.peer) == (64, 32)
     assert error.code in str(refused.value)
     assert "local 64, peer 32" in str(refused.value)
+
+
+def test_a_request_aborted_before_its_load_frees_the_producer_s_blocks_at_once(
+    world: Any, llama4_consumer: Engine
+) -> None:
+    """The consumer's scheduler releases the handover of a request that ended before its load was
+    asked; every consumer rank tells every producer rank, which frees the blocks well before its
+    send timeout (120 s here; ``await_sent`` waits 60 s at most)."""
+    from vllm.v1.request import RequestStatus
+
+    _, producers, _ = world
+    tokens = list(range(700, 745))
+    _, _, params = producers.ask("prefill", "p-tp2", "prefill-6", tokens)
+    request = llama4_consumer.request("decode-6", tokens, params)
+    llama4_consumer.scheduler.finish_requests("decode-6", RequestStatus.FINISHED_ABORTED)
+    assert request.status == RequestStatus.FINISHED_ABORTED
+    started = time.monotonic()
+    output = llama4_consumer.step()
+    assert output.kv_connector_metadata.step.releases[0].request_id == "prefill-6"
+    deadline = time.monotonic() + 30  # a release waits for the producer's plan, if unfetched
+    while time.monotonic() < deadline:
+        for worker in llama4_consumer.workers:
+            worker.get_finished(set())
+        if not any(worker.worker.pulls.releasing for worker in llama4_consumer.workers):
+            break
+        time.sleep(0.01)
+    assert producers.ask("await_sent", "p-tp2", "prefill-6") == ("sent", "prefill-6", [0, 1])
+    assert time.monotonic() - started < 60

@@ -5,7 +5,9 @@ block-size pair cuts token ranges) says which producer rank holds which bytes; `
 request's block lists into descriptors, per KV cache group (a group has its own block table). When
 every read is done, this rank tells every producer rank, so each frees the request's blocks once
 all consumer ranks have said so. A pull that fails or outlives its bound is a load error: its
-destination blocks are reported to vLLM, which recomputes them.
+destination blocks are reported to vLLM, which recomputes them, and the producer is told all the
+same. A request that ends before its load was asked (aborted while it waited) is released the
+same way, so no producer holds blocks for a consumer that will never read them.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class Pulls:
     mem_type: str = "DRAM"
     producers: dict[str, _Producer] = field(default_factory=dict)
     waiting: dict[str, tuple[Load, float]] = field(default_factory=dict)  # id -> load, deadline
+    releasing: list[tuple[Handover, float]] = field(default_factory=list)  # not to pull; deadline
     running: dict[str, _Running] = field(default_factory=dict)
     errors: set[int] = field(default_factory=set)
     done: set[str] = field(default_factory=set)
@@ -93,6 +96,26 @@ class Pulls:
         """Posts the load's reads, or parks it until its producer's plan is fetched."""
         self.waiting[load.request_id] = (load, time.monotonic() + self.timeout_s)
         self._post_ready()
+
+    def release(self, handover: Handover) -> None:
+        """Tells the producer this request will not be pulled, so it frees the blocks now."""
+        self.releasing.append((handover, time.monotonic() + self.timeout_s))
+        self._tell_ready()
+
+    def _tell_ready(self) -> None:
+        """Releases whose producer is known; the rest wait for its fetch, then lapse (the
+        producer still frees those blocks on its own timeout)."""
+        waiting = []
+        for handover, deadline in self.releasing:
+            try:
+                producer = self._producer(handover.instance)
+            except Exception:  # kvroute cannot name the producer: its timeout frees the blocks
+                continue
+            if producer is not None:
+                self._tell_producer(producer, handover)
+            elif time.monotonic() <= deadline:
+                waiting.append((handover, deadline))
+        self.releasing = waiting
 
     def _post_ready(self) -> None:
         for request_id, (load, deadline) in list(self.waiting.items()):
@@ -127,6 +150,8 @@ class Pulls:
     def poll(self) -> set[str]:
         """Request ids whose pull ended since the last call, failed ones included."""
         self._post_ready()
+        if self.releasing:
+            self._tell_ready()
         for request_id, running in list(self.running.items()):
             try:
                 state = running.pending.state()
@@ -140,8 +165,9 @@ class Pulls:
                 continue
             del self.running[request_id]
             self._release(running.pending)
+            # Failed or not, the producer may free the blocks: a failed load is recomputed here.
+            self._tell_producer(running.producer, running.load.handover)
             if state == "DONE":
-                self._tell_producer(running)
                 self.done.add(request_id)
             else:
                 self._fail(running.load, detail)
@@ -166,14 +192,13 @@ class Pulls:
         except Exception:  # releasing a failed read may fail again
             log.debug("releasing a failed NIXL read failed", exc_info=True)
 
-    def _tell_producer(self, running: _Running) -> None:
-        message = done_message(running.load.handover.request_id, self.notifiers)
-        for agent in running.producer.agents.values():
+    def _tell_producer(self, producer: _Producer, handover: Handover) -> None:
+        message = done_message(handover.request_id, self.notifiers)
+        for agent in producer.agents.values():
             try:
                 self.endpoint.notify(agent, message)
             except Exception:  # the producer frees the blocks on its timeout
-                log.warning("could not tell %s that %s was pulled", agent,
-                            running.load.handover.request_id)  # fmt: skip
+                log.warning("could not tell %s that it may free %s", agent, handover.request_id)
 
     def _producer(self, instance: str) -> _Producer | None:
         """The producer's plan and agents; None while the prefetcher fetches them; LookupError

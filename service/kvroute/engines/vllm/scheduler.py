@@ -21,6 +21,9 @@ class StepPlan:
 
     loads: list[Load] = field(default_factory=list)
     sends: dict[str, float] = field(default_factory=dict)  # request id -> hold limit (s)
+    # Handovers this consumer will not pull (aborted before its load, or nothing left to move):
+    # each rank tells the producer at once, instead of the producer holding them until its timeout.
+    releases: list[Handover] = field(default_factory=list)
 
 
 @dataclass
@@ -37,6 +40,7 @@ class SchedulerSide:
             return 0, False
         count = min(handover.prompt_tokens, len(request.prompt_token_ids)) - num_computed_tokens
         if count <= 0:
+            self._release(request, handover)
             return 0, False
         self.matched[request.request_id] = num_computed_tokens
         return count, True
@@ -59,7 +63,12 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params or {}
-        if not self.settings.producer or not params.get("do_remote_decode"):
+        if not self.settings.producer:
+            handover = Handover.from_params(params)
+            if handover is not None:  # finished (aborted) before its load was ever asked
+                self._release(request, handover)
+            return False, None
+        if not params.get("do_remote_decode"):
             return False, None
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None  # aborted or stopped: nothing for a consumer to continue
@@ -75,6 +84,10 @@ class SchedulerSide:
             prompt_tokens=len(request.prompt_token_ids),
         )
         return True, handover.to_params()
+
+    def _release(self, request: Any, handover: Handover) -> None:
+        self.step.releases.append(handover)
+        request.kv_transfer_params = {**request.kv_transfer_params, "do_remote_prefill": False}
 
     def take_step(self) -> StepPlan:
         step, self.step = self.step, StepPlan()

@@ -21,11 +21,13 @@ from kvroute.engines.vllm.layout import Layer, Place, RankCache, describe
 from kvroute.engines.vllm.params import Settings, parse_done
 from kvroute.engines.vllm.prefetch import Prefetcher
 from kvroute.engines.vllm.probe import Layout
-from kvroute.engines.vllm.pulls import Load, Pulls
+from kvroute.engines.vllm.pulls import Pulls
 from kvroute.geometry import Owner
 
 if TYPE_CHECKING:
     import torch
+
+    from kvroute.engines.vllm.scheduler import StepPlan
 
 # Under vLLM's logger, whose handlers an engine configures: the lines land in its log.
 log = logging.getLogger(f"vllm.{__name__}")
@@ -212,15 +214,18 @@ class Worker:
         )
         return cache
 
-    def start(self, loads: list[Load], sends: dict[str, float]) -> None:
+    def start(self, step: StepPlan) -> None:
         now = time.monotonic()
-        for request_id, timeout_s in sends.items():
+        for request_id, timeout_s in step.sends.items():
             self.holding[request_id] = now + timeout_s
-        if loads and self.pulls is None:
+        if (step.loads or step.releases) and self.pulls is None:
             raise RuntimeError("register_kv_caches was never called on this worker")
-        for load in loads:
+        for load in step.loads:
             assert self.pulls is not None
             self.pulls.start(load)
+        for handover in step.releases:
+            assert self.pulls is not None
+            self.pulls.release(handover)
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         received = self.pulls.poll() if self.pulls is not None else set()
