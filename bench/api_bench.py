@@ -4,7 +4,7 @@ Starts ``kvroute serve`` (127.0.0.1, a free port, a temporary SQLite file, token
 logs) and measures, with aiohttp clients in this process: registrations, heartbeats, uncached plan
 reads (the first read of each plan) and cached plan reads, the last also with a single client to
 show the service time apart from queueing. Each row prints throughput and p50/p99 latency, and the p50 as a multiple of the in-process ``build_plan`` time for the same plans, which
-makes the HTTP overhead visible. The deployment is API.md's example (context TP4 -> generation
+makes the HTTP overhead visible. The deployment is the example of docs/api.md "Plans" (context TP4 -> generation
 TP2, 32 layers with 8 KV heads, 1 draft layer with 1 head, bf16, head_dim 128, 32 tokens).
 
     python bench/api_bench.py [--deployments 48] [--clients 64] [--reads 6000] [--database-url URL]

@@ -1,4 +1,4 @@
-"""A factory of API.md-shaped registration documents for store, API and client tests.
+"""A factory of registration documents (docs/geometry.md) for store, API and client tests.
 
 Byte sizes are laid out from first principles (HND, K and V buffers, bfloat16 by default),
 so a document is self-consistent unless a test changes one field on purpose.

@@ -202,7 +202,7 @@ def _state_members(cls: ViewClass, side: Side) -> dict[str, Any]:
 def layout_rank(
     side: Side, classes: list[ViewClass], rank: int, num_slots: int | None = None
 ) -> Layout:
-    """An API.md document for one rank, with layers placed in a shuffled order with gaps."""
+    """A registration document (docs/geometry.md) for one rank, with layers placed in a shuffled order with gaps."""
     num_slots = side.num_slots if num_slots is None else num_slots
     rng = random.Random(side.seed * 1000 + rank)
     pp_rank = side.position(rank)[0]

@@ -1,6 +1,6 @@
 """Plans over HTTP on both databases: shape, formats, ETags, batches, refusals and cache validity.
 
-The deployment is API.md's shape in miniature: context TP4 and generation TP2 with 8 target KV
+The deployment is the example of docs/api.md "Plans" in miniature: context TP4 and generation TP2 with 8 target KV
 heads and one draft layer of 1 head, so generation rank 0 hears from context ranks 0 and 1.
 """
 

@@ -32,7 +32,7 @@ def fill(tensor: torch.Tensor, seed: int) -> None:
 def element_offset(
     reg: RankRegistration, view: View, layer: int, kv: int, head: int, token: int
 ) -> int:
-    """Byte offset inside a slot, from the registered numbers only (DESIGN.md byte layout)."""
+    """Byte offset inside a slot, from the registered numbers only (docs/geometry.md byte layout)."""
     buffer = view.bytes_per_layer // view.buffers_per_layer
     heads, tokens = reg.heads(view), reg.tokens(view)
     row_bytes = buffer // (heads * tokens)

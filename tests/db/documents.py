@@ -1,4 +1,4 @@
-"""Registration documents for store tests, built programmatically in the API.md shape.
+"""Registration documents for store tests, built programmatically in the shape of docs/geometry.md.
 
 Real-sized defaults (128-dim heads, 32 tokens per block) over the shared factory in
 ``tests.documents``; the knobs are the ones the store tests need to make ranks compatible or not.

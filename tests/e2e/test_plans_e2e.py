@@ -1,4 +1,4 @@
-"""Plans end to end: API.md's example deployment registered over HTTP, plans executed on bytes.
+"""Plans end to end: the example deployment of docs/api.md "Plans" registered over HTTP, plans executed on bytes.
 
 Context TP4 holds 8 target KV heads (2 per rank) and the 1-head draft layer (replicated on every
 rank); generation TP2 holds 4 target heads per rank. Every rank's document and pool contents come
@@ -91,6 +91,6 @@ async def test_api_md_example_plans_move_every_byte_exactly_once(client: Client)
         assert [peer["rank"] for peer in plan["peers"]] == senders_heard
         assert plan["expected_writers"] == 2
         if rank == 0:
-            # API.md: the replicated draft head is written by the elected rank 0 only.
+            # docs/api.md "Plans": the replicated draft head is written by the elected rank 0 only.
             assert (_views(plan, 0), _views(plan, 1)) == (["target", "draft"], ["target"])
             assert [peer["bytes_per_block"] for peer in plan["peers"]] == [1064960, 1048576]

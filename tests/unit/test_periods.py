@@ -1,6 +1,6 @@
 """The period mapping between blocks of different sizes, and token ranges cut from it, by hand.
 
-Each case spells out the expected fragments from the byte layout of DESIGN.md (HND buffers are
+Each case spells out the expected fragments from the byte layout of docs/geometry.md (HND buffers are
 [heads][tokens][bytes], NHD buffers [tokens][heads][bytes], replicated buffers [tokens][bytes]) with
 the case's own numbers; the property test in test_plan_ground_truth.py covers the general case.
 """

@@ -1,4 +1,4 @@
-"""Reference cases 44-47: the fan-in bounce gate, asserting kvroute's rule (DESIGN.md rule 6).
+"""Reference cases 44-47: the fan-in bounce gate, asserting kvroute's rule (docs/geometry.md rule 6).
 
 The gate's inputs in kvroute's model: the number of PP stages among the ranks a receiver hears from,
 (mapper, dup, peer_dup) per view pair, and each writer's bytes per block. kvroute follows the newest

@@ -114,7 +114,7 @@ SMALL = Model(
 
 
 def heads_of(total: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    """(first global head, heads held) of a rank, DESIGN.md rule 1."""
+    """(first global head, heads held) of a rank, docs/geometry.md rule 1."""
     if tp_size <= total:
         per_rank = total // tp_size
         return tp_rank * per_rank, per_rank

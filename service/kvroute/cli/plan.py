@@ -1,7 +1,7 @@
 """``kvroute plan``: a plan as a table (or JSON, or SVG), fetched from a server or computed locally.
 
 Two sources, one output. ``--url`` asks a running kvroute for the plan of live ranks (what workers
-get). ``--sender-doc``/``--receiver-doc`` plan from registration documents on disk (API.md shape),
+get). ``--sender-doc``/``--receiver-doc`` plan from registration documents on disk (docs/geometry.md shape),
 checked exactly as registration would check them, so a geometry can be tried before any worker
 starts. Every rank is numbered from its document's ``tp_rank``/``pp_rank`` (``--rank`` may name the
 receiver's); as on the server, a plan needs every rank of the sender instance, so a missing sender

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the client creates keepers; a keeper only calls it
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEASE_SECONDS = 30  # API.md's default when a document names none
+DEFAULT_LEASE_SECONDS = 30  # docs/geometry.md's default when a document names none
 RankKey = tuple[str, int]  # (instance, rank)
 
 

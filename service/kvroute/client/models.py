@@ -71,7 +71,7 @@ class Registered:
 @dataclass(frozen=True, slots=True)
 class PlanDocument:
     """A plan as served: the typed plan (``plan``, with the generations it was built from) and
-    the API.md JSON (``document``)."""
+    the JSON of docs/api.md (``document``)."""
 
     deployment: str
     sender: str

@@ -302,7 +302,7 @@ def rank_document(
     kv_quantization: Mapping[str, Any] | None = None,
     topology: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The API.md registration document; rank-wide attention defaults come from ``target``.
+    """The registration document (docs/geometry.md); rank-wide attention defaults come from ``target``.
 
     ``model`` (name, revision, weights and tokenizer digests), ``kv_quantization`` and
     ``topology`` (domain -> value) are written only when given: servers from before them refuse

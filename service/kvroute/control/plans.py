@@ -45,7 +45,7 @@ class ServedPlan:
     plan: Plan
     sender_generations: Mapping[int, int]
     receiver_generation: int
-    document: dict[str, Any]  # the API.md plan document, generations included
+    document: dict[str, Any]  # the plan document (docs/api.md), generations included
     cached: bool
     build_seconds: float | None  # None for a cache hit
 

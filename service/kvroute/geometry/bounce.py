@@ -1,4 +1,4 @@
-"""The fan-in bounce gate (DESIGN.md rule 6).
+"""The fan-in bounce gate (docs/geometry.md rule 6).
 
 A receiver may stage a transfer in one contiguous region split equally among its writers only if
 every writer contributes the same bytes: one PP stage in the overlap (PP fan-in gives writers

@@ -47,7 +47,7 @@ class LayerSpec:
     ) -> LayerSpec:
         """A layer described by its buffers' (offset, size) in the slot, e.g. K and V.
 
-        DESIGN.md's byte layout needs a layer's buffers equal in size and back to back; anything
+        The byte layout of docs/geometry.md needs a layer's buffers equal in size and back to back; anything
         else would be sliced wrongly by every mapper, so it is refused here, where it is found.
         """
         ordered = sorted(buffers)

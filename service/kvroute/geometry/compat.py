@@ -1,4 +1,4 @@
-"""Peer compatibility and the full registration check (DESIGN.md "Rejected at the boundary").
+"""Peer compatibility and the full registration check (docs/geometry.md "Rejected at the boundary").
 
 Checks run stage by stage across all peers (model identity and KV quantization, rank-wide fields,
 then view matching, then per-pair geometry: KV heads and sliding windows of block views, SSM heads, TP-aggregated bytes and conv
@@ -109,7 +109,7 @@ def check_registration(
     instance_ranks: Sequence[RankRegistration],
     peer_ranks: Sequence[RankRegistration],
 ) -> None:
-    """Everything DESIGN.md checks before a rank is admitted, in its order; raises the first failure."""
+    """Every check of docs/geometry.md "Rejected at the boundary", in its order; raises the first failure."""
     check_self(candidate)
     check_instance(candidate, instance_ranks)
     check_peers(candidate, [peer for peer in peer_ranks if peer.role is not candidate.role])

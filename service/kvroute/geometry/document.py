@@ -1,4 +1,4 @@
-"""Parse and render the API.md registration document.
+"""Parse and render the registration document (docs/geometry.md).
 
 The HTTP layer validates documents against the OpenAPI schema first; this parser still checks every
 type and range itself, because the geometry library is also used directly (CLI, workers, tests) and a
@@ -295,7 +295,7 @@ def _parse_views(r: _Reader) -> tuple[View, ...]:
 def parse_registration(
     cls: type[R], doc: Mapping[str, Any], *, deployment: str, instance: str, rank: int
 ) -> R:
-    """Builds a ``cls`` from an API.md document; raises ``invalid_document`` on bad input."""
+    """Builds a ``cls`` from a registration document (docs/geometry.md); raises ``invalid_document`` on bad input."""
     for field, name in (("deployment", deployment), ("instance", instance)):
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise _invalid(field, f"is not a valid name: {_short(name)}", _short(name))

@@ -1,4 +1,4 @@
-"""Which KV heads a TP rank holds (DESIGN.md rule 1), and the head total two peers agree on.
+"""Which KV heads a TP rank holds (docs/geometry.md rule 1), and the head total two peers agree on.
 
 Heads are assigned contiguously. With H heads and TP t: if t <= H, rank r holds [r*H/t, (r+1)*H/t);
 if t > H, rank r holds head floor(r*H/t) and each head lives on t/H ranks. The total is never derived

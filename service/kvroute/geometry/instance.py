@@ -1,4 +1,4 @@
-"""Instance-consistency checks (DESIGN.md "Rejected at the boundary", 3).
+"""Instance-consistency checks (docs/geometry.md "Rejected at the boundary", 3).
 
 Every rank of an instance agrees with the layout its first rank fixed (TP, PP, layer split, tokens
 per block, draft layers, attention defaults) and registers one geometry for the views of a role

@@ -1,6 +1,6 @@
 """Immutable model of what a rank registers: its parallel layout, pools and views.
 
-The model is the API.md registration document made typed. Geometry that is derived (a view's head count
+The model is the registration document (docs/geometry.md) made typed. Geometry that is derived (a view's head count
 after the legacy fallback, a stage's layer range, the DP-group TP size) lives here as properties so every
 check and the planner agree on one definition. The parts (pools, views, their enums) live in
 ``parts``; the document codec in ``document`` and the class digest in ``classes`` read and build

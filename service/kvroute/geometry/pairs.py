@@ -1,6 +1,6 @@
 """The geometry of one matched view pair: which mapper moves it and in what byte units.
 
-Computed from the pair's own head counts (DESIGN.md rule 2), never from a rank-wide count: a cache
+Computed from the pair's own head counts (docs/geometry.md rule 2), never from a rank-wide count: a cache
 that holds target layers with 8 KV heads and draft layers with 1 gets a different answer per view.
 Compatibility checks and the planner share this one definition, so whatever registration admits the
 planner can move, and vice versa. Two sides with different tokens per block are compared per token:

@@ -1,6 +1,6 @@
 """Plans are data: who sends which bytes of which view to one receiver rank.
 
-A plan is immutable and JSON-serialisable in the API.md shape, so it can be cached, compared by
+A plan is immutable and JSON-serialisable in the shape of docs/api.md "Plans", so it can be cached, compared by
 fingerprint, shipped to a worker, rendered as a table or a picture, and executed by any data plane.
 
 A view pair whose sides cut tokens into blocks of the same size carries ``fragments`` relative to
@@ -159,7 +159,7 @@ class Plan:
         receiver_generation: int | None = None,
         period: bool = False,
     ) -> dict[str, Any]:
-        """The API.md document; ``period`` writes every view pair in the period form."""
+        """The plan document (docs/api.md "Plans"); ``period`` writes every view pair in the period form."""
         generations = sender_generations or self.sender_generations
         if receiver_generation is None:
             receiver_generation = self.receiver_generation

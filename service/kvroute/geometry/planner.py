@@ -3,7 +3,7 @@
 For every receiver view and every layer of it, the sender ranks that overlap the receiver in TP
 position and hold that layer in the matching view are grouped by the heads they hold and, under
 context parallelism, by their CP rank (the tokens they hold); each group holds identical bytes, and
-exactly one of its ranks (elected) writes them (DESIGN.md rule 3). A CP rank pair moves the tokens
+exactly one of its ranks (elected) writes them (docs/geometry.md rule 3). A CP rank pair moves the tokens
 both ranks hold (``periods``); a pair that shares none writes nothing.
 Recurrent-state views are planned per request slot by ``state_planner`` under the same rule.
 """

@@ -1,4 +1,4 @@
-"""Strict readers for plan documents (API.md "Plans"): the wrong type, a missing member or a
+"""Strict readers for plan documents (docs/api.md "Plans"): the wrong type, a missing member or a
 value out of range is refused as ``invalid_plan``, naming the member by its path.
 
 A plan document comes back from a server, a file or another library, so reading it must fail by

@@ -59,7 +59,7 @@ def render_pool(pool: Pool) -> dict[str, Any]:
 
 
 def render_registration(reg: RankRegistration, *, geometry_only: bool = False) -> dict[str, Any]:
-    """The API.md document; ``geometry_only`` drops what cannot change a plan (lease, memory, endpoints)."""
+    """The registration document (docs/geometry.md); ``geometry_only`` drops what cannot change a plan (lease, memory, endpoints)."""
     doc: dict[str, Any] = {
         "role": reg.role.value,
         "tp_size": reg.tp_size,

@@ -2,7 +2,7 @@
 
 The sender ranks heard from are those the receiver overlaps in TP position (the mamba-TP pairing,
 see ``state``). For every layer, ranks holding identical state bytes form a group and exactly one of
-them, elected as for KV views, writes it (DESIGN.md rule 3): a sharded SSM or conv section has one
+them, elected as for KV views, writes it (docs/geometry.md rule 3): a sharded SSM or conv section has one
 holder per layer in the sender's DP group, replicated state has one per TP rank.
 """
 

@@ -1,4 +1,4 @@
-"""Self-consistency checks (DESIGN.md "Rejected at the boundary", 2): what one document must satisfy
+"""Self-consistency checks (docs/geometry.md "Rejected at the boundary", 2): what one document must satisfy
 on its own. Instance consistency (3) lives in ``instance``.
 
 Each function raises the first GeometryError it finds, in the documented order, so the same bad

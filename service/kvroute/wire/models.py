@@ -16,7 +16,7 @@ from typing import Any
 from kvroute.wire.codec import OMIT_NONE
 from kvroute.wire.pairs import Pairing
 
-# API.md's job states that never change again.
+# The job states of docs/api.md "Transfer jobs" that never change again.
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 
 

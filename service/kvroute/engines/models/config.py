@@ -25,7 +25,7 @@ from kvroute.geometry.limits import MAX_LAYERS
 # Keys naming features whose cache kvroute does not model, and why.
 UNMODELLED_KEYS: Mapping[str, str] = {
     "attention_chunk_size": "chunked local attention: a receiver needs the tokens from the current "
-    "chunk's start, a window kvroute does not model (README: chunked local attention)",
+    "chunk's start, a window kvroute does not model (docs/preflight.md: chunked local attention)",
     "cross_attention_layers": "cross-attention caches encoder states, not per-token KV blocks",
     "kv_lora_rank_per_layer": "per-layer latent ranks give layers of different geometry",
 }
