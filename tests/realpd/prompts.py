@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
 import urllib.request
@@ -77,3 +78,22 @@ def handover(producer: str, consumer: str, prompt: list[int]) -> list[int]:
 def run_all(fn: Any, items: list[list[int]], concurrency: int = 8) -> list[list[int]]:
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(fn, items))
+
+
+def abandoned(producer: str, consumer: str, prompt: list[int], after_s: float) -> list[int] | None:
+    """A hand-over whose client hangs up on the consumer after ``after_s`` (vLLM aborts the
+    request): None if it did, the token ids if the answer came first."""
+    prefill = body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    status, answer = post(f"{producer}/v1/completions", prefill)
+    assert status == 200, answer
+    decode = body(prompt, kv_transfer_params=answer["kv_transfer_params"])
+    host, port = consumer.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=after_s)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(decode),
+                           {"Content-Type": "application/json"})  # fmt: skip
+        return tokens(json.load(connection.getresponse()))
+    except TimeoutError:
+        return None
+    finally:
+        connection.close()

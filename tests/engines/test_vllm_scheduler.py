@@ -1,0 +1,84 @@
+"""The connector's scheduler side on vLLM's own ``Request``: what a producer of a model with
+recurrent state prefills, and what it hands over.
+
+vLLM recomputes the last prompt token of every loaded request (its logits give the first decoded
+token), and a recurrent state cannot be rewound: a producer that prefilled all N tokens would hand
+over h(N), and the consumer would apply token N twice. So the producer stops at N - 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engines import require_vllm
+
+require_vllm()
+pytestmark = pytest.mark.slow  # imports vLLM
+EXTRA = {"url": "http://127.0.0.1:9", "deployment": "qwen3-next", "instance": "prefill0"}
+
+
+def request(tokens: list[int], params: dict | None):  # type: ignore[no-untyped-def]
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    found = Request(request_id="r1", prompt_token_ids=list(tokens),
+                    sampling_params=SamplingParams(max_tokens=24), pooling_params=None)  # fmt: skip
+    found.kv_transfer_params = params
+    return found
+
+
+def side(backoff: int):  # type: ignore[no-untyped-def]
+    from kvroute.engines.vllm.params import Settings
+    from kvroute.engines.vllm.scheduler import SchedulerSide
+
+    return SchedulerSide(Settings.from_config("kv_producer", EXTRA), 32, (0, 1), backoff=backoff)
+
+
+def test_a_producer_with_state_prefills_all_but_the_last_token_once() -> None:
+    from vllm.v1.request import RequestStatus
+
+    producer, prompt = side(backoff=1), list(range(10, 50))
+    found = request(prompt, {"do_remote_decode": True})
+    assert producer.matched_tokens(found, 0) == (0, False)
+    assert found.num_prompt_tokens == 39
+    assert found.prompt_token_ids == prompt[:39]
+    assert list(found.all_token_ids) == prompt[:39]
+    assert found.max_tokens == 1
+    producer.matched_tokens(found, 0)  # asked again (a preempted request): not shortened twice
+    assert found.num_prompt_tokens == 39
+    found.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    hold, params = producer.finished(found, ([0, 1], [2]))
+    assert hold
+    assert params["prompt_tokens"] == 39
+    assert "kvroute_held_back" not in params
+
+
+def test_attention_only_and_local_requests_keep_their_prompt() -> None:
+    prompt = list(range(10, 50))
+    for backoff, params in ((0, {"do_remote_decode": True}), (1, None), (1, {})):
+        found = request(prompt, params)
+        side(backoff).matched_tokens(found, 0)
+        assert found.num_prompt_tokens == 40
+        assert found.max_tokens == 24
+
+
+def test_the_connector_backs_off_exactly_when_a_group_keeps_state() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    from kvroute.engines.vllm.connector import has_state
+
+    attention = KVCacheGroupSpec(["a"], FullAttentionSpec(block_size=32, num_kv_heads=2,
+                                                         head_size=128, dtype=torch.bfloat16))  # fmt: skip
+    state = KVCacheGroupSpec(["m"], MambaSpec(block_size=32, shapes=((8, 3), (2, 4, 4)),
+                                              dtypes=(torch.bfloat16, torch.bfloat16)))  # fmt: skip
+    assert not has_state(KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
+                                       kv_cache_groups=[attention]))  # fmt: skip
+    assert has_state(KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
+                                   kv_cache_groups=[attention, state]))  # fmt: skip
+    assert not has_state(None)

