@@ -26,7 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.realpd.cluster import MODEL_NAME, Cluster, engine_python, free_port  # noqa: E402
+from tests.realpd.cluster import DTYPE, MODEL_NAME, Cluster, engine_python, free_port  # noqa: E402
 from tests.realpd.prompts import body, prompts, run_all  # noqa: E402
 
 
@@ -123,7 +123,7 @@ def nixl_engines(cluster: Cluster, model: Path, src: int, dst: int) -> None:
         port = free_port()
         argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", MODEL_NAME, "--port", str(port), "--block-size", str(block),
-                "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "16",
+                "--dtype", DTYPE, "--max-model-len", "1024", "--max-num-seqs", "16",
                 "--enforce-eager", "--kv-transfer-config", json.dumps(config)]  # fmt: skip
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core,
                "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}  # fmt: skip

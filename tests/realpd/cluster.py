@@ -23,6 +23,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"
+# The engines compute in float32: on a CPU with AMX, vLLM's CPU attention stores a bfloat16 cache in
+# its "amx" tiles (K in 16-token tiles of element pairs), a layout kvroute's interiors do not state
+# and its connector refuses at start-up; float32 takes the "vec" kernels on every x86 CPU. The
+# weights are written in bfloat16, which float32 holds exactly.
+DTYPE = "float32"
 
 
 def engine_python() -> Path | None:
@@ -117,7 +122,7 @@ class Cluster:
         argv = [
             str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", MODEL_NAME, "--port", str(port), "--block-size",
-            str(block_size), "--dtype", "bfloat16", "--max-model-len", "1024",
+            str(block_size), "--dtype", DTYPE, "--max-model-len", "1024",
             "--tensor-parallel-size", str(tp), "--max-num-seqs", "16", "--enforce-eager",
         ]  # fmt: skip
         if blocks is not None:  # a small cache: requests are preempted and resumed
