@@ -239,17 +239,8 @@ class AsyncKvrouteClient:
         which any token range can be cut (``client.nixl_descs``), but for pairs without whole
         token rows, which keep their block form (``ViewTransfer.token_rows`` False);
         ``prompt_tokens`` is the prompt length a sender holding prefill CP chunks is planned for."""
-        params: dict[str, str | int] = {
-            "sender": sender,
-            "receiver": receiver,
-            "receiver_rank": receiver_rank,
-        }
-        if sender_dp_rank is not None:
-            params["sender_dp_rank"] = sender_dp_rank
-        if prompt_tokens is not None:
-            params["prompt_tokens"] = prompt_tokens
-        if period:
-            params["fragments"] = "period"
+        params = _plan_params(sender, receiver, sender_dp_rank, period, prompt_tokens)
+        params["receiver_rank"] = receiver_rank
         _, body = await self._call(
             "GET", f"/v1/deployments/{_seg(deployment)}/plans", params=params
         )
@@ -266,13 +257,7 @@ class AsyncKvrouteClient:
         prompt_tokens: int | None = None,
     ) -> list[PlanDocument]:
         """Every rank's plan of a receiver instance in one answer, ordered by rank (``plan-sets``)."""
-        params: dict[str, str | int] = {"sender": sender, "receiver": receiver}
-        if sender_dp_rank is not None:
-            params["sender_dp_rank"] = sender_dp_rank
-        if prompt_tokens is not None:
-            params["prompt_tokens"] = prompt_tokens
-        if period:
-            params["fragments"] = "period"
+        params = _plan_params(sender, receiver, sender_dp_rank, period, prompt_tokens)
         path = f"/v1/deployments/{_seg(deployment)}/plan-sets"
         _, body = await self._call("GET", path, params=params)
         return [PlanDocument.from_json(plan) for plan in body["plans"]]
@@ -380,6 +365,20 @@ class AsyncKvrouteClient:
         path = f"/v1/deployments/{_seg(deployment)}/pairs"
         _, body = await self._call("GET", path, params=params)
         return wire.from_json(wire.Pairs, body)
+
+
+def _plan_params(
+    sender: str, receiver: str, sender_dp_rank: int | None, period: bool, prompt_tokens: int | None
+) -> dict[str, str | int]:
+    """The query a plan and a plan set share."""
+    params: dict[str, str | int] = {"sender": sender, "receiver": receiver}
+    if sender_dp_rank is not None:
+        params["sender_dp_rank"] = sender_dp_rank
+    if prompt_tokens is not None:
+        params["prompt_tokens"] = prompt_tokens
+    if period:
+        params["fragments"] = "period"
+    return params
 
 
 async def _payload(resp: aiohttp.ClientResponse) -> Any:
