@@ -38,6 +38,7 @@ from kvroute.geometry import (
     Pool,
     RankRegistration,
     TokenRange,
+    TokenWindow,
     build_plan,
     range_copies,
 )
@@ -49,7 +50,6 @@ from kvroute.transfer import (
     PoolMemory,
     PoolMemoryCache,
     Strategy,
-    TokenWindow,
     TransferJob,
     TransferLeg,
     ViewCopy,

@@ -22,11 +22,10 @@ from kvroute.geometry import (
     PeriodMap,
     Spread,
     TokenRange,
+    TokenWindow,
     block_ends,
     check_covered,
-    prompt_length,
     range_copies,
-    resolve_lists,
     window_start,
     windowed_range,
 )
@@ -67,19 +66,10 @@ class Request:
             spreads = (period.src_spread, period.dst_spread)
         else:
             sizes = (window["src_tokens_per_block"], window["dst_tokens_per_block"])
-        span, src, dst = resolve_lists(
-            self.src_blocks,
-            self.dst_blocks,
-            *sizes,
-            tokens=self.tokens,
-            src_first_token=self.firsts[0],
-            dst_first_token=self.firsts[1],
-            prompt_tokens=self.prompt_tokens,
-            src_spread=spreads[0],
-            dst_spread=spreads[1],
-        )
+        asked = TokenWindow(self.tokens, *self.firsts, self.prompt_tokens)
+        span, src, dst = asked.lists(self.src_blocks, self.dst_blocks, *sizes, spreads)
         if window is not None:
-            prompt = prompt_length(self.tokens, self.prompt_tokens)
+            prompt = asked.prompt
             assert prompt is not None, "a windowed plan needs the prompt length"
             part = windowed_range(span, window_start(window["tokens"], prompt, *sizes, spreads))
             if part is None:

@@ -10,7 +10,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvroute.client import AsyncKvrouteClient, KvrouteClient, KvrouteError  # noqa: E402
+from kvroute.client import (  # noqa: E402
+    AsyncKvrouteClient,
+    KvrouteClient,
+    KvrouteError,
+    TokenRange,
+    TokenWindow,
+)
 from kvroute.client.memory import ShmPool  # noqa: E402
 from kvroute.client.pools import KvLayout, SharedKvPool, rank_document  # noqa: E402
 from kvroute.geometry import Kind  # noqa: E402
@@ -120,7 +126,7 @@ def test_a_token_range_moves_into_larger_blocks(
             receiver_ranks=[0],
             src_blocks=[1, 2, 3],
             dst_blocks=[2, 0],
-            tokens=(5, 14),
+            window=TokenWindow(TokenRange(5, 14)),
         )
         done = client.wait_transfer(submitted.id, limit_s=30)
     assert plan.periodic
@@ -151,9 +157,7 @@ async def test_a_gap_is_refused_by_the_async_client_with_its_token(
                 receiver_ranks=[0],
                 src_blocks=[1, 2],
                 dst_blocks=[2, 0],
-                tokens=(5, 14),
-                src_first_token=4,
-                dst_first_token=0,
+                window=TokenWindow(TokenRange(5, 14), src_first_token=4, dst_first_token=0),
             )
     assert (gap.value.status, gap.value.code, gap.value.field) == (
         422,

@@ -26,6 +26,7 @@ from kvroute.geometry import (
     Plan,
     Pool,
     TokenRange,
+    TokenWindow,
     build_plan,
     check_registration,
 )
@@ -36,7 +37,6 @@ from kvroute.transfer import (
     LocalBackend,
     PoolMemoryCache,
     Strategy,
-    TokenWindow,
     TransferJob,
     TransferLeg,
     TransferValidationError,
@@ -205,7 +205,7 @@ def test_nixl_descriptors_from_the_served_period_form_agree(name: str) -> None:
         sender_pools={0: {0: PoolAddress(base, SLOT, SLOTS)}},
         src_blocks=src_blocks,
         dst_blocks=dst_blocks,
-        prompt_tokens=prompt,
+        window=TokenWindow(prompt_tokens=prompt),
     )
     got = before.copy()
     for descs in result.peers:
@@ -221,5 +221,5 @@ def test_nixl_descriptors_from_the_served_period_form_agree(name: str) -> None:
             sender_pools={0: {0: PoolAddress(base, SLOT, SLOTS)}},
             src_blocks=src_blocks,
             dst_blocks=dst_blocks,
-            tokens=(positions.start, prompt),
+            window=TokenWindow(TokenRange(positions.start, prompt)),
         )

@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.geometry import Plan, Pool, TokenRange, build_plan
+from kvroute.geometry import Plan, Pool, TokenRange, TokenWindow, build_plan
 from kvroute.transfer import (
     CopyEngine,
     CopyPlan,
@@ -28,7 +28,6 @@ from kvroute.transfer import (
     TransferLeg,
     TransferValidationError,
 )
-from kvroute.transfer.jobs import TokenWindow
 from tests.executor import Request, execute
 from tests.transfer.pools import as_bytes
 from tests.truth import Truth, background

@@ -19,10 +19,10 @@ from kvroute.geometry import (
     TokenGap,
     TokenRange,
     TokenRangeError,
+    TokenWindow,
     build_plan,
     check_registration,
     range_copies,
-    resolve_lists,
     window_start,
 )
 from kvroute.pictures import plan_svg
@@ -84,8 +84,8 @@ def test_tp4_context_to_cp4_generation_moves_each_token_to_its_rank() -> None:
         # Tokens [3, 13) of a 16-token prompt: context blocks 0-1, the CP ranks' shared list of
         # local blocks 0-1 (2 tokens each).
         period = build_plan(ctx, gen).peers[0].views[0].period_map
-        span, src, dst = resolve_lists(
-            [10, 11], [20, 21], 8, 2, tokens=TokenRange(3, 13), dst_spread=gen.spread
+        span, src, dst = TokenWindow(TokenRange(3, 13)).lists(
+            [10, 11], [20, 21], 8, 2, (Spread(), gen.spread)
         )
         copies = range_copies(period, span, src, dst)
         moved = [t for t in range(3, 13) if t % 4 == c]
@@ -132,10 +132,9 @@ def test_a_cp_list_short_of_a_token_raises_a_gap_naming_it() -> None:
     ctx = [_mla("context", tpb=4)]
     gen = _mla("generation", tpb=4, cp=2, cp_rank=1)
     period = build_plan(ctx, gen).peers[0].views[0].period_map
-    span, src, dst = resolve_lists(
-        [0, 1, 2, 3], [9], 4, 4, tokens=TokenRange(0, 16), dst_first_token=0,
-        dst_spread=gen.spread,
-    )  # fmt: skip
+    span, src, dst = TokenWindow(TokenRange(0, 16), dst_first_token=0).lists(
+        [0, 1, 2, 3], [9], 4, 4, (Spread(), gen.spread)
+    )
     with pytest.raises(TokenGap) as gap:
         range_copies(period, span, src, dst)
     # Rank 1 holds the odd tokens; its 2nd local block starts at local position 4: token 9.
@@ -207,10 +206,9 @@ def test_zigzag_context_to_cp2_interleaved_generation_for_one_prompt() -> None:
     assert any(f[:4] == [1, 0, 2, 0] and f[5] == 9 for f in sends[0]["period_fragments"])
     # Tokens [2, 10) of the 10-token prompt, moved with each side's shared list.
     period = plan.peers[0].views[0].period_map
-    span, src, dst = resolve_lists(
-        [10, 11], [20, 21, 22], 4, 2, tokens=TokenRange(2, 10), prompt_tokens=10,
-        src_spread=period.src_spread, dst_spread=period.dst_spread,
-    )  # fmt: skip
+    span, src, dst = TokenWindow(TokenRange(2, 10), prompt_tokens=10).lists(
+        [10, 11], [20, 21, 22], 4, 2, (period.src_spread, period.dst_spread)
+    )
     assert (src.first_block, dst.first_block) == (0, 0)
     copies = range_copies(period, span, src, dst)
     # Token 9 in both layers (regions of 4 and 2 latent rows a block).
@@ -235,10 +233,9 @@ def test_chunked_plans_and_jobs_need_their_prompt_length() -> None:
     )
     period = build_plan(ctx, gen, prompt_tokens=12).peers[0].views[0].period_map
     with pytest.raises(TokenRangeError) as mismatch:
-        resolve_lists(
-            [1, 2], [3, 4], 4, 4, tokens=TokenRange(0, 8), prompt_tokens=9,
-            src_spread=period.src_spread,
-        )  # fmt: skip
+        TokenWindow(TokenRange(0, 8), prompt_tokens=9).lists(
+            [1, 2], [3, 4], 4, 4, (period.src_spread, Spread())
+        )
     assert mismatch.value.code == "prompt_tokens_mismatch"
     assert (mismatch.value.extras["local"], mismatch.value.extras["peer"]) == (9, 12)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvroute.cli.demo_workers import WorkerSpec, answer_commands
+from kvroute.cli.demo_workers import TensorParallelRoles, WorkerSpec, answer_commands
 from kvroute.client.hybrid import HybridPool, MambaLayout, mamba2
 from kvroute.client.memory import ShmPool
 from kvroute.client.pools import KvLayout, Parallel, rank_document
@@ -31,7 +31,7 @@ CACHED_TOKENS = 3  # the generation side already holds each prompt's first token
 
 
 @dataclass(frozen=True, slots=True)
-class HybridModel:
+class HybridModel(TensorParallelRoles):
     """Model dimensions (Mamba2 and attention) and the two instances' TP."""
 
     layers: int
@@ -60,15 +60,6 @@ class HybridModel:
 
     def tokens(self, role: str) -> int:
         return self.tokens_per_block * (1 if role == "context" else 2)
-
-    def tp(self, role: str) -> int:
-        return self.context_tp if role == "context" else self.generation_tp
-
-    def ranks(self, role: str) -> int:
-        return self.tp(role)
-
-    def label(self, role: str) -> str:
-        return f"TP{self.tp(role)}"
 
     def blocks(self, role: str) -> int:
         """Blocks of one request's prompt on a side."""

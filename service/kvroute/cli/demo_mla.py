@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvroute.cli.demo_workers import WorkerSpec, answer_commands
+from kvroute.cli.demo_workers import TensorParallelRoles, WorkerSpec, answer_commands
 from kvroute.client.memory import ShmPool
 
 DEPLOYMENT = "demo-mla-cp"
@@ -30,7 +30,7 @@ ELEMENT_BYTES = 2  # bfloat16
 
 
 @dataclass(frozen=True, slots=True)
-class MlaModel:
+class MlaModel(TensorParallelRoles):
     """MLA dimensions and the two instances' layouts (generation: TP1 x CP ``generation_cp``)."""
 
     layers: int
@@ -48,9 +48,6 @@ class MlaModel:
 
     def tokens(self, role: str) -> int:
         return self.tokens_per_block if role == "context" else self.generation_tokens_per_block
-
-    def tp(self, role: str) -> int:
-        return self.context_tp if role == "context" else self.generation_tp
 
     def cp(self, role: str) -> int:
         return self.context_cp if role == "context" else self.generation_cp

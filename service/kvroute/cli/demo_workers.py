@@ -31,8 +31,26 @@ M = TypeVar("M")  # the model a worker holds
 CACHED_TOKENS = 3  # the generation side already holds the prompt's first tokens
 
 
+class TensorParallelRoles:
+    """A demo model's TP per role (its ``context_tp`` and ``generation_tp`` fields), one rank a
+    TP rank; ``label`` names it in the demo's tables."""
+
+    __slots__ = ()
+    context_tp: int
+    generation_tp: int
+
+    def tp(self, role: str) -> int:
+        return self.context_tp if role == "context" else self.generation_tp
+
+    def ranks(self, role: str) -> int:
+        return self.tp(role)
+
+    def label(self, role: str) -> str:
+        return f"TP{self.tp(role)}"
+
+
 @dataclass(frozen=True, slots=True)
-class Model:
+class Model(TensorParallelRoles):
     """A model's KV geometry and the two instances' layouts."""
 
     layers: int
@@ -56,15 +74,6 @@ class Model:
 
     def slots(self, role: str) -> int:
         return self.prompt_tokens // self.tokens(role)
-
-    def tp(self, role: str) -> int:
-        return self.context_tp if role == "context" else self.generation_tp
-
-    def ranks(self, role: str) -> int:
-        return self.tp(role)
-
-    def label(self, role: str) -> str:
-        return f"TP{self.tp(role)}"
 
     def layouts(self, role: str) -> tuple[KvLayout, KvLayout]:
         tp_size, tokens = self.tp(role), self.tokens(role)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.error
 import urllib.parse
@@ -26,6 +25,7 @@ from typing import Any
 
 from rich.console import Console
 
+from kvroute.cli.remote import TOKEN_VARIABLES, Refused, Unreachable, ask
 from kvroute.geometry import (
     GeometryError,
     Plan,
@@ -37,9 +37,6 @@ from kvroute.geometry import (
 from kvroute.pictures import plan_svg
 from kvroute.render import plan_text
 
-FETCH_TIMEOUT_SECONDS = 30.0
-# The server's own variables; plans need the worker scope, which the admin token also grants.
-TOKEN_VARIABLES = ("KVROUTE_WORKER_TOKEN", "KVROUTE_ADMIN_TOKEN")
 LOCAL_DEPLOYMENT = "local"
 
 stderr = Console(stderr=True, highlight=False)
@@ -197,33 +194,14 @@ def fetch_plan(args: argparse.Namespace) -> str:
         params["prompt_tokens"] = args.prompt_tokens
     query = urllib.parse.urlencode(params)
     deployment = urllib.parse.quote(args.deployment, safe="")
-    url = f"{args.url.rstrip('/')}/v1/deployments/{deployment}/plans?{query}"
-    request = urllib.request.Request(url)
-    token = args.token or next(
-        (os.environ[name] for name in TOKEN_VARIABLES if os.environ.get(name)), None
-    )
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=FETCH_TIMEOUT_SECONDS) as response:
-            body: bytes = response.read()
-    except urllib.error.HTTPError as exc:
-        raise RefusedByServer(_problem_text(exc)) from exc
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise PlanCommandError(f"cannot reach {args.url}: {reason}") from exc
+        body = ask(args.url, f"/v1/deployments/{deployment}/plans?{query}", args.token)
+    except Refused as refused:
+        title = "" if refused.problem is None else f" {refused.problem.get('title', '')}"
+        raise RefusedByServer(f"{refused.status}{title}: {refused.detail}") from refused
+    except Unreachable as error:
+        raise PlanCommandError(str(error)) from error
     text = body.decode()
     if args.format == "json":
         return json.dumps(json.loads(text), indent=2) + "\n"
     return text
-
-
-def _problem_text(error: urllib.error.HTTPError) -> str:
-    raw = error.read().decode(errors="replace")
-    try:
-        problem = json.loads(raw)
-    except json.JSONDecodeError:
-        problem = None
-    if not isinstance(problem, dict):
-        return f"{error.code}: {raw[:200]}"
-    return f"{error.code} {problem.get('title', '')}: {problem.get('detail', raw)}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.error
 import urllib.parse
@@ -18,7 +17,7 @@ import urllib.request
 from typing import Any
 
 from kvroute.cli.common import CommandError
-from kvroute.cli.plan import FETCH_TIMEOUT_SECONDS, TOKEN_VARIABLES
+from kvroute.cli.remote import Refused, Unreachable, ask
 from kvroute.engines.models import ModelSpec, parse_layout
 from kvroute.engines.models.preflight import describe
 
@@ -74,33 +73,12 @@ def print_remote_refusal(refusal: dict[str, Any], stream: Any) -> None:
 
 
 def _post(args: argparse.Namespace, body: dict[str, Any]) -> dict[str, Any]:
-    deployment = urllib.parse.quote(args.deployment, safe="")
-    url = f"{args.url.rstrip('/')}/v1/deployments/{deployment}/admission-checks"
-    request = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"content-type": "application/json"},
-    )
-    token = args.token or next(
-        (os.environ[name] for name in TOKEN_VARIABLES if os.environ.get(name)), None
-    )
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
+    path = f"/v1/deployments/{urllib.parse.quote(args.deployment, safe='')}/admission-checks"
     try:
-        with urllib.request.urlopen(request, timeout=FETCH_TIMEOUT_SECONDS) as response:
-            answer: dict[str, Any] = json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        raise CommandError(f"{url} answered {error.code}: {_detail(error)}") from None
-    except (urllib.error.URLError, OSError) as error:
-        raise CommandError(f"cannot reach {args.url}: {getattr(error, 'reason', error)}") from None
+        answer: dict[str, Any] = json.loads(ask(args.url, path, args.token, body))
+    except Refused as refused:
+        url = args.url.rstrip("/") + path
+        raise CommandError(f"{url} answered {refused.status}: {refused.detail}") from None
+    except Unreachable as error:
+        raise CommandError(str(error)) from None
     return answer
-
-
-def _detail(error: urllib.error.HTTPError) -> str:
-    raw = error.read().decode(errors="replace")
-    try:
-        problem = json.loads(raw)
-    except json.JSONDecodeError:
-        return raw[:200]
-    return str(problem.get("detail", raw[:200])) if isinstance(problem, dict) else raw[:200]

@@ -34,6 +34,7 @@ from kvroute.client.models import (
     TransferStatus,
 )
 from kvroute.client.retry import RETRY_STATUSES, RetryPolicy, parse_retry_after
+from kvroute.geometry import BLOCK_PAIRS, TokenWindow
 
 log = logging.getLogger(__name__)
 
@@ -238,17 +239,8 @@ class AsyncKvrouteClient:
         which any token range can be cut (``client.nixl_descs``), but for pairs without whole
         token rows, which keep their block form (``ViewTransfer.token_rows`` False);
         ``prompt_tokens`` is the prompt length a sender holding prefill CP chunks is planned for."""
-        params: dict[str, str | int] = {
-            "sender": sender,
-            "receiver": receiver,
-            "receiver_rank": receiver_rank,
-        }
-        if sender_dp_rank is not None:
-            params["sender_dp_rank"] = sender_dp_rank
-        if prompt_tokens is not None:
-            params["prompt_tokens"] = prompt_tokens
-        if period:
-            params["fragments"] = "period"
+        params = _plan_params(sender, receiver, sender_dp_rank, period, prompt_tokens)
+        params["receiver_rank"] = receiver_rank
         _, body = await self._call(
             "GET", f"/v1/deployments/{_seg(deployment)}/plans", params=params
         )
@@ -265,13 +257,7 @@ class AsyncKvrouteClient:
         prompt_tokens: int | None = None,
     ) -> list[PlanDocument]:
         """Every rank's plan of a receiver instance in one answer, ordered by rank (``plan-sets``)."""
-        params: dict[str, str | int] = {"sender": sender, "receiver": receiver}
-        if sender_dp_rank is not None:
-            params["sender_dp_rank"] = sender_dp_rank
-        if prompt_tokens is not None:
-            params["prompt_tokens"] = prompt_tokens
-        if period:
-            params["fragments"] = "period"
+        params = _plan_params(sender, receiver, sender_dp_rank, period, prompt_tokens)
         path = f"/v1/deployments/{_seg(deployment)}/plan-sets"
         _, body = await self._call("GET", path, params=params)
         return [PlanDocument.from_json(plan) for plan in body["plans"]]
@@ -285,32 +271,29 @@ class AsyncKvrouteClient:
         receiver_ranks: Sequence[int],
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
-        tokens: tuple[int, int] | None = None,
-        src_first_token: int | None = None,
-        dst_first_token: int | None = None,
+        window: TokenWindow = BLOCK_PAIRS,
         src_state_slot: int | None = None,
         dst_state_slot: int | None = None,
-        prompt_tokens: int | None = None,
     ) -> TransferStatus:
-        """Queue a copy of one request. Without token arguments ``src_blocks[i]`` goes to
-        ``dst_blocks[i]``; with them each list holds a run of the prompt and the tokens
-        [start, end) move (a side's first token defaults to upstream's suffix rule). A gap answers
-        422 ``token_range_not_covered`` (``KvrouteError.problem`` names the token and the list).
-        Hybrid models add the request's recurrent-state slot on both sides, and sliding windows
-        the prompt's length (default: the range's end; a range past it is 422
-        ``prompt_tokens_contradicts_tokens``)."""
+        """Queue a copy of one request. Without a ``window`` ``src_blocks[i]`` goes to
+        ``dst_blocks[i]``; with one naming a range each list holds a run of the prompt and the
+        tokens [start, end) move (a side's first token defaults to upstream's suffix rule). A gap
+        answers 422 ``token_range_not_covered`` (``KvrouteError.problem`` names the token and the
+        list). Hybrid models add the request's recurrent-state slot on both sides, and sliding
+        windows the prompt's length (``TokenWindow.prompt_tokens``, default: the range's end)."""
+        tokens = window.tokens
         request = wire.TransferRequest(
             sender=sender,
             receiver=receiver,
             receiver_ranks=tuple(receiver_ranks),
             src_blocks=tuple(src_blocks),
             dst_blocks=tuple(dst_blocks),
-            tokens=None if tokens is None else wire.TokenRange(*tokens),
-            src_first_token=src_first_token,
-            dst_first_token=dst_first_token,
+            tokens=None if tokens is None else wire.TokenRange(tokens.start, tokens.end),
+            src_first_token=window.src_first_token,
+            dst_first_token=window.dst_first_token,
             src_state_slot=src_state_slot,
             dst_state_slot=dst_state_slot,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=window.prompt_tokens,
         )
         path = f"/v1/deployments/{_seg(deployment)}/transfers"
         _, body = await self._call("POST", path, body=wire.to_json(request))
@@ -382,6 +365,20 @@ class AsyncKvrouteClient:
         path = f"/v1/deployments/{_seg(deployment)}/pairs"
         _, body = await self._call("GET", path, params=params)
         return wire.from_json(wire.Pairs, body)
+
+
+def _plan_params(
+    sender: str, receiver: str, sender_dp_rank: int | None, period: bool, prompt_tokens: int | None
+) -> dict[str, str | int]:
+    """The query a plan and a plan set share."""
+    params: dict[str, str | int] = {"sender": sender, "receiver": receiver}
+    if sender_dp_rank is not None:
+        params["sender_dp_rank"] = sender_dp_rank
+    if prompt_tokens is not None:
+        params["prompt_tokens"] = prompt_tokens
+    if period:
+        params["fragments"] = "period"
+    return params
 
 
 async def _payload(resp: aiohttp.ClientResponse) -> Any:

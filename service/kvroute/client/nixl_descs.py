@@ -9,10 +9,10 @@ small-transfer latency, so it is reported next to the bytes.
 
 The plan is the typed ``geometry.Plan``: the planner's own, or a served document read once with
 ``Plan.from_json`` (``client.PlanDocument.plan``). A transfer may instead name a token range
-(``tokens``, and each list's first token): then every view pair needs its period form
-(``ViewTransfer.token_form``: a pair between blocks of different sizes, one read from a plan
-fetched with ``period=True``, or a pair the planner built here, which moves whole blocks of equal
-sizes by its block fragments), and the range is cut from it as ``geometry.ranges`` states: whole
+(a ``geometry.TokenWindow``: the range, and each list's first token): then every view pair needs
+its period form (``ViewTransfer.token_form``: a pair between blocks of different sizes, one read
+from a plan fetched with ``period=True``, or a pair the planner built here, which moves whole
+blocks of equal sizes by its block fragments), and the range is cut from it as ``geometry.ranges`` states: whole
 pieces by the period's fragments, the few tokens at each end by ``range_copies``. A windowed view
 pair moves the range from its window's first token on (``geometry.window``), and a
 recurrent-state pair the request's state slot once.
@@ -32,16 +32,16 @@ import numpy as np
 
 from kvroute.client.nixl_ranges import range_rows
 from kvroute.geometry import (
+    BLOCK_PAIRS,
     BlockList,
     PeerPlan,
     Plan,
     Spread,
     TokenRange,
+    TokenWindow,
     ViewTransfer,
     block_ends,
     check_covered,
-    prompt_length,
-    resolve_lists,
     whole_pieces,
     window_start,
     windowed_range,
@@ -98,32 +98,27 @@ def plan_descriptors(
     sender_pools: Mapping[int, Mapping[int, PoolAddress]],
     src_blocks: Sequence[int],
     dst_blocks: Sequence[int],
-    tokens: tuple[int, int] | None = None,
-    src_first_token: int | None = None,
-    dst_first_token: int | None = None,
+    window: TokenWindow = BLOCK_PAIRS,
     src_state_slot: int | None = None,
     dst_state_slot: int | None = None,
-    prompt_tokens: int | None = None,
 ) -> NixlTransfer:
-    """Descriptor lists for the pull of ``src_blocks`` (sender) into ``dst_blocks`` (receiver).
+    """Descriptor lists for the pull of ``src_blocks`` (sender) into ``dst_blocks`` (receiver),
+    or of the tokens ``window`` names.
 
     ``sender_pools`` maps sender rank -> pool id -> address. Ranks that send nothing
-    (``PeerPlan.sends``) get no entry. A plan that moves recurrent state (``states``) also pulls the request's state slot
-    once; a windowed view only the tokens from its window on (measured from ``prompt_tokens``, else
-    the range's end). Raises ``ValueError`` naming a missing pool, a block outside its pool, a
-    fragment outside its slot, a missing state slot or prompt length (because NIXL would only fail
-    later with ``NIXL_ERR_NOT_FOUND``, and a skipped state would leave the receiver zeroed) or,
-    for a token range, the first token a list lacks (``geometry.TokenGap``).
+    (``PeerPlan.sends``) get no entry. A plan that moves recurrent state (``states``) also pulls the
+    request's state slot once; a windowed view only the tokens from its window on (measured from
+    the window's prompt length). Raises ``ValueError`` naming a missing pool, a block outside its
+    pool, a fragment outside its slot, a missing state slot or prompt length (because NIXL would
+    only fail later with ``NIXL_ERR_NOT_FOUND``, and a skipped state would leave the receiver
+    zeroed) or, for a token range, the first token a list lacks (``geometry.TokenGap``).
     """
     request = _Request(
         np.asarray(src_blocks, dtype=np.int64),
         np.asarray(dst_blocks, dtype=np.int64),
-        TokenRange(*tokens) if tokens is not None else None,
-        src_first_token,
-        dst_first_token,
+        window,
         src_state_slot,
         dst_state_slot,
-        prompt_tokens,
     )
     peers = []
     for peer in plan.peers:
@@ -137,27 +132,20 @@ def plan_descriptors(
 
 @dataclass(frozen=True, slots=True)
 class _Request:
-    """One request's lists, token range, state slots and prompt length (``geometry.ranges``)."""
+    """One request's lists, token window and state slots (``geometry.ranges``)."""
 
     src: np.ndarray
     dst: np.ndarray
-    tokens: TokenRange | None
-    src_first_token: int | None
-    dst_first_token: int | None
+    window: TokenWindow
     src_state_slot: int | None
     dst_state_slot: int | None
-    prompt_tokens: int | None
-
-    @property
-    def names_tokens(self) -> bool:
-        return (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
 
     def pairs(self, view: ViewTransfer) -> bool:
         """The view moves block pairs: no range and no prompt length named (or a prompt length
         alone and a pair that only moves whole blocks), block fragments, no window."""
-        if self.names_tokens or view.periodic or view.window is not None:
+        if self.window.names_tokens or view.periodic or view.window is not None:
             return False
-        if self.prompt_tokens is not None:
+        if self.window.prompt_tokens is not None:
             return not view.token_rows
         if len(self.src) != len(self.dst):
             raise ValueError(
@@ -168,7 +156,7 @@ class _Request:
     def block_pairs(self) -> tuple[np.ndarray, np.ndarray]:
         """The lists paired one to one, or for a prompt-only job their common suffix: with equal
         block sizes both suffix lists end with the block holding the prompt's last token."""
-        if self.prompt_tokens is None:
+        if self.window.prompt_tokens is None:
             return self.src, self.dst
         count = min(len(self.src), len(self.dst))
         return self.src[len(self.src) - count :], self.dst[len(self.dst) - count :]
@@ -183,17 +171,7 @@ class _Request:
     def lists(
         self, sizes: tuple[int, int], spreads: tuple[Spread, Spread] = (Spread(), Spread())
     ) -> tuple[TokenRange, BlockList, BlockList]:
-        return resolve_lists(
-            self.src.tolist(),
-            self.dst.tolist(),
-            *sizes,
-            tokens=self.tokens,
-            src_first_token=self.src_first_token,
-            dst_first_token=self.dst_first_token,
-            prompt_tokens=self.prompt_tokens,
-            src_spread=spreads[0],
-            dst_spread=spreads[1],
-        )
+        return self.window.lists(self.src.tolist(), self.dst.tolist(), *sizes, spreads)
 
     def windowed(
         self,
@@ -205,7 +183,7 @@ class _Request:
         window = view.window
         if window is None:
             return tokens
-        prompt = prompt_length(self.tokens, self.prompt_tokens)
+        prompt = self.window.prompt
         if prompt is None:
             raise ValueError(
                 "the plan has sliding-window views: give prompt_tokens (or a token range)"
@@ -292,7 +270,7 @@ def _range_copies(view: ViewTransfer, request: _Request) -> np.ndarray:
     part = request.windowed(view, tokens, spreads)
     if part is None:
         return np.empty((0, 5), dtype=np.int64)
-    if not view.token_rows and not request.names_tokens:  # a prompt-only job: whole blocks
+    if not view.token_rows and not request.window.names_tokens:  # prompt-only: whole blocks
         part = block_ends(part, sizes[0])
     check_covered(part, src, dst)
     # A pair the planner built here with equal block sizes has both forms: whole blocks move by

@@ -29,19 +29,19 @@ from kvroute.geometry.periods import PeriodMap
 from kvroute.geometry.plan import PeerPlan, Plan, StateTransfer, ViewTransfer
 from kvroute.geometry.planner import build_plan
 from kvroute.geometry.ranges import (
+    BLOCK_PAIRS,
     BlockList,
     PromptContradiction,
     TokenGap,
     TokenRange,
     TokenRangeError,
+    TokenWindow,
     block_ends,
     check_covered,
     first_gap,
     full_periods,
     periods_inside,
-    prompt_length,
     range_copies,
-    resolve_lists,
     whole_pieces,
 )
 from kvroute.geometry.rows import TokenAxis
@@ -49,6 +49,7 @@ from kvroute.geometry.spread import Spread
 from kvroute.geometry.window import Window, window_start, windowed_range
 
 __all__ = [
+    "BLOCK_PAIRS",
     "DTYPE_BITS",
     "Attention",
     "BlockList",
@@ -72,6 +73,7 @@ __all__ = [
     "TokenGap",
     "TokenRange",
     "TokenRangeError",
+    "TokenWindow",
     "View",
     "ViewTransfer",
     "Window",
@@ -84,9 +86,7 @@ __all__ = [
     "full_periods",
     "missing_ranks",
     "periods_inside",
-    "prompt_length",
     "range_copies",
-    "resolve_lists",
     "whole_pieces",
     "window_start",
     "windowed_range",

@@ -7,14 +7,15 @@ chunk's list, a receiver that already holds a prefix): ``blocks[0]`` holds that 
 position ``first % tpb``, and each later id holds the next whole block. A range is covered when every
 token of it lies in both lists; the first token that does not is the gap reported.
 
-A request may also name the prompt's length (``prompt_tokens``), which sliding windows are measured
-from (``window``). It defaults to the range's end, and a range ending after it is refused: the two
-would contradict each other. Without a range, a prompt length places the lists as the prompt's last
-blocks (the suffix rule against it, issue 12's block lists) and the range is the tokens both hold, up
-to the prompt's last token and never past it (``resolve_lists``), whatever the block sizes, windows
-and CP placements: one rule, the one an explicit range obeys. Only a view pair whose bytes are not
-whole token rows cannot stop mid-block; it moves the block holding the prompt's last token whole
-(``block_ends``).
+A request names what it moves beside its lists in one ``TokenWindow``: the range, each list's
+first token and the prompt's length (``prompt_tokens``), which sliding windows are measured from
+(``window``). The prompt defaults to the range's end, and a range ending after it is refused: the
+two would contradict each other. Without a range, a prompt length places the lists as the prompt's
+last blocks (the suffix rule against it, issue 12's block lists) and the range is the tokens both
+hold, up to the prompt's last token and never past it (``TokenWindow.lists``), whatever the block
+sizes, windows and CP placements: one rule, the one an explicit range obeys. Only a view pair whose
+bytes are not whole token rows cannot stop mid-block; it moves the block holding the prompt's last
+token whole (``block_ends``).
 
 A plan of prefill CP chunks (``spread``) is built for one prompt length: a request that names
 another (or none) is refused (``prompt_tokens_mismatch``).
@@ -31,6 +32,7 @@ as the reference), and their own fused copies for whole periods (``full_periods`
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -197,57 +199,95 @@ class BlockList:
         return None
 
 
-def prompt_length(tokens: TokenRange | None, prompt_tokens: int | None) -> int | None:
-    """The prompt length windows are measured from: ``prompt_tokens``, else the range's end."""
-    if prompt_tokens is None:
-        return None if tokens is None else tokens.end
-    if tokens is not None and tokens.end > prompt_tokens:
-        raise PromptContradiction(prompt_tokens, tokens)
-    return prompt_tokens
+@dataclass(frozen=True, slots=True)
+class TokenWindow:
+    """Which tokens a transfer moves beside its block lists, the one type the client, its NIXL
+    descriptors and the data plane take: ``tokens`` (None: every token either list holds), each
+    list's first token (None: 0 without ``tokens`` or ``prompt_tokens``, else upstream's suffix rule
+    against ``tokens.end``, else against ``prompt_tokens``) and the prompt's length (None:
+    ``tokens.end``), which sliding windows are measured from. Nothing named: the lists pair up one
+    to one. Checked here, once: first tokens >= 0, a prompt >= 1 the range does not end after."""
+
+    tokens: TokenRange | None = None
+    src_first_token: int | None = None
+    dst_first_token: int | None = None
+    prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None and not isinstance(self.tokens, TokenRange):
+            raise TokenRangeError("tokens", f"must be a TokenRange, got {self.tokens!r}")
+        _check_count("src_first_token", self.src_first_token, 0)
+        _check_count("dst_first_token", self.dst_first_token, 0)
+        _check_count("prompt_tokens", self.prompt_tokens, 1)
+        tokens, prompt = self.tokens, self.prompt_tokens
+        if tokens is not None and prompt is not None and tokens.end > prompt:
+            raise PromptContradiction(prompt, tokens)
+
+    @property
+    def names_tokens(self) -> bool:
+        """A range or a first token is named: the lists hold runs of the prompt, not pairs."""
+        return (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
+
+    @property
+    def pairs_blocks(self) -> bool:
+        """Nothing named: block pairs, one to one (a prompt length alone makes the request the
+        prompt's tokens, not blocks)."""
+        return not self.names_tokens and self.prompt_tokens is None
+
+    @property
+    def prompt(self) -> int | None:
+        """The prompt length windows are measured from: ``prompt_tokens``, else the range's end."""
+        if self.prompt_tokens is None:
+            return None if self.tokens is None else self.tokens.end
+        return self.prompt_tokens
+
+    def lists(
+        self,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        src_tokens_per_block: int,
+        dst_tokens_per_block: int,
+        spreads: tuple[Spread, Spread] = (IDENTITY, IDENTITY),
+    ) -> tuple[TokenRange, BlockList, BlockList]:
+        """The request's range and lists for one view pair's block sizes (and CP placements).
+
+        The range defaults to every token either list holds, so lists that hold different tokens
+        leave a gap (and lists of one block size pair up one to one). With a prompt length, it is
+        the tokens both lists hold (a list's cached prefix is implicit in its length, so the later
+        first token starts it) up to the prompt's last token, with equal block sizes or not, with
+        CP or not: ``[max(src first, dst first), prompt_tokens)``.
+        """
+        prompt_tokens, tokens = self.prompt_tokens, self.tokens
+        for field, spread in zip(("src_blocks", "dst_blocks"), spreads, strict=True):
+            if spread.chunked and prompt_tokens != spread.prompt:
+                raise ChunkPromptMismatch(field, spread, prompt_tokens)
+        end = tokens.end if tokens is not None else prompt_tokens
+        sides = []
+        for blocks, first, size, field, spread in (
+            (src_blocks, self.src_first_token, src_tokens_per_block, "src_blocks", spreads[0]),
+            (dst_blocks, self.dst_first_token, dst_tokens_per_block, "dst_blocks", spreads[1]),
+        ):
+            if first is None and end is not None:
+                sides.append(BlockList.suffix(blocks, end, size, field, spread))
+            else:
+                sides.append(BlockList(blocks, first or 0, size, spread))
+        if tokens is not None:
+            return tokens, sides[0], sides[1]
+        if prompt_tokens is None:
+            start = min(side.first_token for side in sides)
+            return TokenRange(start, max(side.end_token for side in sides)), sides[0], sides[1]
+        return _prompt_range(prompt_tokens, *sides), sides[0], sides[1]
 
 
-def resolve_lists(
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    src_tokens_per_block: int,
-    dst_tokens_per_block: int,
-    *,
-    tokens: TokenRange | None = None,
-    src_first_token: int | None = None,
-    dst_first_token: int | None = None,
-    prompt_tokens: int | None = None,
-    src_spread: Spread = IDENTITY,
-    dst_spread: Spread = IDENTITY,
-) -> tuple[TokenRange, BlockList, BlockList]:
-    """A transfer request's range and lists for one view pair's block sizes (and CP placements).
-
-    A side's first token defaults to upstream's suffix rule against ``tokens.end`` (else against
-    ``prompt_tokens``), or to 0 when neither is named. The range defaults to every token either list
-    holds, so lists that hold different tokens leave a gap (and lists of one block size pair up one
-    to one). With a prompt length, it is the tokens both lists hold (a list's cached prefix is
-    implicit in its length, so the later first token starts it) up to the prompt's last token,
-    with equal block sizes or not, with CP or not: ``[max(src first, dst first), prompt_tokens)``.
-    """
-    prompt_length(tokens, prompt_tokens)
-    for field, spread in (("src_blocks", src_spread), ("dst_blocks", dst_spread)):
-        if spread.chunked and prompt_tokens != spread.prompt:
-            raise ChunkPromptMismatch(field, spread, prompt_tokens)
-    end = tokens.end if tokens is not None else prompt_tokens
-    sides = []
-    for blocks, first, size, field, spread in (
-        (src_blocks, src_first_token, src_tokens_per_block, "src_blocks", src_spread),
-        (dst_blocks, dst_first_token, dst_tokens_per_block, "dst_blocks", dst_spread),
+def _check_count(field: str, value: object, low: int) -> None:
+    # numbers.Integral admits numpy's integers (block ids arrive as arrays); bool is no count.
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
     ):
-        if first is None and end is not None:
-            sides.append(BlockList.suffix(blocks, end, size, field, spread))
-        else:
-            sides.append(BlockList(blocks, first or 0, size, spread))
-    if tokens is not None:
-        return tokens, sides[0], sides[1]
-    if prompt_tokens is None:
-        start, stop = min(side.first_token for side in sides), max(side.end_token for side in sides)
-        return TokenRange(start, stop), sides[0], sides[1]
-    return _prompt_range(prompt_tokens, *sides), sides[0], sides[1]
+        raise TokenRangeError(field, f"must be an integer >= {low}, got {value!r}")
+
+
+BLOCK_PAIRS = TokenWindow()  # nothing named: the lists pair up one to one
 
 
 def _prompt_range(prompt_tokens: int, src: BlockList, dst: BlockList) -> TokenRange:

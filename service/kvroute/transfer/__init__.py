@@ -51,7 +51,6 @@ _EXPORTS: dict[str, str] = {
     "ShmBackend": "kvroute.transfer.shm",
     "Strategy": "kvroute.transfer.engine",
     "StridedRun": "kvroute.transfer.program",
-    "TokenWindow": "kvroute.transfer.jobs",
     "TransferError": "kvroute.transfer.errors",
     "TransferJob": "kvroute.transfer.jobs",
     "TransferLeg": "kvroute.transfer.jobs",

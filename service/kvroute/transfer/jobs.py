@@ -5,9 +5,9 @@ A job copies one request for one or more receiver ranks of the same sender insta
 that cannot be opened fails the request up front, not a queued job later). The block lists are
 normalised to read-only ``int64`` arrays once, at construction.
 
-Without a ``TokenWindow`` the lists pair up one to one (block ``src_blocks[i]`` to ``dst_blocks[i]``),
-as before token ranges existed. With one, each list holds a run of the prompt (``geometry.ranges``):
-the window names the token range to move, optionally the first token of each list, and the prompt's
+With an empty ``geometry.TokenWindow`` (the default) the lists pair up one to one (block
+``src_blocks[i]`` to ``dst_blocks[i]``), as before token ranges existed. Otherwise each list holds a
+run of the prompt (``geometry.ranges``): the window names the token range to move, optionally the first token of each list, and the prompt's
 length that sliding windows are measured from; a view pair planned by period is moved that way even
 without a window (both lists then start at token 0). A window naming only the prompt's length keeps
 the lists the prompt's last blocks (issue 12's jobs) and moves the tokens both hold up to the
@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvroute.geometry import (
+    BLOCK_PAIRS,
     BlockList,
     Spread,
     TokenRange,
     TokenRangeError,
-    prompt_length,
-    resolve_lists,
+    TokenWindow,
 )
 from kvroute.job_state import JobState
 from kvroute.transfer.errors import PoolMemoryError, TransferValidationError
@@ -72,73 +72,17 @@ def validation_error(error: TokenRangeError) -> TransferValidationError:
     return TransferValidationError(error.field, error.detail, code=code, extras=dict(error.extras))
 
 
-@dataclass(frozen=True, slots=True)
-class TokenWindow:
-    """Which tokens a job moves: ``tokens`` (None: every token either list holds), each list's
-    first token (None: 0 without ``tokens``, else upstream's suffix rule against ``tokens.end``)
-    and the prompt's length (None: ``tokens.end``), which sliding windows are measured from."""
-
-    tokens: TokenRange | None = None
-    src_first_token: int | None = None
-    dst_first_token: int | None = None
-    prompt_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("src_first_token", "dst_first_token"):
-            _check_int(name, getattr(self, name), 0)
-        _check_int("prompt_tokens", self.prompt_tokens, 1)
-        try:
-            prompt_length(self.tokens, self.prompt_tokens)
-        except TokenRangeError as error:
-            raise validation_error(error) from error
-
-    @property
-    def names_tokens(self) -> bool:
-        """A range or a first token is named: the lists hold runs of the prompt, not pairs."""
-        return (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
-
-    @property
-    def prompt(self) -> int | None:
-        """The prompt length windows are measured from (None: neither it nor a range is named)."""
-        return prompt_length(self.tokens, self.prompt_tokens)
-
-    def lists(
-        self,
-        src: np.ndarray,
-        dst: np.ndarray,
-        src_tokens: int,
-        dst_tokens: int,
-        spreads: tuple[Spread, Spread] = (Spread(), Spread()),
-    ) -> tuple[TokenRange, BlockList, BlockList]:
-        """The range and both block lists for one view pair's block sizes (and CP placements)."""
-        try:
-            return resolve_lists(
-                src.tolist(),
-                dst.tolist(),
-                src_tokens,
-                dst_tokens,
-                tokens=self.tokens,
-                src_first_token=self.src_first_token,
-                dst_first_token=self.dst_first_token,
-                prompt_tokens=self.prompt_tokens,
-                src_spread=spreads[0],
-                dst_spread=spreads[1],
-            )
-        except TokenRangeError as error:
-            raise validation_error(error) from error
-
-
 @dataclass(frozen=True, slots=True, eq=False, init=False)
 class TransferJob:
     """Copy one request from every sender to the receiver, for each leg: ``src_blocks[i]`` to
-    ``dst_blocks[i]``, or the tokens of ``window`` where one is given, and the request's state
+    ``dst_blocks[i]``, or the tokens ``window`` names, and the request's state
     slot pair for recurrent-state views (see the module docstring)."""
 
     legs: tuple[TransferLeg, ...]
     src_blocks: np.ndarray
     dst_blocks: np.ndarray
     job_id: str
-    window: TokenWindow | None
+    window: TokenWindow
     src_state_slot: int | None
     dst_state_slot: int | None
 
@@ -149,7 +93,7 @@ class TransferJob:
         dst_blocks: Sequence[int] | np.ndarray,
         job_id: str | None = None,
         *,
-        window: TokenWindow | None = None,
+        window: TokenWindow = BLOCK_PAIRS,
         src_state_slot: int | None = None,
         dst_state_slot: int | None = None,
     ) -> None:
@@ -166,12 +110,17 @@ class TransferJob:
         object.__setattr__(self, "src_state_slot", src_state_slot)
         object.__setattr__(self, "dst_state_slot", dst_state_slot)
 
-    @property
-    def pairs_blocks(self) -> bool:
-        """No range, no first token and no prompt length: block pairs, one to one, where block
-        sizes are equal (a prompt length alone makes the job the prompt's tokens, not blocks)."""
-        window = self.window
-        return window is None or (not window.names_tokens and window.prompt_tokens is None)
+    def lists(
+        self, src_tokens: int, dst_tokens: int, spreads: tuple[Spread, Spread]
+    ) -> tuple[TokenRange, BlockList, BlockList]:
+        """The window's range and both block lists for one view pair's block sizes (and CP
+        placements), a refusal as the data plane's error."""
+        try:
+            return self.window.lists(
+                self.src_blocks.tolist(), self.dst_blocks.tolist(), src_tokens, dst_tokens, spreads
+            )
+        except TokenRangeError as error:
+            raise validation_error(error) from error
 
     @property
     def num_blocks(self) -> int:

@@ -39,7 +39,7 @@ from kvroute.geometry import (
     windowed_range,
 )
 from kvroute.transfer.errors import TransferValidationError
-from kvroute.transfer.jobs import TokenWindow, TransferJob
+from kvroute.transfer.jobs import TransferJob
 from kvroute.transfer.plan import ViewCopy
 from kvroute.transfer.slots import state_slots
 
@@ -60,9 +60,9 @@ def view_work(
     """What ``job`` copies of ``view``; raises ``TransferValidationError`` naming a gap."""
     if view.state:
         return (Pass(key, view.fragments, *state_slots(job)),)
-    window = job.window or TokenWindow()
+    window = job.window
     whole = view.sliding_window is None and not view.periodic
-    if whole and job.pairs_blocks:
+    if whole and window.pairs_blocks:
         src_blocks, dst_blocks = job.src_blocks, job.dst_blocks
         if len(src_blocks) != len(dst_blocks):
             raise TransferValidationError(
@@ -77,7 +77,7 @@ def view_work(
     sizes = view.tokens_per_block
     if sizes is None:
         raise _needs_period(view, where)
-    tokens, src, dst = window.lists(job.src_blocks, job.dst_blocks, *sizes, view.spreads)
+    tokens, src, dst = job.lists(*sizes, view.spreads)
     if view.sliding_window is not None:
         assert window.prompt is not None  # slots.check_leg refused a windowed job without it
         start = view.sliding_window.first_token(window.prompt, view.spreads)

@@ -29,7 +29,7 @@ def check_leg(job: TransferJob, leg: TransferLeg, leg_index: int) -> None:
         _check_shared_slots(job, "dst", plan.shared_slot_pools, "receiver pool")
         senders = frozenset(pool for _, pool in plan.shared_src_pools)
         _check_shared_slots(job, "src", senders, "sender pool")
-    if plan.windowed and (job.window is None or job.window.prompt is None):
+    if plan.windowed and job.window.prompt is None:
         raise TransferValidationError(
             "prompt_tokens",
             f"the plan of leg {leg_index} has sliding-window views: the prompt length "

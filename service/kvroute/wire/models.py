@@ -172,7 +172,7 @@ class TransferOptions:
     """A transfer request's optional members: which tokens move (a range, each list's first token,
     the prompt's length) and the request's recurrent-state slots. None: not given. A job's row
     stores them and its answer echoes them as the request gave them; ``control`` checks them
-    (``transfer.TokenWindow``)."""
+    (``geometry.TokenWindow``)."""
 
     tokens: TokenRange | None = field(default=None, metadata=OMIT_NONE)
     src_first_token: int | None = field(default=None, metadata=OMIT_NONE)
@@ -184,11 +184,6 @@ class TransferOptions:
     def options(self) -> dict[str, Any]:
         """The optional members by name (given or not)."""
         return {name: getattr(self, name) for name in OPTION_NAMES}
-
-    @property
-    def names_tokens(self) -> bool:
-        """A token range or a first token is named: the lists hold runs of the prompt, not pairs."""
-        return (self.tokens, self.src_first_token, self.dst_first_token) != (None, None, None)
 
 
 OPTION_NAMES = tuple(option.name for option in fields(TransferOptions))

@@ -22,14 +22,14 @@ from kvroute.control.plans import PlanService
 from kvroute.control.transfers.journal import JobJournal
 from kvroute.control.transfers.legs import Leg, LegResolver, job_memories
 from kvroute.control.transfers.pool_sweep import PoolSweep
-from kvroute.geometry import TokenRange, TokenRangeError
+from kvroute.geometry import TokenRange, TokenRangeError, TokenWindow
 from kvroute.job_state import JobState
 from kvroute.store import jobs
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import Conflict, InvalidTransition
 from kvroute.transfer.engine import CopyEngine
 from kvroute.transfer.errors import TransferValidationError, UnknownJob
-from kvroute.transfer.jobs import CopyResult, TokenWindow, TransferJob
+from kvroute.transfer.jobs import CopyResult, TransferJob, validation_error
 from kvroute.transfer.metrics import pool_gauges
 from kvroute.transfer.opened import PoolMemoryCache
 from kvroute.transfer.workers import DrainReport, WorkerPool, system_clock
@@ -117,7 +117,7 @@ class TransferService:
         window = _window(request)
         await self._journal.recover(now)
         legs = await self._legs.legs(deployment, request, now=now)
-        if not request.names_tokens and request.prompt_tokens is None:
+        if window.pairs_blocks:
             _check_pairs(request, legs)
         opened = await asyncio.to_thread(self._legs.open, deployment, request, legs)
         queued = False
@@ -192,16 +192,15 @@ def _check_pairs(request: wire.TransferRequest, legs: list[Leg]) -> None:
         )
 
 
-def _window(request: wire.TransferRequest) -> TokenWindow | None:
-    """The request's token members, checked; None for lists that pair up one to one (no range,
-    no first token, no prompt length: a prompt length alone makes the job the prompt's tokens)."""
-    if not request.names_tokens and request.prompt_tokens is None:
-        return None
+def _window(request: wire.TransferRequest) -> TokenWindow:
+    """The request's token members as the one type the data plane takes, checked there."""
+    given = request.tokens
     try:
-        given = request.tokens
-        tokens = None if given is None else TokenRange(given.start, given.end)
+        return TokenWindow(
+            None if given is None else TokenRange(given.start, given.end),
+            request.src_first_token,
+            request.dst_first_token,
+            request.prompt_tokens,
+        )
     except TokenRangeError as error:
-        raise TransferValidationError(error.field, error.detail) from error
-    return TokenWindow(
-        tokens, request.src_first_token, request.dst_first_token, request.prompt_tokens
-    )
+        raise validation_error(error) from error

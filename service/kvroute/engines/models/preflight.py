@@ -20,7 +20,14 @@ from kvroute.client.nixl_descs import PoolAddress, plan_descriptors
 from kvroute.engines.models.config import ModelSpec
 from kvroute.engines.models.documents import rank_documents
 from kvroute.engines.models.layout import Layout
-from kvroute.geometry import GeometryError, Plan, RankRegistration, build_plan
+from kvroute.geometry import (
+    GeometryError,
+    Plan,
+    RankRegistration,
+    TokenRange,
+    TokenWindow,
+    build_plan,
+)
 from kvroute.geometry.classes import VerdictMemo, check_peers_by_class, representatives
 from kvroute.geometry.instance import check_instance
 from kvroute.geometry.validate import check_self
@@ -146,15 +153,18 @@ def nixl_descriptors_per_block(
     period = math.lcm(src_tpb, dst_tpb)
     stateless = replace(plan, peers=tuple(replace(peer, states=()) for peer in plan.peers))
     src_count, dst_count = period // src_tpb, period // dst_tpb
-    ranged: dict[str, Any] = {"tokens": (0, period), "src_first_token": 0, "dst_first_token": 0}
+    window = (
+        TokenWindow(TokenRange(0, period), 0, 0, period)
+        if src_tpb != dst_tpb
+        else TokenWindow(prompt_tokens=period)
+    )
     transfer = plan_descriptors(
         stateless,
         receiver_pools=_addresses(receiver, 1),
         sender_pools={reg.rank: _addresses(reg, 2 + reg.rank) for reg in senders},
         src_blocks=[2 * block for block in range(src_count)],
         dst_blocks=[2 * block for block in range(dst_count)],
-        prompt_tokens=period,
-        **(ranged if src_tpb != dst_tpb else {}),
+        window=window,
     )
     return -(-transfer.descriptors // dst_count)
 

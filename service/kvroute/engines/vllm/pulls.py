@@ -26,7 +26,7 @@ from kvroute.client.nixl_transport import (
 )
 from kvroute.engines.vllm.params import Handover, done_message
 from kvroute.engines.vllm.prefetch import Fetched, Prefetcher
-from kvroute.geometry import Plan
+from kvroute.geometry import Plan, TokenRange, TokenWindow
 
 # Under vLLM's logger, whose handlers an engine configures: the lines land in its log.
 log = logging.getLogger(f"vllm.{__name__}")
@@ -248,10 +248,12 @@ class Pulls:
                     sender_pools=sender_pools,
                     src_blocks=[] if kwargs else src,
                     dst_blocks=[] if kwargs else dst,
-                    tokens=None if kwargs else load.tokens,
-                    src_first_token=None if kwargs else load.handover.first_token,
-                    dst_first_token=None if kwargs else 0,
-                    prompt_tokens=load.handover.prompt_tokens,
+                    window=TokenWindow(
+                        None if kwargs else TokenRange(*load.tokens),
+                        None if kwargs else load.handover.first_token,
+                        None if kwargs else 0,
+                        load.handover.prompt_tokens,
+                    ),
                     **kwargs,
                 )
             )
