@@ -21,10 +21,12 @@ from tests.faults.conftest import WORKER
 pytestmark = pytest.mark.slow
 
 BODY_BYTES = 3_000_000
-# Before the fix the probe waited up to 18 s. Quiet, it waits under 0.1 s; on CI, with three test
-# workers sharing two cores, one probe once waited 1.18 s while the server process was starved of
-# CPU rather than blocked, so the bound sits well above that and far below the defect.
-PROBE_BOUND_S = 3.0
+# Before the fix the probe waited up to 18 s: as long as the refusals took, since parsing held the
+# event loop. Quiet, it waits under 0.1 s; on a loaded CI machine (three test workers and vLLM
+# engines on two cores) the server is starved of CPU rather than blocked, and one probe waited
+# 3.7 s. So a wait fails when it exceeds both this bound (a third of the defect) and a third of the
+# time the refusals took: a loop blocked by the parses waits about all of it.
+PROBE_BOUND_S = 6.0
 PROBE_EVERY_S = 0.02
 RANK = "/v1/deployments/llama/instances/ctx0/ranks/{rank}"
 
@@ -72,23 +74,25 @@ async def _send(
         return response.status, await response.json(content_type=None)
 
 
-async def _attack(url: str) -> tuple[dict[str, tuple[int, dict]], list[float]]:
+async def _attack(url: str) -> tuple[dict[str, tuple[int, dict]], list[float], float]:
     bodies = hostile_bodies()
     done = asyncio.Event()
     async with aiohttp.ClientSession() as session:
         probe = asyncio.create_task(_probe(session, url, done))
         await asyncio.sleep(0.1)
+        started = time.monotonic()
         answers = await asyncio.gather(
             *(_send(session, url, rank, body) for rank, body in enumerate(bodies.values()))
         )
+        refused_s = time.monotonic() - started
         done.set()
         waits = await probe
-    return dict(zip(bodies, answers, strict=True)), waits
+    return dict(zip(bodies, answers, strict=True)), waits, refused_s
 
 
 def test_hostile_bodies_are_refused_while_healthz_answers(servers, sqlite_url) -> None:
     server = servers(sqlite_url)
-    answers, waits = asyncio.run(_attack(server.url))
+    answers, waits, refused_s = asyncio.run(_attack(server.url))
 
     assert answers["100000-layers"][0] == 413
     assert answers["100000-layers"][1]["code"] == "body_too_complex"
@@ -98,7 +102,8 @@ def test_hostile_bodies_are_refused_while_healthz_answers(servers, sqlite_url) -
     assert answers["3mb-string"][1]["field"] == "nixl_agent_metadata"
     assert len(answers["3mb-string"][1]["detail"]) < 300  # the value is named, not echoed
     assert waits, "the probe never ran"
-    assert max(waits) < PROBE_BOUND_S, f"healthz waited {max(waits):.2f} s"
+    bound = max(PROBE_BOUND_S, refused_s / 3)
+    assert max(waits) < bound, f"healthz waited {max(waits):.2f} s, refusals took {refused_s:.2f} s"
 
     for name, (status, content_type, problem) in asyncio.run(_nested(server.url)).items():
         assert (status, content_type) == (400, "application/problem+json"), name
