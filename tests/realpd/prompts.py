@@ -88,10 +88,12 @@ def abandoned(producer: str, consumer: str, prompt: list[int], after_s: float) -
     assert status == 200, answer
     decode = body(prompt, kv_transfer_params=answer["kv_transfer_params"])
     host, port = consumer.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=after_s)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
     try:
         connection.request("POST", "/v1/completions", json.dumps(decode),
                            {"Content-Type": "application/json"})  # fmt: skip
+        assert connection.sock is not None
+        connection.sock.settimeout(max(after_s, 0.001))  # then hang up, unanswered
         return tokens(json.load(connection.getresponse()))
     except TimeoutError:
         return None

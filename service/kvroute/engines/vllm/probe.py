@@ -42,6 +42,21 @@ class Layout:
         inside = f", interior {self.interior.to_json()}" if self.interior else ""
         return f"{self.kind.value} with {self.buffers} buffer(s){inside}"
 
+    def same_bytes(self, other: Layout, heads: int) -> bool:
+        """Whether both place every element alike in a block of ``heads`` heads. With one head
+        (TP equal to the KV heads) head- and token-major rows, and heads outside or inside the
+        buffers, are the same bytes: the probe cannot tell them apart, nor need it."""
+        return self._canonical(heads) == other._canonical(heads)
+
+    def _canonical(self, heads: int) -> Layout:
+        if heads != 1:
+            return self
+        interior = self.interior
+        if interior is not None:
+            interior = Interior(HeadOrder.BUFFER_HEAD, interior.tilings)
+            interior = None if interior.trivial else interior
+        return Layout(Kind.HND, self.buffers, interior)
+
 
 @dataclass(frozen=True, slots=True)
 class Probed:
