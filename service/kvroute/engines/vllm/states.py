@@ -1,7 +1,7 @@
 """A vLLM recurrent-state page (``MambaSpec``) as kvroute state regions: which bytes are what.
 
 vLLM keeps one page per layer and request holding the states of ``MambaSpec.shapes`` back to back
-(each ``state_alignment``-aligned), with ``dtypes`` and the family in ``mamba_type``
+(each ``state_alignment``-aligned in vLLM 0.34, back to back in 0.32), with ``dtypes`` and the family in ``mamba_type``
 (``MambaStateShapeCalculator`` in ``vllm/model_executor/layers/mamba/mamba_utils.py``; per TP rank):
 
 - ``MAMBA2``: conv ``[x | B | C][d_conv - 1]`` (x = heads x head_dim channels, B and C the groups'
@@ -61,7 +61,9 @@ def state_specs(layer: Layer, conv_dim_first: bool) -> list[tuple[int, LayerSpec
     if family == "LINEAR":
         return [(0, recurrent)]
     conv = _conv(layer, family, shapes, dtypes[0], conv_dim_first)
-    aligned = -(-conv.bytes_per_layer // spec.state_alignment) * spec.state_alignment
+    # vLLM 0.34 aligns each state in the page; 0.32's MambaSpec has no alignment: back to back.
+    alignment = getattr(spec, "state_alignment", 1)
+    aligned = -(-conv.bytes_per_layer // alignment) * alignment
     return [(0, conv), (aligned, recurrent)]
 
 
