@@ -20,7 +20,7 @@ from kvroute.control.admissions import Admissions
 from kvroute.control.answers import AnswerCache
 from kvroute.control.renewals import Renewals
 from kvroute.geometry import GeometryError, RankRegistration
-from kvroute.geometry.classes import Verdict
+from kvroute.geometry.checks.classes import Verdict
 from kvroute.store import admission, engine_leases, events, lease_watch, registry, statistics
 from kvroute.store.engine import SessionMaker, engine_of
 from kvroute.store.errors import LeaseExpired

@@ -10,10 +10,15 @@ CP rank holds) -> periods and rows (plans between blocks of different sizes, CP 
 builder (views for workers). Nothing here does I/O or imports aiohttp, SQLAlchemy or torch.
 """
 
-from kvroute.geometry.compat import check_peers, check_registration
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.instance import missing_ranks
-from kvroute.geometry.model import (
+from kvroute.geometry.checks.compat import check_peers, check_registration
+from kvroute.geometry.checks.instance import missing_ranks
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.parts import HeadOrder, Interior, Tiling
+from kvroute.geometry.leaves.spread import Spread
+from kvroute.geometry.plans.plan import PeerPlan, Plan, StateTransfer, ViewTransfer
+from kvroute.geometry.plans.planner import build_plan
+from kvroute.geometry.plans.rows import TokenAxis
+from kvroute.geometry.registration.model import (
     DTYPE_BITS,
     Attention,
     Kind,
@@ -24,11 +29,8 @@ from kvroute.geometry.model import (
     Role,
     View,
 )
-from kvroute.geometry.parts import HeadOrder, Interior, Tiling
-from kvroute.geometry.periods import PeriodMap
-from kvroute.geometry.plan import PeerPlan, Plan, StateTransfer, ViewTransfer
-from kvroute.geometry.planner import build_plan
-from kvroute.geometry.ranges import (
+from kvroute.geometry.tokens.periods import PeriodMap
+from kvroute.geometry.tokens.ranges import (
     BLOCK_PAIRS,
     BlockList,
     PromptContradiction,
@@ -44,9 +46,7 @@ from kvroute.geometry.ranges import (
     range_copies,
     whole_pieces,
 )
-from kvroute.geometry.rows import TokenAxis
-from kvroute.geometry.spread import Spread
-from kvroute.geometry.window import Window, window_start, windowed_range
+from kvroute.geometry.tokens.window import Window, window_start, windowed_range
 
 __all__ = [
     "BLOCK_PAIRS",

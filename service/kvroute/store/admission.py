@@ -38,9 +38,9 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from kvroute.geometry import GeometryError, RankRegistration, Role
-from kvroute.geometry.classes import VerdictMemo, check_peers_by_class
-from kvroute.geometry.instance import check_instance
-from kvroute.geometry.validate import check_self
+from kvroute.geometry.checks.classes import VerdictMemo, check_peers_by_class
+from kvroute.geometry.checks.instance import check_instance
+from kvroute.geometry.checks.validate import check_self
 from kvroute.store import engine_leases, events
 from kvroute.store import ranks as repo
 from kvroute.store.engine import (

@@ -28,9 +28,9 @@ from kvroute.geometry import (
     TokenWindow,
     build_plan,
 )
-from kvroute.geometry.classes import VerdictMemo, check_peers_by_class, representatives
-from kvroute.geometry.instance import check_instance
-from kvroute.geometry.validate import check_self
+from kvroute.geometry.checks.classes import VerdictMemo, check_peers_by_class, representatives
+from kvroute.geometry.checks.instance import check_instance
+from kvroute.geometry.checks.validate import check_self
 
 DEPLOYMENT = "preflight"
 CONTEXT, GENERATION = "ctx0", "gen0"

@@ -33,13 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.parts import Role, View
-from kvroute.geometry.ranges import TokenRange
-from kvroute.geometry.spread import IDENTITY, Spread
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.parts import Role, View
+from kvroute.geometry.leaves.spread import IDENTITY, Spread
+from kvroute.geometry.tokens.ranges import TokenRange
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvroute.geometry.compat import PEER_STAGES, check_peers
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.faces import face_digest, rank_face
+from kvroute.geometry.checks.compat import PEER_STAGES, check_peers
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.registration.faces import face_digest, rank_face
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 
 Verdict = int | None  # index of the first peer stage the pair fails, None when compatible

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from kvroute.geometry.identity import KvQuantization, ModelIdentity
-from kvroute.geometry.parts import Axis, Interior, Kind, Owner, Role, View, view_label
+from kvroute.geometry.leaves.parts import Axis, Interior, Kind, Owner, Role, View, view_label
+from kvroute.geometry.registration.identity import KvQuantization, ModelIdentity
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 # Field metadata: ``NAME`` fields label messages and are not geometry; ``UNORDERED`` sequences are
 # digested as multisets (a stage fails when any view fails, whatever the order of the views).

@@ -14,13 +14,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from kvroute.geometry import digests
-from kvroute.geometry.classes import class_digest
-from kvroute.geometry.document import parse_registration
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.identity import KvQuantization, ModelIdentity
-from kvroute.geometry.instance import face_id
-from kvroute.geometry.parts import (
+from kvroute.geometry.checks.classes import class_digest
+from kvroute.geometry.checks.instance import face_id
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.parts import (
     DTYPE_BITS,
     Attention,
     Axis,
@@ -32,8 +29,11 @@ from kvroute.geometry.parts import (
     Role,
     View,
 )
-from kvroute.geometry.rendering import render_registration
-from kvroute.geometry.spread import Spread
+from kvroute.geometry.leaves.spread import Spread
+from kvroute.geometry.registration import digests
+from kvroute.geometry.registration.document import parse_registration
+from kvroute.geometry.registration.identity import KvQuantization, ModelIdentity
+from kvroute.geometry.registration.rendering import render_registration
 
 __all__ = [
     "DTYPE_BITS",

@@ -12,12 +12,12 @@ import itertools
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.identity import differences
-from kvroute.geometry.parts import Interior, View
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.parts import Interior, View
+from kvroute.geometry.registration.identity import differences
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 
 # Fields every rank of an instance must agree on, in the order they are compared.

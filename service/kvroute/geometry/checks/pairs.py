@@ -13,13 +13,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.heads import pair_total
-from kvroute.geometry.parts import Kind, Tiling, View
-from kvroute.geometry.window import Window, pair_window
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.heads import pair_total
+from kvroute.geometry.leaves.parts import Kind, Tiling, View
+from kvroute.geometry.tokens.window import Window, pair_window
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 
 @dataclass(frozen=True, slots=True)
