@@ -116,17 +116,17 @@ def test_instance_checks_name_the_disagreeing_rank() -> None:
 
 
 def test_instance_checks_remember_agreeing_faces_not_refusals() -> None:
-    """Ranks that agree share a face (their names and rank numbers are not part of it); the
-    caller's memo keeps the pairs of faces that agreed, which are not compared again, and no
+    """Ranks that agree share an instance digest (their names and rank numbers are not part of it); the
+    caller's memo keeps the pairs of digests that agreed, which are not compared again, and no
     refusal, so one that did not agree is refused every time."""
     first, second, third = (rank(tp=4, tp_rank=index) for index in range(3))
-    assert first.instance_face == second.instance_face == third.instance_face
+    assert first.instance_digest == second.instance_digest == third.instance_digest
     agreed: InstanceMemo = {}
     check_instance(second, [first], agreed)
-    assert agreed == {(first.instance_face, first.instance_face): True}
+    assert agreed == {(first.instance_digest, first.instance_digest): True}
     check_instance(third, [first, second], agreed)  # the memoized pair answers as before
     odd = rank(tp=4, tp_rank=3, tpb=32, views=[view(0, [0, 1], 1024)])
-    assert odd.instance_face != first.instance_face
+    assert odd.instance_digest != first.instance_digest
     for _ in range(2):
         with pytest.raises(GeometryError) as refused:
             check_instance(odd, [first, second, third], agreed)
@@ -138,7 +138,7 @@ def test_instance_checks_remember_agreeing_faces_not_refusals() -> None:
         )
     assert len(agreed) == 1
     # The memo is what decides: a pair it holds is not compared (the caller's memo is trusted).
-    check_instance(odd, [first], {(odd.instance_face, first.instance_face): True})
+    check_instance(odd, [first], {(odd.instance_digest, first.instance_digest): True})
     error = _code(rank(tp=4, tp_rank=3, views=[view(0, [0, 1], 512, kind="nhd")]), [third])
     assert (error.code, error.field, error.peer_rank) == (
         "instance_view_mismatch",

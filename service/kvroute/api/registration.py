@@ -79,7 +79,7 @@ def _checked(
     the digests and face admission reads under the deployment's lock (refused in that order)."""
     reg = RankRegistration.from_json(body, deployment=deployment, instance=instance, rank=rank)
     check_self(reg)
-    _ = reg.class_digest, reg.canonical_digest, reg.instance_face
+    _ = reg.class_digest, reg.canonical_digest, reg.instance_digest
     return reg
 
 

@@ -86,7 +86,7 @@ async def prepare(reg: RankRegistration) -> None:
 
 def _check_and_digest(reg: RankRegistration) -> None:
     check_self(reg)
-    _ = reg.class_digest, reg.canonical_digest, reg.instance_face
+    _ = reg.class_digest, reg.canonical_digest, reg.instance_digest
 
 
 async def admit_batch(

@@ -5,8 +5,8 @@ per block, draft layers, attention defaults) and registers one geometry for the 
 class that share layers, whatever their kind: KV heads and bytes, SSM heads, conv sections and
 sliding windows alike. The first disagreement is raised, in the order of ``faces.INSTANCE_FIELDS``.
 
-A caller checking many ranks (admission) keeps the pairs of faces (``faces.InstanceFace``) whose
-ranks agreed in an ``InstanceMemo`` it owns: a fleet's instances have a handful of faces, so a rank
+A caller checking many ranks (admission) keeps the pairs of instance digests
+(``faces.instance_digest``) whose ranks agreed in an ``InstanceMemo`` it owns: a fleet's instances have a handful of faces, so a rank
 joining an instance of 32 compares with its members once per pair of faces, not 31 times. Only
 agreements are kept: a refusal is recomputed every time, so it always names the rank it quotes.
 """
@@ -21,7 +21,6 @@ from kvroute.geometry.leaves.parts import Interior
 from kvroute.geometry.registration.faces import (
     ATTENTION_FIELDS,
     INSTANCE_FIELDS,
-    InstanceFace,
     view_signature,
 )
 from kvroute.geometry.registration.identity import differences
@@ -29,8 +28,8 @@ from kvroute.geometry.registration.identity import differences
 if TYPE_CHECKING:
     from kvroute.geometry.registration.model import RankRegistration
 
-# Pairs of faces whose ranks were compared and agreed (the value is always True).
-InstanceMemo = MutableMapping[tuple[InstanceFace, InstanceFace], bool]
+# Pairs of instance digests whose ranks were compared and agreed (the value is always True).
+InstanceMemo = MutableMapping[tuple[str, str], bool]
 
 
 def missing_ranks(expected: int, present: Iterable[int]) -> list[int]:
@@ -59,7 +58,7 @@ def check_instance(
     for other in sorted(others, key=lambda o: o.rank):
         if other.rank == reg.rank:
             continue
-        pair = (reg.instance_face, other.instance_face)
+        pair = (reg.instance_digest, other.instance_digest)
         if agreed is not None and pair in agreed:
             continue
         _compare_instance_ranks(reg, other)

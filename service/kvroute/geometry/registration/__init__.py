@@ -7,8 +7,8 @@ Reading path:
 - document: the registration document parsed, every type and bound checked
 - rendering: a registration rendered back to its document
 - digests: canonical JSON, the canonical and geometry digests
-- faces: what the peer checks (``RankFace``, the class digest) and the instance checks
-  (``InstanceFace``) read of a rank
+- faces: what the peer checks (``RankFace``, the class digest) and the instance checks (the
+  instance digest) read of a rank
 - model: ``RankRegistration``, the document made typed, with its derived geometry
 - builder: a rank's views built from per-layer specs, as a worker describes its pools
 """

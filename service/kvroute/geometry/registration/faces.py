@@ -15,15 +15,16 @@ new check needing another field of a rank must first add it here, and the digest
 Names (instance, rank, view id) ride along for the checks' messages only and stay out of the
 digest; the errors a caller sees are re-raised from the real registrations (``classes``).
 
-The instance checks (``checks.instance``) read another face, ``InstanceFace``: the layout every
-rank of an instance shares and each view's geometry, which admission memoizes agreements by.
+The instance checks (``checks.instance``) read another face: the layout every rank of an instance
+shares and each view's geometry, whose digest (``instance_digest``) keys the agreements admission
+memoizes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -164,6 +165,10 @@ def class_digest(reg: RankRegistration) -> str:
 
 def face_digest(face: RankFace) -> str:
     """sha256 of every geometry field of the face, names left out, views as a multiset."""
+    return _digest(face)
+
+
+def _digest(face: Any) -> str:
     canonical = json.dumps(_plain(face), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -213,29 +218,9 @@ INSTANCE_FIELDS: tuple[str, ...] = (
 ATTENTION_FIELDS: tuple[str, ...] = ("num_kv_heads", "head_dim", "dtype", "is_mla")
 
 
-@dataclass(frozen=True, eq=False, slots=True)
-class InstanceFace:
-    """Everything the instance checks read of a rank but its name (which only their refusals
-    quote), hashed once: two ranks with the faces of two that agreed agree too."""
-
-    key: tuple[Hashable, ...]
-    digest: int = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "digest", hash(self.key))
-
-    def __hash__(self) -> int:
-        return self.digest
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (
-            isinstance(other, InstanceFace)
-            and self.digest == other.digest
-            and self.key == other.key
-        )
-
-
-def instance_face(reg: RankRegistration) -> InstanceFace:
+def instance_digest(reg: RankRegistration) -> str:
+    """sha256 of everything the instance checks read of a rank but its name (which only their
+    refusals quote): two ranks with the digests of two that agreed agree too."""
     views = tuple(
         (
             view.owner,
@@ -246,15 +231,14 @@ def instance_face(reg: RankRegistration) -> InstanceFace:
         )
         for view in reg.views
     )
-    return InstanceFace(
-        (
-            tuple(getattr(reg, f) for f in INSTANCE_FIELDS),
-            tuple(getattr(reg.attention, f) for f in ATTENTION_FIELDS),
-            reg.model,
-            reg.kv_quantization,
-            views,
-        )
+    face = (
+        tuple(getattr(reg, f) for f in INSTANCE_FIELDS),
+        tuple(getattr(reg.attention, f) for f in ATTENTION_FIELDS),
+        reg.model,
+        reg.kv_quantization,
+        views,
     )
+    return _digest(face)
 
 
 def view_signature(

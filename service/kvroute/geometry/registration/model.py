@@ -30,7 +30,7 @@ from kvroute.geometry.leaves.parts import (
 from kvroute.geometry.leaves.spread import Spread
 from kvroute.geometry.registration import digests
 from kvroute.geometry.registration.document import parse_registration
-from kvroute.geometry.registration.faces import InstanceFace, class_digest, instance_face
+from kvroute.geometry.registration.faces import class_digest, instance_digest
 from kvroute.geometry.registration.identity import KvQuantization, ModelIdentity
 from kvroute.geometry.registration.rendering import render_registration
 
@@ -111,9 +111,9 @@ class RankRegistration:
         return class_digest(self)
 
     @cached_property
-    def instance_face(self) -> InstanceFace:
-        """What the instance checks compare of this rank (``faces.instance_face``)."""
-        return instance_face(self)
+    def instance_digest(self) -> str:
+        """sha256 of what the instance checks compare of this rank (``faces.instance_digest``)."""
+        return instance_digest(self)
 
     @property
     def key(self) -> tuple[str, int]:
