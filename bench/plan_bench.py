@@ -34,8 +34,8 @@ from kvroute.geometry import (
     build_plan,
     check_peers,
 )
-from kvroute.geometry.builder import LayerSpec, build_views
-from kvroute.geometry.rendering import render_pool, render_view
+from kvroute.geometry.registration.builder import LayerSpec, build_views
+from kvroute.geometry.registration.rendering import render_pool, render_view
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,7 @@ class Side:
 
 
 def true_heads(total: int, tp: int, q: int) -> list[int]:
-    """Rule 1, written independently of kvroute.geometry.heads."""
+    """Rule 1, written independently of kvroute.geometry.leaves.heads."""
     if tp <= total:
         return list(range(q * (total // tp), (q + 1) * (total // tp)))
     return [q * total // tp]

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvroute.control.registry import Registry
 from kvroute.geometry import GeometryError, RankRegistration
+from kvroute.geometry.checks.instance import InstanceMemo
 from kvroute.store.admission import admit_batch, prepare
 from kvroute.store.engine import SessionMaker
 from kvroute.store.models import InstanceRow, PoolRow, RankRow, ViewRow
@@ -66,12 +67,15 @@ async def _batched(
 ) -> tuple[list[tuple], int]:
     """Outcomes, and how many batches ended early (a rank changed its class)."""
     cache, memo, outcomes, pending = RegistrationCache(sessionmaker), {}, [], list(regs)
+    agreed: InstanceMemo = {}
     for reg in regs:
         await prepare(reg)
     ended_early = 0
     while pending:
         batch = _distinct(pending)
-        result = await admit_batch(sessionmaker, batch, now=T0, registrations=cache, verdicts=memo)
+        result = await admit_batch(
+            sessionmaker, batch, now=T0, registrations=cache, verdicts=memo, agreements=agreed
+        )
         outcomes += [_outcome(outcome) for outcome in result.outcomes]
         ended_early += bool(result.deferred)
         pending = result.deferred + pending[len(batch) :]
@@ -144,7 +148,7 @@ async def test_a_batch_costs_the_statements_of_one_admission(
     """Admitting sixteen new ranks over eight instances sends as many statements as admitting one
     (one per kind of read and write; on PostgreSQL those are the round trips a batch waits for
     under the deployment lock)."""
-    cache, memo = RegistrationCache(sessionmaker), {}
+    cache, memo, agreed = RegistrationCache(sessionmaker), {}, {}
     peer = [registration("fixed", "gen0", rank, role="generation", tp_size=2) for rank in (0, 1)]
 
     async def statements(batch: list[RankRegistration]) -> int:
@@ -158,7 +162,7 @@ async def test_a_batch_costs_the_statements_of_one_admission(
         event.listen(engine.sync_engine, "before_cursor_execute", note)
         try:
             result = await admit_batch(
-                sessionmaker, batch, now=T0, registrations=cache, verdicts=memo
+                sessionmaker, batch, now=T0, registrations=cache, verdicts=memo, agreements=agreed
             )
         finally:
             event.remove(engine.sync_engine, "before_cursor_execute", note)

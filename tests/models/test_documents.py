@@ -16,8 +16,8 @@ import pytest
 from kvroute.engines.models import LayoutError, UnsupportedConfig, UnsupportedLayout, parse_layout
 from kvroute.engines.models import rank_documents as documents_of
 from kvroute.geometry import RankRegistration
-from kvroute.geometry.instance import check_instance
-from kvroute.geometry.validate import check_self
+from kvroute.geometry.checks.instance import check_instance
+from kvroute.geometry.checks.validate import check_self
 from tests.models.configs import spec
 from tests.models.test_configs import NEMOTRON_ATTENTION
 

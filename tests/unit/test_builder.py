@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvroute.geometry import GeometryError, Kind, Owner
-from kvroute.geometry.builder import LayerSpec, build_views
+from kvroute.geometry.registration.builder import LayerSpec, build_views
 
 
 def _spec(layer: int, offset: int, **kwargs) -> LayerSpec:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvroute.geometry import GeometryError, build_plan, check_registration
+from kvroute.geometry.checks.instance import InstanceMemo, check_instance
 from tests.unit.docs import instance, rank, view
 
 
@@ -115,21 +116,29 @@ def test_instance_checks_name_the_disagreeing_rank() -> None:
 
 
 def test_instance_checks_remember_agreeing_faces_not_refusals() -> None:
-    """Ranks that agree share a face id (their names and rank numbers are not part of it); a pair
-    of faces that agreed once is not compared again, and one that did not is refused every time."""
+    """Ranks that agree share an instance digest (their names and rank numbers are not part of it); the
+    caller's memo keeps the pairs of digests that agreed, which are not compared again, and no
+    refusal, so one that did not agree is refused every time."""
     first, second, third = (rank(tp=4, tp_rank=index) for index in range(3))
-    assert first.instance_face_id == second.instance_face_id == third.instance_face_id
-    check_registration(second, [first], [])
-    check_registration(third, [first, second], [])  # the memoized pair answers as before
+    assert first.instance_digest == second.instance_digest == third.instance_digest
+    agreed: InstanceMemo = {}
+    check_instance(second, [first], agreed)
+    assert agreed == {(first.instance_digest, first.instance_digest): True}
+    check_instance(third, [first, second], agreed)  # the memoized pair answers as before
     odd = rank(tp=4, tp_rank=3, tpb=32, views=[view(0, [0, 1], 1024)])
-    assert odd.instance_face_id != first.instance_face_id
+    assert odd.instance_digest != first.instance_digest
     for _ in range(2):
-        error = _code(odd, [first, second, third])
+        with pytest.raises(GeometryError) as refused:
+            check_instance(odd, [first, second, third], agreed)
+        error = refused.value
         assert (error.code, error.field, error.peer_rank) == (
             "instance_layout_mismatch",
             "tokens_per_block",
             0,
         )
+    assert len(agreed) == 1
+    # The memo is what decides: a pair it holds is not compared (the caller's memo is trusted).
+    check_instance(odd, [first], {(odd.instance_digest, first.instance_digest): True})
     error = _code(rank(tp=4, tp_rank=3, views=[view(0, [0, 1], 512, kind="nhd")]), [third])
     assert (error.code, error.field, error.peer_rank) == (
         "instance_view_mismatch",

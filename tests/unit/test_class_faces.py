@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvroute.geometry import GeometryError, RankRegistration
-from kvroute.geometry.classes import class_digest, peer_verdict
-from kvroute.geometry.compat import PEER_STAGES
-from kvroute.geometry.faces import face_digest, rank_face
-from kvroute.geometry.validate import check_self
+from kvroute.geometry.checks.classes import peer_verdict
+from kvroute.geometry.checks.compat import PEER_STAGES
+from kvroute.geometry.checks.validate import check_self
+from kvroute.geometry.registration.faces import class_digest, face_digest, rank_face
 from tests.unit.test_plan_ground_truth import BLOCK_TOKENS, HEAD_TOTALS, worlds
 from tests.unit.test_plan_ground_truth import MUTATIONS as PLAIN_MUTATIONS
 from tests.unit.test_plan_ground_truth import _mutate as plain_mutate

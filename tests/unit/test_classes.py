@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroute.geometry import GeometryError, RankRegistration, check_peers
-from kvroute.geometry.classes import check_peers_by_class, class_digest, representatives
+from kvroute.geometry.checks.classes import check_peers_by_class, representatives
+from kvroute.geometry.registration.faces import class_digest
 from tests.unit.test_plan_ground_truth import MUTATIONS, _mutate, worlds
 from tests.world import instance
 

@@ -185,7 +185,7 @@ def test_problem_members_carry_code_field_and_both_values() -> None:
 
 def test_geometry_imports_no_io_library() -> None:
     code = (
-        "import sys, kvroute.geometry, kvroute.geometry.builder;"
+        "import sys, kvroute.geometry, kvroute.geometry.registration.builder;"
         "bad = [m for m in ('aiohttp', 'sqlalchemy', 'torch', 'numpy', 'asyncio', 'socket', 'kvroute.store',"
         " 'kvroute.api', 'kvroute.transfer') if m in sys.modules];"
         "print(','.join(bad))"

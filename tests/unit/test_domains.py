@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvroute.geometry import GeometryError, RankRegistration
-from kvroute.geometry.domains import (
+from kvroute.geometry.registration.domains import (
     PairingPolicy,
     instance_domains,
     preference_key,

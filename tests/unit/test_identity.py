@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from kvroute.geometry import GeometryError, RankRegistration, check_registration
-from kvroute.geometry.classes import peer_verdict
-from kvroute.geometry.compat import PEER_STAGES
-from kvroute.geometry.identity import MEMBERS, check_identity
-from kvroute.geometry.validate import check_self
+from kvroute.geometry.checks.classes import peer_verdict
+from kvroute.geometry.checks.compat import PEER_STAGES
+from kvroute.geometry.checks.validate import check_self
+from kvroute.geometry.registration.identity import MEMBERS, check_identity
 from tests.documents import rank_document
 
 MODEL = {

@@ -1,4 +1,4 @@
-"""The document limits of ``geometry/limits.py`` are the ones ``api_spec/openapi.yaml`` states.
+"""The document limits of ``geometry/leaves/limits.py`` are the ones ``api_spec/openapi.yaml`` states.
 
 The parser reads every bound from ``limits``; this test reads every bound of the registration
 schemas from the spec, so the code and the contract cannot drift apart again (they did: the parser
@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from kvroute.geometry import GeometryError, RankRegistration
-from kvroute.geometry.limits import (
+from kvroute.geometry.leaves.limits import (
     ARRAY_BOUNDS,
     INTEGER_BOUNDS,
     MAX_LAYER_SLOTS,

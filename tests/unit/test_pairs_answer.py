@@ -22,7 +22,7 @@ from kvroute import wire
 from kvroute.control.compatibility import InstanceRanks
 from kvroute.control.pairing import pairs_answer
 from kvroute.geometry import RankRegistration
-from kvroute.geometry.domains import PairingPolicy
+from kvroute.geometry.registration.domains import PairingPolicy
 from tests.documents import rank_document
 
 DOMAINS = ("zone", "rack", "nvlink_domain")

@@ -102,7 +102,7 @@ def test_every_path_it_names_exists(page: Path) -> None:
 def test_the_checks_see_what_they_check() -> None:
     """The patterns find the README's own names, so a silent regex change cannot pass everything."""
     assert "scripts/serve.sh" in _named_paths(README)
-    assert "geometry/faces.py" in _named_paths(ROOT / "docs" / "geometry.md")
+    assert "geometry/registration/faces.py" in _named_paths(ROOT / "docs" / "geometry.md")
     assert _link_problem(README, "docs/nowhere.md") == "no such file"
     assert _link_problem(README, "../outside.md") == "leaves the repository"
     assert _link_problem(README, "docs/api.md#no-such-heading") is not None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvroute.geometry import build_plan
-from kvroute.geometry.bounce import fanin_bounce_safe
+from kvroute.geometry.plans.bounce import fanin_bounce_safe
 from tests.unit.docs import instance, rank, stage_layers, view
 
 

@@ -10,7 +10,7 @@ import copy
 import pytest
 
 from kvroute.geometry import GeometryError, RankRegistration, build_plan, check_registration
-from kvroute.geometry.window import window_start
+from kvroute.geometry.tokens.window import window_start
 from tests.unit.docs import instance, rank, view
 from tests.unit.test_reference_state import ssm
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvroute.geometry import GeometryError, check_registration
-from kvroute.geometry.compat import matched_pairs
+from kvroute.geometry.checks.compat import matched_pairs
 from tests.unit.docs import rank, view
 
 KV = ("key", "value")

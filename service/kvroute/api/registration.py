@@ -19,7 +19,7 @@ from kvroute.api.clock import app_now
 from kvroute.api.keys import inventory_key, metrics_key, registry_key, validated_key
 from kvroute.api.transfers import pools_deleted, pools_registered
 from kvroute.geometry import GeometryError, RankRegistration
-from kvroute.geometry.validate import check_self
+from kvroute.geometry.checks.validate import check_self
 
 
 def rank_address(request: web.Request) -> tuple[str, str, int]:
@@ -79,7 +79,7 @@ def _checked(
     the digests and face admission reads under the deployment's lock (refused in that order)."""
     reg = RankRegistration.from_json(body, deployment=deployment, instance=instance, rank=rank)
     check_self(reg)
-    _ = reg.class_digest, reg.canonical_digest, reg.instance_face_id
+    _ = reg.class_digest, reg.canonical_digest, reg.instance_digest
     return reg
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvroute.client.pools import DEFAULT_ALIGNMENT, KvLayout, PoolDescription, align, torch_dtype
 from kvroute.geometry import DTYPE_BITS, Kind
-from kvroute.geometry.builder import LayerSpec
+from kvroute.geometry.registration.builder import LayerSpec
 
 if TYPE_CHECKING:
     import torch

@@ -46,7 +46,7 @@ from kvroute.geometry import (
     window_start,
     windowed_range,
 )
-from kvroute.geometry.plan_pairs import PairTransfer
+from kvroute.geometry.plans.plan_pairs import PairTransfer
 
 Descriptor = tuple[int, int, int]  # (address, length, device id), NIXL's xfer-descriptor tuple
 

@@ -4,7 +4,7 @@ A serving engine holds its KV cache as tensors such as ``[num_blocks, layers, 2,
 head_dim]`` (HND) or ``[num_blocks, layers, 2, tokens, heads, head_dim]`` (NHD); kvroute wants slot
 strides and byte offsets. Deriving those by hand is where head-count and offset bugs creep in, so
 these helpers read them off the tensors (strides, dtype) and hand the per-layer specs to
-``kvroute.geometry.builder``, which splits views by owner and head count. A shared pool carves one
+``kvroute.geometry.registration.builder``, which splits views by owner and head count. A shared pool carves one
 uint8 buffer into target and draft regions per block, as engines do for speculative decoding.
 torch is imported lazily: the control-plane client installs without it.
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvroute.geometry import DTYPE_BITS, Kind, Owner
-from kvroute.geometry.builder import LayerSpec, build_views
-from kvroute.geometry.rendering import render_view
+from kvroute.geometry.registration.builder import LayerSpec, build_views
+from kvroute.geometry.registration.rendering import render_view
 
 if TYPE_CHECKING:
     import torch

@@ -29,8 +29,8 @@ from kvroute.control.compatibility import (
     compatibility_matrix,
     instances_at,
 )
-from kvroute.geometry.classes import VerdictMemo
-from kvroute.geometry.domains import PairingPolicy
+from kvroute.geometry.checks.classes import VerdictMemo
+from kvroute.geometry.registration.domains import PairingPolicy
 from kvroute.store.engine import SessionMaker
 from kvroute.store.pairing import pairing_policy
 from kvroute.store.registrations import RegistrationCache, RegistrationMoved

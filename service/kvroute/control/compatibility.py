@@ -20,13 +20,13 @@ from typing import Any
 
 from kvroute import wire
 from kvroute.geometry import GeometryError, RankRegistration, check_peers, missing_ranks
-from kvroute.geometry.classes import (
+from kvroute.geometry.checks.classes import (
     VerdictMemo,
     check_peers_by_class,
     memoized_verdict,
     representatives,
 )
-from kvroute.geometry.domains import (
+from kvroute.geometry.registration.domains import (
     DomainValue,
     PairingPolicy,
     instance_domains,

@@ -19,8 +19,8 @@ from typing import Any
 from kvroute import wire
 from kvroute.control.answers import AnswerCache, Rendered, cached_answer
 from kvroute.control.compatibility import InstanceRanks, compatibility_matrix
-from kvroute.geometry.classes import VerdictMemo
-from kvroute.geometry.domains import (
+from kvroute.geometry.checks.classes import VerdictMemo
+from kvroute.geometry.registration.domains import (
     PairingPolicy,
     preference_key,
     required_exclusion,

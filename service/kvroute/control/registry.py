@@ -3,9 +3,9 @@
 One ``Registry`` per process holds what makes admission cheap at fleet scale: the group
 admission queues (``control.admissions``: registrations arriving together share one
 transaction), the parsed registrations by generation (shared with plans, transfers and the matrix)
-and the verdicts memoized per pair of geometry classes (shared with the matrix). The caches hold
-immutable facts (a document at a generation, a verdict of two geometries), so replicas never need
-to agree on them.
+the verdicts memoized per pair of geometry classes (shared with the matrix) and the pairs of
+instance digests whose ranks agreed (``geometry.checks.instance``). The caches hold immutable facts
+(a document at a generation, a verdict of two geometries), so replicas never need to agree on them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvroute.control.admissions import Admissions
 from kvroute.control.answers import AnswerCache
 from kvroute.control.renewals import Renewals
 from kvroute.geometry import GeometryError, RankRegistration
-from kvroute.geometry.classes import Verdict
+from kvroute.geometry.checks.classes import Verdict
 from kvroute.store import admission, engine_leases, events, lease_watch, registry, statistics
 from kvroute.store.engine import SessionMaker, engine_of
 from kvroute.store.errors import LeaseExpired
@@ -28,6 +28,7 @@ from kvroute.store.records import LeaseRecord, RankName, RegisterOutcome
 from kvroute.store.registrations import RegistrationCache
 
 VERDICT_CACHE_SIZE = 65_536  # pairs of geometry classes: a fleet has tens
+AGREEMENT_CACHE_SIZE = 4_096  # pairs of instance digests: a fleet's instances have a handful
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,7 @@ class Registry:
         self.rejection_log_size = rejection_log_size
         self.registrations = RegistrationCache(sessionmaker)
         self.verdicts: LRUCache[tuple[str, str], Verdict] = LRUCache(VERDICT_CACHE_SIZE)
+        self.agreements: LRUCache[tuple[str, str], bool] = LRUCache(AGREEMENT_CACHE_SIZE)
         # The matrix and pairs answers as last rendered, with the state they were computed from.
         self.answers = AnswerCache()
         self._admissions = Admissions(self._admit_batch)
@@ -92,6 +94,7 @@ class Registry:
             now=now,
             registrations=self.registrations,
             verdicts=self.verdicts,
+            agreements=self.agreements,
             leases=leases,
         )
 
@@ -106,6 +109,7 @@ class Registry:
             now=now,
             registrations=self.registrations,
             verdicts=self.verdicts,
+            agreements=self.agreements,
         )
 
     async def refuse(

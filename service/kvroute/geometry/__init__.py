@@ -1,19 +1,26 @@
-"""kvroute.geometry: the pure planning core.
+"""kvroute.geometry: the pure planning core, in five layers, each importing only those before it
+(tests/unit/test_layering_geometry.py holds them to it):
 
-Reading path: model (what a rank registers) -> document (its JSON) -> heads (rule 1) -> validate
-and instance (self and instance checks) -> matching and pairs (view pairs between peers; window:
-sliding windows; state: recurrent state pairs) -> compat (the ordered registration check) -> faces
-and classes (what peer checks read of a rank; admission by geometry class) ->
-topology, mappers, planner and state_planner (plans) -> spread (context parallelism: which tokens a
-CP rank holds) -> periods and rows (plans between blocks of different sizes, CP placements or interiors) -> ranges
-(token ranges cut from plans; a window restricts them) -> bounce (rule 6) ->
-builder (views for workers). Nothing here does I/O or imports aiohttp, SQLAlchemy or torch.
+- leaves: errors, limits, the parts of a registration, head and CP placement arithmetic
+- tokens: token ranges, periods between block sizes, sliding windows
+- registration: the registration model, its document, digests and faces
+- checks: self, instance and peer checks, admission by geometry class
+- plans: mappers, plans and the planner
+
+Each layer's docstring gives its reading path. This package re-exports the public names; nothing
+here does I/O or imports aiohttp, SQLAlchemy or torch, and no check keeps state between calls
+(memos are the caller's: ``checks.instance.InstanceMemo``, ``checks.classes.VerdictMemo``).
 """
 
-from kvroute.geometry.compat import check_peers, check_registration
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.instance import missing_ranks
-from kvroute.geometry.model import (
+from kvroute.geometry.checks.compat import check_peers, check_registration
+from kvroute.geometry.checks.instance import missing_ranks
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.parts import HeadOrder, Interior, Tiling
+from kvroute.geometry.leaves.spread import Spread
+from kvroute.geometry.plans.plan import PeerPlan, Plan, StateTransfer, ViewTransfer
+from kvroute.geometry.plans.planner import build_plan
+from kvroute.geometry.plans.rows import TokenAxis
+from kvroute.geometry.registration.model import (
     DTYPE_BITS,
     Attention,
     Kind,
@@ -24,11 +31,8 @@ from kvroute.geometry.model import (
     Role,
     View,
 )
-from kvroute.geometry.parts import HeadOrder, Interior, Tiling
-from kvroute.geometry.periods import PeriodMap
-from kvroute.geometry.plan import PeerPlan, Plan, StateTransfer, ViewTransfer
-from kvroute.geometry.planner import build_plan
-from kvroute.geometry.ranges import (
+from kvroute.geometry.tokens.periods import PeriodMap
+from kvroute.geometry.tokens.ranges import (
     BLOCK_PAIRS,
     BlockList,
     PromptContradiction,
@@ -44,9 +48,7 @@ from kvroute.geometry.ranges import (
     range_copies,
     whole_pieces,
 )
-from kvroute.geometry.rows import TokenAxis
-from kvroute.geometry.spread import Spread
-from kvroute.geometry.window import Window, window_start, windowed_range
+from kvroute.geometry.tokens.window import Window, window_start, windowed_range
 
 __all__ = [
     "BLOCK_PAIRS",

@@ -38,9 +38,9 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from kvroute.geometry import GeometryError, RankRegistration, Role
-from kvroute.geometry.classes import VerdictMemo, check_peers_by_class
-from kvroute.geometry.instance import check_instance
-from kvroute.geometry.validate import check_self
+from kvroute.geometry.checks.classes import VerdictMemo, check_peers_by_class
+from kvroute.geometry.checks.instance import InstanceMemo, check_instance
+from kvroute.geometry.checks.validate import check_self
 from kvroute.store import engine_leases, events
 from kvroute.store import ranks as repo
 from kvroute.store.engine import (
@@ -86,7 +86,7 @@ async def prepare(reg: RankRegistration) -> None:
 
 def _check_and_digest(reg: RankRegistration) -> None:
     check_self(reg)
-    _ = reg.class_digest, reg.canonical_digest, reg.instance_face_id
+    _ = reg.class_digest, reg.canonical_digest, reg.instance_digest
 
 
 async def admit_batch(
@@ -96,6 +96,7 @@ async def admit_batch(
     now: datetime,
     registrations: RegistrationCache,
     verdicts: VerdictMemo,
+    agreements: InstanceMemo,
     leases: Sequence[str | None] | None = None,
 ) -> BatchResult:
     """Admits, renews or refuses ``candidates`` (one deployment, distinct ranks, self-checked);
@@ -104,7 +105,9 @@ async def admit_batch(
 
     async def attempt() -> BatchResult:
         async with engine_of(sessionmaker).begin() as connection:
-            return await _admit(connection, candidates, named, now, registrations, verdicts)
+            return await _admit(
+                connection, candidates, named, now, registrations, (verdicts, agreements)
+            )
 
     result = await retry_disconnect(attempt)
     for reg, outcome in zip(candidates, result.outcomes, strict=False):
@@ -119,7 +122,7 @@ async def _admit(
     leases: Sequence[str | None],
     now: datetime,
     registrations: RegistrationCache,
-    verdicts: VerdictMemo,
+    memos: tuple[VerdictMemo, InstanceMemo],
 ) -> BatchResult:
     deployment = candidates[0].deployment
     await repo.lock_deployment_connection(connection, deployment)
@@ -138,7 +141,7 @@ async def _admit(
             outcomes.append(engine_leases.missing(deployment, lease))
             continue
         try:
-            state.check(reg, verdicts)
+            state.check(reg, *memos)
         except GeometryError as error:
             outcomes.append(error)
             continue
@@ -215,9 +218,10 @@ class _State:
             by_role[role][digest] = reg
         return cls(members, by_role)
 
-    def check(self, reg: RankRegistration, verdicts: VerdictMemo) -> None:
+    def check(self, reg: RankRegistration, verdicts: VerdictMemo, agreed: InstanceMemo) -> None:
         instance = self.members.get(reg.instance, {})
-        check_instance(reg, [member for rank, member in instance.items() if rank != reg.rank])
+        others = [member for rank, member in instance.items() if rank != reg.rank]
+        check_instance(reg, others, agreed)
         check_peers_by_class(reg, list(self.firsts[reg.role.opposite].values()), verdicts)
 
     def admit(
@@ -238,6 +242,7 @@ async def dry_run(
     now: datetime,
     registrations: RegistrationCache,
     verdicts: VerdictMemo,
+    agreements: InstanceMemo,
 ) -> tuple[int, GeometryError | None]:
     """What admitting ``candidates`` (one deployment, distinct ranks) one by one would answer, up to
     the first refusal: (its index, the refusal), or (len, None). The same checks as ``_admit``
@@ -260,7 +265,7 @@ async def dry_run(
                 )
                 for index, reg in enumerate(candidates):
                     try:
-                        state.check(reg, verdicts)
+                        state.check(reg, verdicts, agreements)
                     except GeometryError as error:
                         return index, error
                     state.admit(reg, peers.rows.get(reg.key), at)

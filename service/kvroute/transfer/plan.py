@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from kvroute.geometry import PeriodMap, Plan, Spread, StateTransfer, ViewTransfer
-from kvroute.geometry.plan_pairs import PairTransfer
-from kvroute.geometry.window import Window
+from kvroute.geometry.plans.plan_pairs import PairTransfer
+from kvroute.geometry.tokens.window import Window
 from kvroute.transfer.exactly_once import check_exactly_once, shared_slot_pools
 from kvroute.transfer.fragments import DST, LENGTH, SRC, fragment_array
 

@@ -20,7 +20,7 @@ from kvroute.engines.models.errors import UnsupportedConfig
 from kvroute.engines.models.linear import LinearSpec, linear_spec
 from kvroute.engines.models.mamba import MambaSpec, mamba_spec
 from kvroute.engines.models.windows import check_engine_runs, rule_windowed
-from kvroute.geometry.limits import MAX_LAYERS
+from kvroute.geometry.leaves.limits import MAX_LAYERS
 
 # Keys naming features whose cache kvroute does not model, and why.
 UNMODELLED_KEYS: Mapping[str, str] = {

@@ -21,9 +21,9 @@ from kvroute.engines.models.config import ModelSpec
 from kvroute.engines.models.errors import UnsupportedConfig
 from kvroute.engines.models.layout import Layout, LayoutError, kv_dtype
 from kvroute.geometry import DTYPE_BITS, Kind, Owner
-from kvroute.geometry.builder import LayerSpec, build_views
-from kvroute.geometry.heads import per_rank_heads
-from kvroute.geometry.rendering import render_view
+from kvroute.geometry.leaves.heads import per_rank_heads
+from kvroute.geometry.registration.builder import LayerSpec, build_views
+from kvroute.geometry.registration.rendering import render_view
 
 LATENT_ROLES = frozenset({"latent"})
 INDEX_ROLES = frozenset({"index_key"})

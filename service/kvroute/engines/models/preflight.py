@@ -28,9 +28,9 @@ from kvroute.geometry import (
     TokenWindow,
     build_plan,
 )
-from kvroute.geometry.classes import VerdictMemo, check_peers_by_class, representatives
-from kvroute.geometry.instance import check_instance
-from kvroute.geometry.validate import check_self
+from kvroute.geometry.checks.classes import VerdictMemo, check_peers_by_class, representatives
+from kvroute.geometry.checks.instance import InstanceMemo, check_instance
+from kvroute.geometry.checks.validate import check_self
 
 DEPLOYMENT = "preflight"
 CONTEXT, GENERATION = "ctx0", "gen0"
@@ -83,6 +83,7 @@ def admit(context: Instance, generation: Instance) -> Verdict:
     runs them); plans for every generation rank when all are admitted."""
     admitted: dict[str, list[RankRegistration]] = {context.name: [], generation.name: []}
     memo: VerdictMemo = {}
+    agreed: InstanceMemo = {}
     for instance, peers in ((context, []), (generation, admitted[context.name])):
         firsts = representatives(peers)
         for rank, document in enumerate(instance.documents):
@@ -91,7 +92,7 @@ def admit(context: Instance, generation: Instance) -> Verdict:
                     document, deployment=DEPLOYMENT, instance=instance.name, rank=rank
                 )
                 check_self(reg)
-                check_instance(reg, admitted[instance.name])
+                check_instance(reg, admitted[instance.name], agreed)
                 check_peers_by_class(reg, firsts, memo)
             except GeometryError as refusal:
                 return Verdict(refusal, instance.name, rank)

@@ -8,7 +8,7 @@ and V in the last dimension of ``[blocks, heads, tokens, head_size + head_size_v
 versions put K/V in a leading dimension of size 2). Layers whose pages share a block stride and
 fall inside one block of the same region become one kvroute pool (a block-outermost layout gives
 one pool per rank, a layer-outermost layout one pool per layer); the views are then built by
-``kvroute.geometry.builder`` from per-layer specs.
+``kvroute.geometry.registration.builder`` from per-layer specs.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from kvroute.client.pools import PoolDescription
 from kvroute.engines.vllm.probe import Layout
 from kvroute.engines.vllm.states import dtype_name, state_specs
 from kvroute.geometry import Kind, Owner
-from kvroute.geometry.builder import LayerSpec, build_views
-from kvroute.geometry.rendering import render_view
+from kvroute.geometry.registration.builder import LayerSpec, build_views
+from kvroute.geometry.registration.rendering import render_view
 
 if TYPE_CHECKING:
     import torch

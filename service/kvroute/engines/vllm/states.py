@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvroute.geometry import DTYPE_BITS, Kind
-from kvroute.geometry.builder import LayerSpec
+from kvroute.geometry.registration.builder import LayerSpec
 
 if TYPE_CHECKING:
     from kvroute.engines.vllm.layout import Layer

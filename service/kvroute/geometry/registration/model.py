@@ -3,8 +3,8 @@
 The model is the registration document (docs/geometry.md) made typed. Geometry that is derived (a view's head count
 after the legacy fallback, a stage's layer range, the DP-group TP size) lives here as properties so every
 check and the planner agree on one definition. The parts (pools, views, their enums) live in
-``parts``; the document codec in ``document`` and the class digest in ``classes`` read and build
-them without this module, which imports both.
+``parts``; the document codec in ``document`` and the faces the checks read (``faces``) read and
+build them without this module, which imports both (and none of the checks).
 """
 
 from __future__ import annotations
@@ -14,13 +14,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from kvroute.geometry import digests
-from kvroute.geometry.classes import class_digest
-from kvroute.geometry.document import parse_registration
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.identity import KvQuantization, ModelIdentity
-from kvroute.geometry.instance import face_id
-from kvroute.geometry.parts import (
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.parts import (
     DTYPE_BITS,
     Attention,
     Axis,
@@ -32,8 +27,12 @@ from kvroute.geometry.parts import (
     Role,
     View,
 )
-from kvroute.geometry.rendering import render_registration
-from kvroute.geometry.spread import Spread
+from kvroute.geometry.leaves.spread import Spread
+from kvroute.geometry.registration import digests
+from kvroute.geometry.registration.document import parse_registration
+from kvroute.geometry.registration.faces import class_digest, instance_digest
+from kvroute.geometry.registration.identity import KvQuantization, ModelIdentity
+from kvroute.geometry.registration.rendering import render_registration
 
 __all__ = [
     "DTYPE_BITS",
@@ -112,9 +111,9 @@ class RankRegistration:
         return class_digest(self)
 
     @cached_property
-    def instance_face_id(self) -> int:
-        """What the instance checks compare of this rank, as a number (``instance.face_id``)."""
-        return face_id(self)
+    def instance_digest(self) -> str:
+        """sha256 of what the instance checks compare of this rank (``faces.instance_digest``)."""
+        return instance_digest(self)
 
     @property
     def key(self) -> tuple[str, int]:

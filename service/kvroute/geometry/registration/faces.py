@@ -14,21 +14,26 @@ new check needing another field of a rank must first add it here, and the digest
 
 Names (instance, rank, view id) ride along for the checks' messages only and stay out of the
 digest; the errors a caller sees are re-raised from the real registrations (``classes``).
+
+The instance checks (``checks.instance``) read another face: the layout every rank of an instance
+shares and each view's geometry, whose digest (``instance_digest``) keys the agreements admission
+memoizes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from kvroute.geometry.identity import KvQuantization, ModelIdentity
-from kvroute.geometry.parts import Axis, Interior, Kind, Owner, Role, View, view_label
+from kvroute.geometry.leaves.parts import Axis, Interior, Kind, Owner, Role, View, view_label
+from kvroute.geometry.registration.identity import KvQuantization, ModelIdentity
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 # Field metadata: ``NAME`` fields label messages and are not geometry; ``UNORDERED`` sequences are
 # digested as multisets (a stage fails when any view fails, whatever the order of the views).
@@ -153,8 +158,17 @@ def _view_face(reg: RankRegistration, view: View) -> ViewFace:
     )
 
 
+def class_digest(reg: RankRegistration) -> str:
+    """sha256 of the rank's face: every field a peer check can read, names left out."""
+    return face_digest(rank_face(reg))
+
+
 def face_digest(face: RankFace) -> str:
     """sha256 of every geometry field of the face, names left out, views as a multiset."""
+    return _digest(face)
+
+
+def _digest(face: Any) -> str:
     canonical = json.dumps(_plain(face), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -185,3 +199,64 @@ def _member(metadata: Any, value: Any) -> Any:
     if metadata.get("unordered"):
         return sorted(plain, key=lambda item: json.dumps(item, sort_keys=True))
     return plain
+
+
+# Fields every rank of an instance must agree on, in the order ``checks.instance`` compares them.
+INSTANCE_FIELDS: tuple[str, ...] = (
+    "role",
+    "tp_size",
+    "pp_size",
+    "cp_size",
+    "cp_layout",
+    "cp_interleave",
+    "attention_dp",
+    "dp_size",
+    "layers_per_stage",
+    "tokens_per_block",
+    "num_draft_layers",
+)
+ATTENTION_FIELDS: tuple[str, ...] = ("num_kv_heads", "head_dim", "dtype", "is_mla")
+
+
+def instance_digest(reg: RankRegistration) -> str:
+    """sha256 of everything the instance checks read of a rank but its name (which only their
+    refusals quote): two ranks with the digests of two that agreed agree too."""
+    views = tuple(
+        (
+            view.owner,
+            view.roles,
+            view.axis,
+            view.layer_ids,
+            *(mine for _, mine, _ in view_signature(reg, view, reg, view)),
+        )
+        for view in reg.views
+    )
+    face = (
+        tuple(getattr(reg, f) for f in INSTANCE_FIELDS),
+        tuple(getattr(reg.attention, f) for f in ATTENTION_FIELDS),
+        reg.model,
+        reg.kv_quantization,
+        views,
+    )
+    return _digest(face)
+
+
+def view_signature(
+    reg: RankRegistration, view: View, other: RankRegistration, theirs: View
+) -> Sequence[tuple[str, object, object]]:
+    """What the instance checks compare of two views of one role class sharing layers."""
+    return (
+        ("kind", view.kind.value, theirs.kind.value),
+        ("num_kv_heads", reg.heads(view), other.heads(theirs)),
+        ("buffers_per_layer", view.buffers_per_layer, theirs.buffers_per_layer),
+        ("bytes_per_layer", view.bytes_per_layer, theirs.bytes_per_layer),
+        (
+            "total_kv_heads",
+            view.total_kv_heads or theirs.total_kv_heads,
+            theirs.total_kv_heads or view.total_kv_heads,
+        ),
+        ("ssm_bytes_per_head", view.ssm_bytes_per_head, theirs.ssm_bytes_per_head),
+        ("conv_sections", view.conv_sections, theirs.conv_sections),
+        ("sliding_window", view.sliding_window, theirs.sliding_window),
+        ("interior", view.interior, theirs.interior),
+    )

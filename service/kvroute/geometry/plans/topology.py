@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.model import RankRegistration
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.registration.model import RankRegistration
 
 
 def tp_overlaps(sender: RankRegistration, receiver: RankRegistration) -> bool:

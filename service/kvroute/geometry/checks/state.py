@@ -25,11 +25,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvroute.geometry.pairs import PairFailer
-from kvroute.geometry.parts import Kind, View
+from kvroute.geometry.checks.pairs import PairFailer
+from kvroute.geometry.leaves.parts import Kind, View
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 
 Fragment = tuple[int, int, int]  # (src_offset, dst_offset, length)

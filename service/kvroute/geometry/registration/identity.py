@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvroute.geometry.errors import GeometryError
+from kvroute.geometry.leaves.errors import GeometryError
 
 if TYPE_CHECKING:
-    from kvroute.geometry.document import _Reader
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.document import _Reader
+    from kvroute.geometry.registration.model import RankRegistration
 
 # Printable ASCII without spaces: model ids ("meta-llama/Llama-3.1-8B"), git revisions, digests.
 IDENTITY_PATTERN = re.compile(r"[!-~]+", re.ASCII)

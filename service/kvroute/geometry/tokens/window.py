@@ -22,8 +22,8 @@ Decisions where the reference is silent or loose, in the terms users see:
   leading tokens trimmed (left as they are: the sender no longer holds them), as the reference does;
   a receiver with a smaller window simply skips more.
 - A receiver without a window over layers its sender keeps windowed can never be served (it would
-  attend over blocks that never arrive), so the pair is refused at registration:
-  ``sliding_window_mismatch`` naming both windows. A windowed receiver of a full-attention sender
+  attend over blocks that never arrive), so the pair is refused at registration
+  (``checks.pairs.pair_window``): ``sliding_window_mismatch`` naming both windows. A windowed receiver of a full-attention sender
   is fine: the sender holds every block and sends only the window. Block sizes never make a window
   impossible: it is counted in tokens, and the period form cuts any range.
 """
@@ -31,15 +31,9 @@ Decisions where the reference is silent or loose, in the terms users see:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.parts import Role, View
-from kvroute.geometry.ranges import TokenRange
-from kvroute.geometry.spread import IDENTITY, Spread
-
-if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+from kvroute.geometry.leaves.spread import IDENTITY, Spread
+from kvroute.geometry.tokens.ranges import TokenRange
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,35 +68,6 @@ class Window:
             self.dst_tokens_per_block,
             spreads,
         )
-
-
-def pair_window(
-    local: RankRegistration, view: View, peer: RankRegistration, theirs: View
-) -> Window | None:
-    """The window of a matched block-view pair, or None when neither side is windowed."""
-    if view.sliding_window is None and theirs.sliding_window is None:
-        return None
-    mine, other = (
-        (view.sliding_window, local.tokens(view)),
-        (theirs.sliding_window, peer.tokens(theirs)),
-    )
-    (sender, src_tokens), (receiver, dst_tokens) = (
-        (mine, other) if local.role is Role.CONTEXT else (other, mine)
-    )
-    if receiver is None:
-        index = next(i for i, candidate in enumerate(local.views) if candidate is view)
-        raise GeometryError.against(
-            peer,
-            "sliding_window_mismatch",
-            f"{view.label()} of {local.label()} vs {peer.label()}: the context side keeps only the "
-            f"last {sender} tokens of these layers (sliding_window={sender}) but the generation "
-            "side attends over all of them (no sliding_window); the stale blocks never arrive",
-            field=f"views[{index}].sliding_window",
-            local=view.sliding_window,
-            theirs=theirs.sliding_window,
-        )
-    tokens = receiver if sender is None else min(sender, receiver)
-    return Window(tokens, sender, receiver, src_tokens, dst_tokens)
 
 
 def window_start(

@@ -12,13 +12,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvroute.geometry.mappers import coalesce
-from kvroute.geometry.matching import match_view
-from kvroute.geometry.model import RankRegistration, View
-from kvroute.geometry.pairs import duplication
-from kvroute.geometry.plan import StateTransfer
-from kvroute.geometry.state import StateGeometry, shard, state_fragments, state_geometry
-from kvroute.geometry.topology import elect
+from kvroute.geometry.checks.matching import match_view
+from kvroute.geometry.checks.pairs import duplication
+from kvroute.geometry.checks.state import StateGeometry, shard, state_fragments, state_geometry
+from kvroute.geometry.plans.mappers import coalesce
+from kvroute.geometry.plans.plan import StateTransfer
+from kvroute.geometry.plans.topology import elect
+from kvroute.geometry.registration.model import RankRegistration, View
 
 
 @dataclass

@@ -3,46 +3,33 @@
 Every rank of an instance agrees with the layout its first rank fixed (TP, PP, layer split, tokens
 per block, draft layers, attention defaults) and registers one geometry for the views of a role
 class that share layers, whatever their kind: KV heads and bytes, SSM heads, conv sections and
-sliding windows alike. The first disagreement is raised, in the order of ``_INSTANCE_FIELDS``.
+sliding windows alike. The first disagreement is raised, in the order of ``faces.INSTANCE_FIELDS``.
+
+A caller checking many ranks (admission) keeps the pairs of instance digests
+(``faces.instance_digest``) whose ranks agreed in an ``InstanceMemo`` it owns: a fleet's instances have a handful of faces, so a rank
+joining an instance of 32 compares with its members once per pair of faces, not 31 times. Only
+agreements are kept: a refusal is recomputed every time, so it always names the rank it quotes.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, MutableMapping
 from typing import TYPE_CHECKING
 
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.identity import differences
-from kvroute.geometry.parts import Interior, View
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.parts import Interior
+from kvroute.geometry.registration.faces import (
+    ATTENTION_FIELDS,
+    INSTANCE_FIELDS,
+    view_signature,
+)
+from kvroute.geometry.registration.identity import differences
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
-
-# Fields every rank of an instance must agree on, in the order they are compared.
-_INSTANCE_FIELDS: tuple[str, ...] = (
-    "role",
-    "tp_size",
-    "pp_size",
-    "cp_size",
-    "cp_layout",
-    "cp_interleave",
-    "attention_dp",
-    "dp_size",
-    "layers_per_stage",
-    "tokens_per_block",
-    "num_draft_layers",
-)
-_ATTENTION_FIELDS: tuple[str, ...] = ("num_kv_heads", "head_dim", "dtype", "is_mla")
-
-# Pairs of faces (``face_id``) whose ranks were compared and agreed: a fleet's instances have a
-# handful of faces, so a rank joining an instance of 32 compares with its members once per pair of
-# faces, not 31 times. Bounded; ids never repeat, so clearing only forgets.
-_MEMO_SIZE = 4_096
-_face_ids: dict[Hashable, int] = {}
-_agreed: set[tuple[int, int]] = set()
-_next_id = itertools.count()
+# Pairs of instance digests whose ranks were compared and agreed (the value is always True).
+InstanceMemo = MutableMapping[tuple[str, str], bool]
 
 
 def missing_ranks(expected: int, present: Iterable[int]) -> list[int]:
@@ -51,8 +38,11 @@ def missing_ranks(expected: int, present: Iterable[int]) -> list[int]:
     return sorted(set(range(expected)).difference(present))
 
 
-def check_instance(reg: RankRegistration, others: Iterable[RankRegistration]) -> None:
-    """The rank agrees with its instance's layout (fixed by its first rank) and its rank number."""
+def check_instance(
+    reg: RankRegistration, others: Iterable[RankRegistration], agreed: InstanceMemo | None = None
+) -> None:
+    """The rank agrees with its instance's layout (fixed by its first rank) and its rank number;
+    ``agreed``: the caller's memo of faces that agreed (None: compare every rank)."""
     # CP-minor, as TensorRT-LLM's Mapping numbers ranks; pp_rank * tp_size + tp_rank without CP.
     expected_rank = (reg.pp_rank * reg.tp_size + reg.tp_rank) * reg.cp_size + reg.cp_rank
     if reg.rank != expected_rank:
@@ -68,47 +58,19 @@ def check_instance(reg: RankRegistration, others: Iterable[RankRegistration]) ->
     for other in sorted(others, key=lambda o: o.rank):
         if other.rank == reg.rank:
             continue
-        pair = (reg.instance_face_id, other.instance_face_id)
-        if pair not in _agreed:
-            _compare_instance_ranks(reg, other)
-            if len(_agreed) >= _MEMO_SIZE:
-                _agreed.clear()
-            _agreed.add(pair)
-
-
-def face_id(reg: RankRegistration) -> int:
-    """A number for everything ``_compare_instance_ranks`` reads of a rank but its name (which only
-    its refusals quote): two ranks with the ids of two that agreed agree too."""
-    views = tuple(
-        (
-            view.owner,
-            view.roles,
-            view.axis,
-            view.layer_ids,
-            *(mine for _, mine, _ in _view_signature(reg, view, reg, view)),
-        )
-        for view in reg.views
-    )
-    face = (
-        tuple(getattr(reg, f) for f in _INSTANCE_FIELDS),
-        tuple(getattr(reg.attention, f) for f in _ATTENTION_FIELDS),
-        reg.model,
-        reg.kv_quantization,
-        views,
-    )
-    if (known := _face_ids.get(face)) is not None:
-        return known
-    if len(_face_ids) >= _MEMO_SIZE:
-        _face_ids.clear()
-        _agreed.clear()
-    return _face_ids.setdefault(face, next(_next_id))
+        pair = (reg.instance_digest, other.instance_digest)
+        if agreed is not None and pair in agreed:
+            continue
+        _compare_instance_ranks(reg, other)
+        if agreed is not None:
+            agreed[pair] = True
 
 
 def _compare_instance_ranks(reg: RankRegistration, other: RankRegistration) -> None:
-    pairs = [(f, getattr(reg, f), getattr(other, f)) for f in _INSTANCE_FIELDS]
+    pairs = [(f, getattr(reg, f), getattr(other, f)) for f in INSTANCE_FIELDS]
     pairs += [
         (f"attention.{f}", getattr(reg.attention, f), getattr(other.attention, f))
-        for f in _ATTENTION_FIELDS
+        for f in ATTENTION_FIELDS
     ]
     # One engine serves one model: its ranks name the same identity, absent members included.
     pairs += [(field, a, b) for _, field, a, b in differences(reg, other, strict=True)]
@@ -139,7 +101,7 @@ def _compare_instance_views(reg: RankRegistration, other: RankRegistration) -> N
                 or not view.layer_ids & theirs.layer_ids
             ):
                 continue
-            for field, a, b in _view_signature(reg, view, other, theirs):
+            for field, a, b in view_signature(reg, view, other, theirs):
                 if a != b:
                     raise GeometryError(
                         "instance_view_mismatch",
@@ -152,26 +114,6 @@ def _compare_instance_views(reg: RankRegistration, other: RankRegistration) -> N
                         peer_instance=other.instance,
                         peer_rank=other.rank,
                     )
-
-
-def _view_signature(
-    reg: RankRegistration, view: View, other: RankRegistration, theirs: View
-) -> Sequence[tuple[str, object, object]]:
-    return (
-        ("kind", view.kind.value, theirs.kind.value),
-        ("num_kv_heads", reg.heads(view), other.heads(theirs)),
-        ("buffers_per_layer", view.buffers_per_layer, theirs.buffers_per_layer),
-        ("bytes_per_layer", view.bytes_per_layer, theirs.bytes_per_layer),
-        (
-            "total_kv_heads",
-            view.total_kv_heads or theirs.total_kv_heads,
-            theirs.total_kv_heads or view.total_kv_heads,
-        ),
-        ("ssm_bytes_per_head", view.ssm_bytes_per_head, theirs.ssm_bytes_per_head),
-        ("conv_sections", view.conv_sections, theirs.conv_sections),
-        ("sliding_window", view.sliding_window, theirs.sliding_window),
-        ("interior", view.interior, theirs.interior),
-    )
 
 
 def _jsonable(value: object) -> object:

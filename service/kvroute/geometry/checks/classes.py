@@ -1,6 +1,6 @@
 """Geometry classes: admission against peer classes instead of every peer rank.
 
-A rank's *class* (``class_digest``) is the digest of its face (``faces``): what peer checks can
+A rank's *class* (``faces.class_digest``) is the digest of its face (``faces``): what peer checks can
 read of it. Ranks of one PP stage of an instance share it, and so do ranks of any instance with the
 same geometry laid out differently inside their slots (offsets, gaps, padded strides, view and pool
 ids), as fleets of mixed engine versions and allocators register. Verdicts are computed on faces,
@@ -20,21 +20,16 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvroute.geometry.compat import PEER_STAGES, check_peers
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.faces import face_digest, rank_face
+from kvroute.geometry.checks.compat import PEER_STAGES, check_peers
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.registration.faces import rank_face
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 
 Verdict = int | None  # index of the first peer stage the pair fails, None when compatible
 VerdictMemo = MutableMapping[tuple[str, str], Verdict]
-
-
-def class_digest(reg: RankRegistration) -> str:
-    """sha256 of the rank's face: every field a peer check can read, names left out."""
-    return face_digest(rank_face(reg))
 
 
 def peer_verdict(reg: RankRegistration, peer: RankRegistration) -> Verdict:

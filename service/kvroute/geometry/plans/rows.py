@@ -14,12 +14,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvroute.geometry.mappers import held_heads
-from kvroute.geometry.model import Kind, RankRegistration, View
-from kvroute.geometry.pairs import PairGeometry
-from kvroute.geometry.parts import Interior, Tiling
-from kvroute.geometry.periods import PeriodMap, Row, period_spans, spread_spans
-from kvroute.geometry.spread import IDENTITY, Spread
+from kvroute.geometry.checks.pairs import PairGeometry
+from kvroute.geometry.leaves.parts import Interior, Tiling
+from kvroute.geometry.leaves.spread import IDENTITY, Spread
+from kvroute.geometry.plans.mappers import held_heads
+from kvroute.geometry.registration.model import Kind, RankRegistration, View
+from kvroute.geometry.tokens.periods import PeriodMap, Row, period_spans, spread_spans
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,14 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvroute.geometry.domains import parse_topology
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.identity import parse_identity
-from kvroute.geometry.limits import ARRAY_BOUNDS, INTEGER_BOUNDS, MAX_LAYER_SLOTS, STRING_BOUNDS
-from kvroute.geometry.parts import (
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.limits import (
+    ARRAY_BOUNDS,
+    INTEGER_BOUNDS,
+    MAX_LAYER_SLOTS,
+    STRING_BOUNDS,
+)
+from kvroute.geometry.leaves.parts import (
     DTYPE_BITS,
     Attention,
     CpLayout,
@@ -31,9 +34,11 @@ from kvroute.geometry.parts import (
     Tiling,
     View,
 )
+from kvroute.geometry.registration.domains import parse_topology
+from kvroute.geometry.registration.identity import parse_identity
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 # Matched whole (``fullmatch``): a trailing newline is part of the value, never an alias of it.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", re.ASCII)

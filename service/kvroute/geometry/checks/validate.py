@@ -10,13 +10,13 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.heads import declared_total_problem
-from kvroute.geometry.identity import check_scale_views
-from kvroute.geometry.parts import CpLayout, Kind, Owner, Role, View
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.heads import declared_total_problem
+from kvroute.geometry.leaves.parts import CpLayout, Kind, Owner, Role, View
+from kvroute.geometry.registration.identity import check_scale_views
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 
 def _self_error(

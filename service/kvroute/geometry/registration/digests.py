@@ -12,10 +12,10 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvroute.geometry.rendering import render_registration
+from kvroute.geometry.registration.rendering import render_registration
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 
 def canonical_json(doc: Mapping[str, Any]) -> str:

@@ -11,17 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.identity import check_identity
-from kvroute.geometry.instance import check_instance
-from kvroute.geometry.matching import match_view
-from kvroute.geometry.pairs import PairGeometry, pair_geometry
-from kvroute.geometry.parts import DTYPE_BITS, View
-from kvroute.geometry.state import StateGeometry, state_geometry
-from kvroute.geometry.validate import check_self
+from kvroute.geometry.checks.instance import check_instance
+from kvroute.geometry.checks.matching import match_view
+from kvroute.geometry.checks.pairs import PairGeometry, pair_geometry
+from kvroute.geometry.checks.state import StateGeometry, state_geometry
+from kvroute.geometry.checks.validate import check_self
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.parts import DTYPE_BITS, View
+from kvroute.geometry.registration.identity import check_identity
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 
 MatchedPair = tuple["RankRegistration", View, "RankRegistration", View]

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvroute.geometry.mappers import Fragment
-from kvroute.geometry.parts import Owner
-from kvroute.geometry.periods import PeriodMap
-from kvroute.geometry.reading import Members, invalid
-from kvroute.geometry.rows import TokenAxis
-from kvroute.geometry.window import Window
+from kvroute.geometry.leaves.parts import Owner
+from kvroute.geometry.plans.mappers import Fragment
+from kvroute.geometry.plans.reading import Members, invalid
+from kvroute.geometry.plans.rows import TokenAxis
+from kvroute.geometry.tokens.periods import PeriodMap
+from kvroute.geometry.tokens.window import Window
 
 OWNERS = tuple(owner.value for owner in Owner)
 

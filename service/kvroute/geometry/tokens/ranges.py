@@ -37,10 +37,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvroute.geometry.spread import IDENTITY, Spread
+from kvroute.geometry.leaves.spread import IDENTITY, Spread
 
 if TYPE_CHECKING:  # periods imports pairs, which imports window, which imports this module
-    from kvroute.geometry.periods import PeriodMap
+    from kvroute.geometry.tokens.periods import PeriodMap
 
 Copy = tuple[int, int, int, int, int]  # src block id, src offset, dst block id, dst offset, length
 

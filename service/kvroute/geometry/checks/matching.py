@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.parts import View
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.parts import View
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 
 def match_view(view: View, owner_rank: RankRegistration, peer: RankRegistration) -> View | None:

@@ -11,8 +11,8 @@ import builtins
 from collections.abc import Mapping
 from typing import Any
 
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.mappers import Fragment
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.plans.mappers import Fragment
 
 
 def invalid(path: str, detail: str, value: Any = None) -> GeometryError:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvroute.geometry.heads import head_range
-from kvroute.geometry.model import RankRegistration, View
-from kvroute.geometry.pairs import PairGeometry
+from kvroute.geometry.checks.pairs import PairGeometry
+from kvroute.geometry.leaves.heads import head_range
+from kvroute.geometry.registration.model import RankRegistration, View
 
 Fragment = tuple[int, int, int]  # (src_offset, dst_offset, length)
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvroute.geometry.domains import render_topology
-from kvroute.geometry.identity import render_identity
-from kvroute.geometry.parts import Pool, View
+from kvroute.geometry.leaves.parts import Pool, View
+from kvroute.geometry.registration.domains import render_topology
+from kvroute.geometry.registration.identity import render_identity
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 
 def render_view(view: View) -> dict[str, Any]:

@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvroute.geometry.plan_pairs import StateTransfer, ViewTransfer
-from kvroute.geometry.reading import Members, invalid, is_int
+from kvroute.geometry.plans.plan_pairs import StateTransfer, ViewTransfer
+from kvroute.geometry.plans.reading import Members, invalid, is_int
 
 __all__ = ["PeerPlan", "Plan", "StateTransfer", "ViewTransfer"]
 

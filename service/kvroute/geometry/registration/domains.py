@@ -19,12 +19,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.limits import MAX_DOMAINS
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.limits import MAX_DOMAINS
 
 if TYPE_CHECKING:
-    from kvroute.geometry.document import _Reader
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.document import _Reader
+    from kvroute.geometry.registration.model import RankRegistration
 
 DOMAIN_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,31}", re.ASCII)
 VALUE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}", re.ASCII)

@@ -14,9 +14,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.model import Kind, LayerSlot, Owner, View
-from kvroute.geometry.parts import Interior
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.parts import Interior
+from kvroute.geometry.registration.model import Kind, LayerSlot, Owner, View
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,13 +13,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.heads import pair_total
-from kvroute.geometry.parts import Kind, Tiling, View
-from kvroute.geometry.window import Window, pair_window
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.heads import pair_total
+from kvroute.geometry.leaves.parts import Kind, Role, Tiling, View
+from kvroute.geometry.tokens.window import Window
 
 if TYPE_CHECKING:
-    from kvroute.geometry.model import RankRegistration
+    from kvroute.geometry.registration.model import RankRegistration
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,3 +284,32 @@ class PairFailer:
             local=mine,
             theirs=theirs,
         )
+
+
+def pair_window(
+    local: RankRegistration, view: View, peer: RankRegistration, theirs: View
+) -> Window | None:
+    """The window of a matched block-view pair, or None when neither side is windowed."""
+    if view.sliding_window is None and theirs.sliding_window is None:
+        return None
+    mine, other = (
+        (view.sliding_window, local.tokens(view)),
+        (theirs.sliding_window, peer.tokens(theirs)),
+    )
+    (sender, src_tokens), (receiver, dst_tokens) = (
+        (mine, other) if local.role is Role.CONTEXT else (other, mine)
+    )
+    if receiver is None:
+        index = next(i for i, candidate in enumerate(local.views) if candidate is view)
+        raise GeometryError.against(
+            peer,
+            "sliding_window_mismatch",
+            f"{view.label()} of {local.label()} vs {peer.label()}: the context side keeps only the "
+            f"last {sender} tokens of these layers (sliding_window={sender}) but the generation "
+            "side attends over all of them (no sliding_window); the stale blocks never arrive",
+            field=f"views[{index}].sliding_window",
+            local=view.sliding_window,
+            theirs=theirs.sliding_window,
+        )
+    tokens = receiver if sender is None else min(sender, receiver)
+    return Window(tokens, sender, receiver, src_tokens, dst_tokens)

@@ -15,17 +15,17 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvroute.geometry.bounce import fanin_bounce_safe
-from kvroute.geometry.compat import check_peers
-from kvroute.geometry.errors import GeometryError
-from kvroute.geometry.mappers import coalesce, held_heads, pair_fragments
-from kvroute.geometry.matching import match_view
-from kvroute.geometry.model import RankRegistration, Role, View
-from kvroute.geometry.pairs import PairGeometry, duplication, pair_geometry
-from kvroute.geometry.plan import PeerPlan, Plan, StateTransfer, ViewTransfer
-from kvroute.geometry.rows import token_axis
-from kvroute.geometry.state_planner import plan_state_view
-from kvroute.geometry.topology import candidate_senders, elect
+from kvroute.geometry.checks.compat import check_peers
+from kvroute.geometry.checks.matching import match_view
+from kvroute.geometry.checks.pairs import PairGeometry, duplication, pair_geometry
+from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.plans.bounce import fanin_bounce_safe
+from kvroute.geometry.plans.mappers import coalesce, held_heads, pair_fragments
+from kvroute.geometry.plans.plan import PeerPlan, Plan, StateTransfer, ViewTransfer
+from kvroute.geometry.plans.rows import token_axis
+from kvroute.geometry.plans.state_planner import plan_state_view
+from kvroute.geometry.plans.topology import candidate_senders, elect
+from kvroute.geometry.registration.model import RankRegistration, Role, View
 
 
 @dataclass

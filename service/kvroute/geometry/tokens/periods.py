@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-from kvroute.geometry.spread import IDENTITY, Spread, shared_runs
+from kvroute.geometry.leaves.spread import IDENTITY, Spread, shared_runs
 
 Row = tuple[int, int, int, int, int]  # src_base, dst_base, src_pitch, dst_pitch, width (bytes)
 # (src_block, src_offset, dst_block, dst_offset, length, first_token, tokens): blocks are indices
