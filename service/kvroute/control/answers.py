@@ -23,12 +23,8 @@ from typing import Any
 from cachetools import LRUCache
 
 from kvroute import wire
-from kvroute.control.compatibility import (
-    MATRIX_READS,
-    InstanceRanks,
-    compatibility_matrix,
-    instances_at,
-)
+from kvroute.control.compatibility import MATRIX_READS, InstanceRanks, compatibility_matrix
+from kvroute.control.matrix_reads import matrix_inputs
 from kvroute.geometry.checks.classes import VerdictMemo
 from kvroute.geometry.registration.domains import PairingPolicy
 from kvroute.store.engine import SessionMaker
@@ -71,21 +67,25 @@ def state_key(states: Sequence[InstanceState], policy: PairingPolicy) -> Hashabl
     return instances, policy
 
 
-Compute = Callable[[list[InstanceRanks], PairingPolicy], Any]  # -> a wire model
+# (instances, the verdicts of their class pairs, policy) -> a wire model
+Compute = Callable[[list[InstanceRanks], VerdictMemo, PairingPolicy], Any]
 
 
 async def cached_answer(
     sessionmaker: SessionMaker,
     registrations: RegistrationCache,
+    verdicts: VerdictMemo,
     cache: AnswerCache,
     name: tuple[str, ...],
     compute: Compute,
     *,
     deployment: str,
     now: datetime,
+    domains: bool,
 ) -> Rendered:
     """``compute``'s answer over the deployment's live instances, rendered; the cached rendering
-    while the state it depends on is unchanged. ``NotFound`` for an unknown deployment."""
+    while the state it depends on is unchanged. ``NotFound`` for an unknown deployment. With
+    ``domains`` the instances' domains are read even without a pairing policy."""
     for attempt in range(1, MATRIX_READS + 1):
         states = await deployment_states(sessionmaker, deployment, now=now)
         policy = PairingPolicy.from_json(await pairing_policy(sessionmaker, deployment))
@@ -93,7 +93,10 @@ async def cached_answer(
         if (hit := cache.get(name, key)) is not None:
             return hit
         try:
-            instances = await instances_at(registrations, deployment, states)
+            topology = domains or not policy.empty
+            instances, memo = await matrix_inputs(
+                registrations, deployment, states, verdicts, topology=topology
+            )
         except RegistrationMoved:
             # A rank re-registered between the two reads: a read-only view just reads again.
             if attempt == MATRIX_READS:
@@ -101,7 +104,8 @@ async def cached_answer(
             continue
         # On the event loop: verdicts are memoized per pair of geometry classes (shared with
         # admission, which runs here too), so only a class pair never seen before costs a check.
-        rendered = Rendered(json.dumps(wire.to_json(compute(instances, policy))).encode())
+        answer = compute(instances, memo, policy)
+        rendered = Rendered(json.dumps(wire.to_json(answer)).encode())
         cache.put(name, key, rendered)
         return rendered
     raise AssertionError("unreachable")
@@ -118,15 +122,19 @@ async def deployment_matrix(
 ) -> Rendered:
     """The matrix of the deployment's live registrations; ``NotFound`` for an unknown one."""
 
-    def compute(instances: list[InstanceRanks], policy: PairingPolicy) -> wire.Compatibility:
-        return compatibility_matrix(deployment, instances, verdicts, policy)
+    def compute(
+        instances: list[InstanceRanks], memo: VerdictMemo, policy: PairingPolicy
+    ) -> wire.Compatibility:
+        return compatibility_matrix(deployment, instances, memo, policy)
 
     return await cached_answer(
         sessionmaker,
         registrations,
+        verdicts,
         cache,
         ("compatibility", deployment),
         compute,
         deployment=deployment,
         now=now,
+        domains=False,
     )

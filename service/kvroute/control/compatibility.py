@@ -10,11 +10,16 @@ instances' *signatures* (each live rank's number and class), so it is computed o
 signatures: a fleet of 256 identical instances checks one pair and fills 16,384 cells from it
 (``kvroute.control.answers`` then keeps the rendering until the deployment's state changes). An
 instance with missing or expired ranks is reported as incomplete: its pairs are not guessed at.
+
+The instances' ranks need not be parsed registrations: a rank may be its class alone
+(``store.registrations.RankClass``), given verdicts for its class pairs. Only a refused pair
+re-runs a check on registrations, those of the ranks ``refusal_ranks`` names
+(``control.matrix_reads`` reads exactly those).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,8 +38,7 @@ from kvroute.geometry.registration.domains import (
     required_exclusion,
     shared_domains,
 )
-from kvroute.store.registrations import RegistrationCache
-from kvroute.store.snapshots import InstanceState
+from kvroute.store.registrations import RankSketch
 
 NO_POLICY = PairingPolicy()
 # Reads of the generations and documents before a matrix gives up on a deployment in churn.
@@ -49,7 +53,7 @@ class InstanceRanks:
     name: str
     role: str
     expected_ranks: int
-    live: tuple[RankRegistration, ...]  # ordered by rank
+    live: tuple[RankSketch, ...]  # ordered by rank
     # Derived once: every cell of the instance's row or column reads them.
     missing_tuple: tuple[int, ...] = field(init=False, repr=False, compare=False)
     signature: Signature = field(init=False, repr=False, compare=False)
@@ -66,7 +70,10 @@ class InstanceRanks:
 
     @property
     def domains(self) -> dict[str, DomainValue]:
-        return instance_domains(reg.topology for reg in self.live)
+        topologies = [reg.topology for reg in self.live]
+        if any(topology is None for topology in topologies):
+            raise AssertionError(f"{self.name}: domains asked of ranks read without topology")
+        return instance_domains(topology for topology in topologies if topology is not None)
 
     def summary(self) -> wire.CompatibilityInstance:
         return wire.CompatibilityInstance(
@@ -79,14 +86,20 @@ class InstanceRanks:
 
 
 def _refusal(
-    error: GeometryError, receiver: RankRegistration, senders: Sequence[RankRegistration]
+    error: GeometryError,
+    receiver: RankRegistration,
+    context: InstanceRanks,
+    senders: Sequence[RankRegistration],
 ) -> dict[str, Any]:
     context_rank = error.peer_rank
     if context_rank is None:
-        # The stage that refused did not name its peer: find the first rank it refuses alone.
-        for sender in senders:
+        # The stage that refused did not name its peer: find the first rank it refuses alone. A
+        # check against one peer is judged on its face, so each rank is checked as the first rank
+        # of its class (``senders``, parsed) rather than parsed itself.
+        by_class = {sender.class_digest: sender for sender in senders}
+        for sender in context.live:
             try:
-                check_peers(receiver, [sender])
+                check_peers(receiver, [by_class[sender.class_digest]])
             except GeometryError as alone:
                 if alone.code == error.code:
                     context_rank = sender.rank
@@ -110,26 +123,68 @@ Outcome = int | None
 
 
 def first_refusing(
-    generation: InstanceRanks, senders: Sequence[RankRegistration], memo: VerdictMemo
+    generation: InstanceRanks, senders: Sequence[RankSketch], memo: VerdictMemo
 ) -> Outcome:
     """Where ``check_peers_by_class`` would first raise for the generation's ranks in rank order."""
     passed: set[str] = set()
     for index, receiver in enumerate(generation.live):
         if receiver.class_digest in passed:
             continue
-        if any(memoized_verdict(memo, receiver, peer) is not None for peer in senders):
+        if any(_verdict(memo, receiver, peer) is not None for peer in senders):
             return index
         passed.add(receiver.class_digest)
     return None
 
 
+def _verdict(memo: VerdictMemo, receiver: RankSketch, peer: RankSketch) -> int | None:
+    key = (receiver.class_digest, peer.class_digest)
+    if key in memo:
+        return memo[key]
+    return memoized_verdict(memo, _parsed(receiver), _parsed(peer))
+
+
+def _parsed(rank: RankSketch) -> RankRegistration:
+    if not isinstance(rank, RankRegistration):
+        raise AssertionError(f"{rank.instance} rank {rank.rank} was needed parsed but was not")
+    return rank
+
+
+def refusal_ranks(instances: Sequence[InstanceRanks], memo: VerdictMemo) -> set[tuple[str, int]]:
+    """The (instance, rank) of every rank a refusal of the matrix re-runs its check on: the
+    refusing generation rank and the context's class representatives, for every refused pair.
+
+    ``memo`` must hold the verdict of every pair of classes of the two roles. Computed once per
+    pair of instance signatures, as the matrix does.
+    """
+    contexts = _by_signature(item for item in instances if item.role == "context")
+    generations = _by_signature(item for item in instances if item.role == "generation")
+    named: set[tuple[str, int]] = set()
+    for group in contexts:
+        senders = representatives(group[0].live)
+        for peers in generations:
+            index = first_refusing(peers[0], senders, memo)
+            if index is not None:
+                # Instances of one signature have the same ranks of the same classes.
+                named.update((g.name, g.live[index].rank) for g in peers)
+                named.update((c.name, sender.rank) for c in group for sender in senders)
+    return named
+
+
+def _by_signature(instances: Iterable[InstanceRanks]) -> list[list[InstanceRanks]]:
+    """The complete instances grouped by signature (incomplete ones have no verdict)."""
+    groups: dict[Signature, list[InstanceRanks]] = {}
+    for item in instances:
+        if not item.missing_tuple:
+            groups.setdefault(item.signature, []).append(item)
+    return list(groups.values())
+
+
 def pair_verdict(
     context: InstanceRanks,
     generation: InstanceRanks,
-    senders: Sequence[RankRegistration],
+    senders: Sequence[RankSketch],
     memo: VerdictMemo,
-    outcome: Outcome
-    | Callable[[InstanceRanks, Sequence[RankRegistration], VerdictMemo], Outcome] = (
+    outcome: Outcome | Callable[[InstanceRanks, Sequence[RankSketch], VerdictMemo], Outcome] = (
         first_refusing
     ),
 ) -> wire.CompatibilityPair:
@@ -149,11 +204,12 @@ def pair_verdict(
     index = outcome(generation, senders, memo) if callable(outcome) else outcome
     if index is None:
         return wire.CompatibilityPair(**names, status="compatible", compatible=True)
-    receiver = generation.live[index]
+    receiver = _parsed(generation.live[index])
+    parsed = [_parsed(sender) for sender in senders]
     try:
-        check_peers_by_class(receiver, senders, memo)  # the exact error, naming these instances
+        check_peers_by_class(receiver, parsed, memo)  # the exact error, naming these instances
     except GeometryError as error:
-        refusal = _refusal(error, receiver, context.live)
+        refusal = _refusal(error, receiver, context, parsed)
         return wire.CompatibilityPair(
             **names, status="incompatible", compatible=False, refusal=refusal
         )
@@ -219,22 +275,3 @@ def compatibility_matrix(
         generation=tuple(item.summary() for item in generations),
         pairs=tuple(pairs),
     )
-
-
-async def instances_at(
-    registrations: RegistrationCache, deployment: str, states: Sequence[InstanceState]
-) -> list[InstanceRanks]:
-    """The instances with their live registrations at the generations ``states`` saw; raises
-    ``RegistrationMoved`` when a rank has moved on since."""
-    wanted = [(s.instance, rank, gen) for s in states for rank, gen in s.live.items()]
-    live = iter(await registrations.at(deployment, wanted))
-    # ``wanted`` lists each instance's ranks together, in rank order: cut ``live`` the same way.
-    return [
-        InstanceRanks(
-            state.instance,
-            state.role,
-            state.expected_ranks,
-            tuple(next(live) for _ in state.live),
-        )
-        for state in states
-    ]

@@ -23,7 +23,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from kvroute import wire
 from kvroute.store import events as log_store
@@ -79,8 +78,10 @@ class EventHub:
             asyncio.create_task(self._pump(), name="kvroute-events-pump"),
             asyncio.create_task(self._note_expiries(), name="kvroute-events-expiries"),
         ]
-        if engine_of(self.sessionmaker).dialect.name == "postgresql":
-            self._tasks.append(asyncio.create_task(self._listen(), name="kvroute-events-listen"))
+        engine = engine_of(self.sessionmaker)
+        if log_store.notifies(engine):
+            listening = log_store.listen(engine, self.poke, self._mark_all)
+            self._tasks.append(asyncio.create_task(listening, name="kvroute-events-listen"))
 
     async def close(self) -> None:
         """Ends every watch (their streams close) and the hub's tasks."""
@@ -205,34 +206,6 @@ class EventHub:
                 feed.grown.notify_all()
             if len(page) < PAGE:
                 return
-
-    async def _listen(self) -> None:
-        """PostgreSQL: one connection LISTENs for every replica's commits."""
-        import asyncpg
-        from sqlalchemy.engine import make_url
-
-        url = make_url(engine_of(self.sessionmaker).url).set(drivername="postgresql")
-        dsn = url.render_as_string(hide_password=False)
-        while not self._closed:
-            try:
-                await self._listen_once(await asyncpg.connect(dsn))
-            except (OSError, asyncpg.PostgresError):
-                await asyncio.sleep(1.0)
-
-    async def _listen_once(self, connection: Any) -> None:
-        """Listens on ``connection`` until it is lost."""
-        lost = asyncio.Event()
-        try:
-            connection.add_termination_listener(lambda _connection: lost.set())
-            await connection.add_listener(log_store.CHANNEL, self._notified)
-            self._mark_all()  # a catch-up read for whatever committed while not listening
-            await lost.wait()
-        finally:
-            with contextlib.suppress(Exception):
-                await connection.close()
-
-    def _notified(self, _connection: object, _pid: int, _channel: str, deployment: str) -> None:
-        self.poke(deployment)
 
     def _mark_all(self) -> None:
         self._wake.set()

@@ -47,17 +47,27 @@ async def deployment_pairs(
 ) -> Rendered:
     """The pairs answer of every generation instance, or of ``generation`` alone."""
 
-    def compute(instances: list[InstanceRanks], policy: PairingPolicy) -> wire.Pairs:
+    def compute(
+        instances: list[InstanceRanks], memo: VerdictMemo, policy: PairingPolicy
+    ) -> wire.Pairs:
         if generation is not None and not any(
             item.name == generation and item.role == "generation" for item in instances
         ):
             raise NotFound(f"generation instance {generation!r} of {deployment!r} does not exist")
-        matrix = compatibility_matrix(deployment, instances, verdicts, only=generation)
+        matrix = compatibility_matrix(deployment, instances, memo, only=generation)
         return pairs_answer(deployment, instances, matrix, policy, generation)
 
     name = ("pairs", deployment, *(() if generation is None else (generation,)))
     return await cached_answer(
-        sessionmaker, registrations, cache, name, compute, deployment=deployment, now=now
+        sessionmaker,
+        registrations,
+        verdicts,
+        cache,
+        name,
+        compute,
+        deployment=deployment,
+        now=now,
+        domains=True,
     )
 
 

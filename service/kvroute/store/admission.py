@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BindParameter, bindparam, func, select, update
-from sqlalchemy.dialects import postgresql
+from sqlalchemy import BindParameter, bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from kvroute.geometry import GeometryError, RankRegistration, Role
@@ -43,6 +42,7 @@ from kvroute.geometry.checks.instance import InstanceMemo, check_instance
 from kvroute.geometry.checks.validate import check_self
 from kvroute.store import engine_leases, events
 from kvroute.store import ranks as repo
+from kvroute.store.dialect import POSTGRES, Dialect, dialect_of
 from kvroute.store.engine import (
     READ_ONLY,
     SessionMaker,
@@ -54,7 +54,7 @@ from kvroute.store.engine_leases import LeaseTerms
 from kvroute.store.errors import LeaseExpired
 from kvroute.store.models import DeploymentRow, EngineLeaseRow, RankRow, UTCDateTime
 from kvroute.store.peers import Peers, read_peers
-from kvroute.store.rank_writes import Existing, greatest, upsert, write_admitted
+from kvroute.store.rank_writes import Existing, write_admitted
 from kvroute.store.records import RegisterOutcome
 from kvroute.store.registrations import RegistrationCache
 
@@ -275,18 +275,20 @@ async def dry_run(
 
 
 async def _checked_at(connection: AsyncConnection, deployment: str, now: datetime) -> datetime:
-    """``max(now, checked_at)`` as ``_judge_at`` would set it, without writing it."""
+    """``max(now, checked_at)`` as ``_judging`` would set it, without writing it."""
     table = DeploymentRow.__table__
     stored = await connection.scalar(select(table.c.checked_at).where(table.c.name == deployment))
     return now if stored is None or stored < now else stored
 
 
 async def _open(connection: AsyncConnection, deployment: str, now: datetime) -> datetime:
-    """Steps 1 and 2 (see the module); returns ``at``. One statement on PostgreSQL."""
-    if connection.dialect.name == "postgresql":
+    """Steps 1 and 2 (see the module); returns ``at``. One statement where the dialect runs
+    data-modifying CTEs (PostgreSQL), else one statement per step."""
+    dialect = dialect_of(connection)
+    if dialect.arrays:
         values = {"key_deployment": deployment, "now": now}
         return (await connection.execute(_opening_statement(), values)).scalar_one()
-    at = await _judge_at(connection, deployment, now)
+    at = (await connection.execute(_judging(dialect, deployment, now))).scalar_one()
     for table, expiry, _ in FENCED:
         await connection.execute(_fence(table, expiry, deployment, at))
     return at
@@ -310,28 +312,17 @@ def _opening_statement() -> Any:
     # "deployment" would also set that column
     deployment: BindParameter[str] = bindparam("key_deployment")
     now = bindparam("now", type_=UTCDateTime())
-    opened = postgresql.insert(DEPLOYMENTS).values(name=deployment, created_at=now, checked_at=now)
-    judged = (
-        opened.on_conflict_do_update(
-            index_elements=[DEPLOYMENTS.c.name],
-            set_={
-                "checked_at": func.greatest(DEPLOYMENTS.c.checked_at, opened.excluded.checked_at)
-            },
-        )
-        .returning(DEPLOYMENTS.c.checked_at)
-        .cte("judged")
-    )
+    judged = _judging(POSTGRES, deployment, now).cte("judged")
     at = select(judged.c.checked_at).scalar_subquery()
     fences = (_fence(table, expiry, deployment, at).cte(name) for table, expiry, name in FENCED)
     return select(judged.c.checked_at).add_cte(*fences)
 
 
-async def _judge_at(connection: AsyncConnection, deployment: str, now: datetime) -> datetime:
-    """Creates the deployment or moves its ``checked_at`` forward to ``max(now, checked_at)``."""
-    table = DeploymentRow.__table__
-    statement = upsert(connection, table).values(name=deployment, created_at=now, checked_at=now)
-    newest = greatest(connection, table.c.checked_at, statement.excluded.checked_at)
-    statement = statement.on_conflict_do_update(
-        index_elements=[table.c.name], set_={"checked_at": newest}
-    ).returning(table.c.checked_at)
-    return (await connection.execute(statement)).scalar_one()
+def _judging(dialect: Dialect, deployment: Any, now: Any) -> Any:
+    """Creates the deployment or moves its ``checked_at`` forward to ``max(now, checked_at)``;
+    returns it."""
+    opened = dialect.insert(DEPLOYMENTS).values(name=deployment, created_at=now, checked_at=now)
+    newest = dialect.greatest(DEPLOYMENTS.c.checked_at, opened.excluded.checked_at)
+    return opened.on_conflict_do_update(
+        index_elements=[DEPLOYMENTS.c.name], set_={"checked_at": newest}
+    ).returning(DEPLOYMENTS.c.checked_at)

@@ -30,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from kvroute.geometry import RankRegistration
 from kvroute.store import events
 from kvroute.store import ranks as repo
+from kvroute.store.dialect import dialect_of
 from kvroute.store.engine import (
     SessionMaker,
     autocommit_connection,
@@ -121,7 +122,7 @@ async def renew_many(
 ) -> dict[str, Renewed]:
     """Renews the leases of a wave (``control.renewals``), each judged at its own clock reading
     exactly as alone; a lease left out is unknown, expired or fenced. Each lease at most once."""
-    if engine.dialect.name == "postgresql":
+    if dialect_of(engine).arrays:
         values = {
             "deployment": deployment,
             "lease_ids": [lease_id for lease_id, _ in renewals],

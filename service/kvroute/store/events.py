@@ -18,17 +18,18 @@ changed, after its rank events). Renewals change nothing a reader sees and appen
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import bindparam, delete, func, insert, or_, select, true, update
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from kvroute import wire
 from kvroute.store import bulk
 from kvroute.store import ranks as repo
+from kvroute.store.dialect import dialect_of
 from kvroute.store.engine import (
     SessionMaker,
     autocommit_connection,
@@ -86,7 +87,7 @@ async def append(
         }
         for change in changes
     ]
-    if connection.dialect.name == "postgresql":
+    if dialect_of(connection).arrays:
         values = {"key_deployment": deployment, "count": len(rows)}
         values.update(bulk.arrays(EVENTS, rows, EVENT_COLUMNS, "changes"))
         return int((await connection.execute(_appending_statement(), values)).scalar_one())
@@ -128,6 +129,20 @@ def _appending_statement() -> Any:
         ).join_from(rows, numbered, true()),  # one revision row for every change
     )
     return select(numbered.c.revision).add_cte(stored.cte("stored"))
+
+
+def notifies(engine: AsyncEngine) -> bool:
+    """Whether other processes' appends are announced (``listen``), or must be polled for."""
+    return dialect_of(engine).notifies
+
+
+async def listen(
+    engine: AsyncEngine, on_grown: Callable[[str], None], on_listening: Callable[[], None]
+) -> None:
+    """Until cancelled, ``on_grown(deployment)`` each time an append to that deployment's log
+    commits, in any process (``NOTIFY`` on ``CHANNEL``, sent by ``append``); ``on_listening`` each
+    time listening (re)starts, since what committed before it was not announced."""
+    await dialect_of(engine).listen(engine, CHANNEL, on_grown, on_listening)
 
 
 async def current_revision(sessionmaker: SessionMaker, deployment: str) -> int:

@@ -23,6 +23,7 @@ from sqlalchemy import Integer, String, and_, bindparam, column, func, select, u
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from kvroute.store.dialect import dialect_of
 from kvroute.store.engine import autocommit_connection, retry_disconnect
 from kvroute.store.models import DeploymentRow, RankRow, UTCDateTime
 
@@ -45,7 +46,7 @@ async def renew_many(
 ) -> dict[RankKey, datetime]:
     """The renewed expiries of the renewals that took; a key left out is unknown, expired or
     fenced. Each rank at most once per call (``Waves(distinct=...)`` sees to it)."""
-    if engine.dialect.name == "postgresql":
+    if dialect_of(engine).arrays:
         values = {
             "key_deployment": deployment,
             "instances": [instance for instance, _, _ in renewals],

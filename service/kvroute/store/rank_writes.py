@@ -1,10 +1,12 @@
 """Writing admitted ranks: a whole batch of admissions in a fixed number of statements.
 
-The caller holds the deployment lock and has checked every rank. On PostgreSQL the new documents of
-a batch (generation counters, instance rows, rank rows, their pools and views) are one statement of
-data-modifying CTEs over ``unnest``ed arrays (``bulk``): one round trip, one prepared text whatever
-the batch size. SQLite, where statements cost no round trip, runs each kind of write as one
-``executemany``. Either way a batch of sixteen admissions costs the statements of one.
+The caller holds the deployment lock and has checked every rank. Each write's rule is stated once
+(the generation counted up, the instance created or re-stated, the rows inserted); the dialect
+(``store.dialect``) says how its rows travel. Where rows travel as arrays (PostgreSQL) the new
+documents of a batch (generation counters, instance rows, rank rows, their pools and views) are one
+statement of data-modifying CTEs over ``unnest``ed arrays (``bulk``): one round trip, one prepared
+text whatever the batch size. Elsewhere (SQLite, where statements cost no round trip) each write is
+one ``executemany``. Either way a batch of sixteen admissions costs the statements of one.
 """
 
 from __future__ import annotations
@@ -20,19 +22,18 @@ from sqlalchemy import (
     and_,
     bindparam,
     delete,
-    func,
     insert,
     literal,
     select,
     tuple_,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from kvroute.geometry import RankRegistration
 from kvroute.store import bulk
 from kvroute.store import ranks as repo
+from kvroute.store.dialect import POSTGRES, Dialect, dialect_of
 from kvroute.store.engine_leases import LeaseTerms, own_terms
 from kvroute.store.models import Generation, InstanceRow, PoolRow, RankRow, ViewRow
 from kvroute.store.records import RegisterOutcome
@@ -158,10 +159,11 @@ async def _store(
     ]
     regs = [reg for reg, _, _ in changed]
     instances = _instance_rows(regs, at)
-    if connection.dialect.name == "postgresql":
+    dialect = dialect_of(connection)
+    if dialect.arrays:
         return await _store_in_one_statement(connection, regs, instances, ranks, pools, views)
-    generations = await _next_generations(connection, regs)
-    await _upsert_instances(connection, instances)
+    generations = await _next_generations(connection, dialect, regs)
+    await connection.execute(_restated(dialect.insert(INSTANCES)), instances)
     for row in ranks:
         row["generation"] = generations[row["instance"], row["rank"]]
     await connection.execute(insert(RANKS), ranks)
@@ -203,24 +205,15 @@ def _storing_statement() -> Any:
     delete), its instance created or re-stated, its row, pools and views inserted; returns
     (instance, rank, generation) per rank. Built once: its text fits every batch size."""
     counted = bulk.unnest_rows(GENERATIONS, KEY, "counted")
-    counter = postgresql.insert(GENERATIONS).from_select(
+    counter = POSTGRES.insert(GENERATIONS).from_select(
         [*KEY, "generation"], select(*counted.c, literal(1, BigInteger()))
     )
-    following = (
-        counter.on_conflict_do_update(
-            index_elements=[GENERATIONS.c[name] for name in KEY],
-            set_={"generation": GENERATIONS.c.generation + 1},
-        )
-        .returning(GENERATIONS.c.instance, GENERATIONS.c.rank, GENERATIONS.c.generation)
-        .cte("following")
-    )
+    following = _counted(counter).cte("following")
     instances = bulk.unnest_rows(INSTANCES, INSTANCE_COLUMNS, "instance_rows")
-    restated = postgresql.insert(INSTANCES).from_select(
-        INSTANCE_COLUMNS, select(*bulk.values(INSTANCES, instances, INSTANCE_COLUMNS))
-    )
-    restated = restated.on_conflict_do_update(
-        index_elements=[INSTANCES.c.deployment, INSTANCES.c.name],
-        set_={name: restated.excluded[name] for name in LAYOUT},
+    restated = _restated(
+        POSTGRES.insert(INSTANCES).from_select(
+            INSTANCE_COLUMNS, select(*bulk.values(INSTANCES, instances, INSTANCE_COLUMNS))
+        )
     )
     rows = bulk.unnest_rows(RANKS, RANK_COLUMNS, "rank_rows")
     ranks = bulk.values(RANKS, rows, RANK_COLUMNS)
@@ -240,40 +233,33 @@ def _storing_statement() -> Any:
     return select(following.c.instance, following.c.rank, following.c.generation).add_cte(*writes)
 
 
+def _counted(counter: Any) -> Any:
+    """The generation counter's rule: a rank's first generation is 1, each later one the last
+    plus one (numbers are never reused, not even after a delete); returns the new numbers."""
+    return counter.on_conflict_do_update(
+        index_elements=[GENERATIONS.c[name] for name in KEY],
+        set_={"generation": GENERATIONS.c.generation + 1},
+    ).returning(GENERATIONS.c.instance, GENERATIONS.c.rank, GENERATIONS.c.generation)
+
+
+def _restated(instances: Any) -> Any:
+    """An instance is created, or its layout re-stated (the checks agreed with every member)."""
+    return instances.on_conflict_do_update(
+        index_elements=[INSTANCES.c.deployment, INSTANCES.c.name],
+        set_={name: instances.excluded[name] for name in LAYOUT},
+    )
+
+
 async def _next_generations(
-    connection: AsyncConnection, regs: Sequence[RankRegistration]
+    connection: AsyncConnection, dialect: Dialect, regs: Sequence[RankRegistration]
 ) -> dict[tuple[str, int], int]:
-    """Each rank's next generation; numbers are never reused, not even after a delete."""
+    """Each rank's next generation, counted one ``executemany`` (see ``_counted``)."""
     if not regs:
         return {}
-    keys = [(reg.deployment, reg.instance, reg.rank) for reg in regs]
     rows = await connection.execute(
-        select(GENERATIONS.c.instance, GENERATIONS.c.rank, GENERATIONS.c.generation).where(
-            tuple_(GENERATIONS.c.deployment, GENERATIONS.c.instance, GENERATIONS.c.rank).in_(keys)
-        )
+        _counted(dialect.insert(GENERATIONS)), [{**_key(reg), "generation": 1} for reg in regs]
     )
-    last = {(instance, rank): generation for instance, rank, generation in rows}
-    following = {reg.key: last.get(reg.key, 0) + 1 for reg in regs}
-    statement = upsert(connection, GENERATIONS)
-    await connection.execute(
-        statement.on_conflict_do_update(
-            index_elements=[GENERATIONS.c.deployment, GENERATIONS.c.instance, GENERATIONS.c.rank],
-            set_={"generation": statement.excluded.generation},
-        ),
-        [{**_key(reg), "generation": following[reg.key]} for reg in regs],
-    )
-    return following
-
-
-async def _upsert_instances(connection: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
-    statement = upsert(connection, INSTANCES)
-    await connection.execute(
-        statement.on_conflict_do_update(
-            index_elements=[INSTANCES.c.deployment, INSTANCES.c.name],
-            set_={name: statement.excluded[name] for name in LAYOUT},
-        ),
-        rows,
-    )
+    return {(instance, rank): generation for instance, rank, generation in rows}
 
 
 def _instance_rows(regs: Sequence[RankRegistration], at: datetime) -> list[dict[str, Any]]:
@@ -332,15 +318,3 @@ def _key(reg: RankRegistration, prefix: str = "") -> dict[str, Any]:
         f"{prefix}instance": reg.instance,
         f"{prefix}rank": reg.rank,
     }
-
-
-def upsert(connection: AsyncConnection, table: Any) -> Any:
-    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
-    return dialect.insert(table)
-
-
-def greatest(connection: AsyncConnection, left: Any, right: Any) -> Any:
-    """``greatest(left, right)``; SQLite's two-argument max() is its scalar greatest."""
-    if connection.dialect.name == "postgresql":
-        return func.greatest(left, right)
-    return func.max(left, right)

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, exists, func, select
+from sqlalchemy import delete, exists
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from kvroute.store.dialect import dialect_of
 from kvroute.store.models import InstanceRow, RankRow
 
 
@@ -29,9 +30,7 @@ async def lock_deployment(session: AsyncSession, deployment: str) -> None:
 
 async def lock_deployment_connection(connection: AsyncConnection, deployment: str) -> None:
     """``lock_deployment`` for Core work on a connection inside its transaction."""
-    if connection.dialect.name == "postgresql":
-        key = func.hashtextextended(deployment, 0)
-        await connection.execute(select(func.pg_advisory_xact_lock(key)))
+    await dialect_of(connection).lock_deployment(connection, deployment)
 
 
 def judged_at_time(checked_at: datetime, now: datetime) -> datetime:

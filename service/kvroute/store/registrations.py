@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cachetools import LRUCache
-from sqlalchemy import Row, select, tuple_
+from sqlalchemy import ColumnElement, Row, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.orm import QueryableAttribute
 
 from kvroute.geometry import RankRegistration
 from kvroute.store.engine import SessionMaker, autocommit_connection, engine_of, retry_disconnect
@@ -23,6 +25,7 @@ from kvroute.store.errors import Conflict
 from kvroute.store.models import RankRow
 
 RankAt = tuple[str, int, int]  # instance, rank, generation
+Column = ColumnElement[Any] | QueryableAttribute[Any]
 DEFAULT_SIZE = 16_384  # a 1,024-rank fleet twice over, with room for re-registrations
 # Keys per documents query: PostgreSQL refuses a row-value IN list of a whole 8,192-rank
 # deployment ("stack depth limit exceeded"), which a cold replica's matrix would send.
@@ -33,10 +36,33 @@ class RegistrationMoved(Conflict):
     """A rank re-registered or left between reading its generation and reading its document."""
 
 
+Topology = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RankClass:
+    """What a whole-deployment answer reads of a rank it need not parse: its geometry class (the
+    column admission wrote, ``RankRegistration.class_digest``) and, when asked, its topology."""
+
+    instance: str
+    rank: int
+    class_digest: str
+    topology: Topology | None  # None: not read
+
+
+# A rank as ``RegistrationCache.classes_at`` answers it: the parsed registration when this process
+# holds it, else its class.
+RankSketch = RankRegistration | RankClass
+
+
 class RegistrationCache:
     def __init__(self, sessionmaker: SessionMaker, *, size: int = DEFAULT_SIZE) -> None:
         self._sessionmaker = sessionmaker
         self._parsed: LRUCache[tuple[str, str, int, int], RankRegistration] = LRUCache(size)
+
+    def __len__(self) -> int:
+        """How many parsed registrations the cache holds."""
+        return len(self._parsed)
 
     async def at(
         self,
@@ -69,6 +95,26 @@ class RegistrationCache:
                 self._parsed[deployment, *key] = reg
         return [parsed[key] for key in wanted]
 
+    async def classes_at(
+        self, deployment: str, wanted: Sequence[RankAt], *, topology: bool
+    ) -> list[RankSketch]:
+        """Each rank's parsed registration when this process holds it, else its class (and, with
+        ``topology``, its topology) read from its columns: no document is parsed. Raises
+        ``RegistrationMoved`` when a rank no longer has the generation asked for."""
+        known = {key: reg for key in wanted if (reg := self._parsed.get((deployment, *key)))}
+        missing = [key for key in wanted if key not in known]
+        read = await self._read(deployment, missing, _class_columns(topology)) if missing else {}
+        found: dict[RankAt, RankSketch] = dict(known)
+        for instance, rank, generation in missing:
+            if (row := read.get((instance, rank))) is None:
+                raise RegistrationMoved(
+                    f"{instance} rank {rank} re-registered or left while it was read; retry"
+                )
+            # An absent topology reads as SQL NULL or JSON null: no domains, as when parsed.
+            domains = tuple(sorted((row[1] or {}).items())) if topology else None
+            found[instance, rank, generation] = RankClass(instance, rank, row[0], domains)
+        return [found[key] for key in wanted]
+
     def remember(self, reg: RankRegistration, generation: int) -> None:
         """Keeps a registration this process just parsed (e.g. on admission)."""
         self._parsed[reg.deployment, reg.instance, reg.rank, generation] = reg
@@ -76,10 +122,21 @@ class RegistrationCache:
     async def _documents(
         self, deployment: str, wanted: list[RankAt], connection: AsyncConnection | None
     ) -> dict[tuple[str, int], dict[str, Any]]:
+        read = await self._read(deployment, wanted, [RankRow.document], connection)
+        return {key: row[0] for key, row in read.items()}
+
+    async def _read(
+        self,
+        deployment: str,
+        wanted: list[RankAt],
+        columns: Sequence[Column],
+        connection: AsyncConnection | None = None,
+    ) -> dict[tuple[str, int], tuple[Any, ...]]:
+        """``columns`` of the ranks at exactly these generations, by (instance, rank)."""
         if not wanted:
             return {}
         queries = [
-            select(RankRow.instance, RankRow.rank, RankRow.document).where(
+            select(RankRow.instance, RankRow.rank, *columns).where(
                 RankRow.deployment == deployment,
                 tuple_(RankRow.instance, RankRow.rank, RankRow.generation).in_(
                     wanted[start : start + READ_CHUNK]
@@ -101,7 +158,13 @@ class RegistrationCache:
                     return await read_on(own)
 
             rows = await retry_disconnect(read)
-        return {(instance, rank): document for instance, rank, document in rows}
+        return {(row[0], row[1]): tuple(row[2:]) for row in rows}
+
+
+def _class_columns(topology: bool) -> list[Column]:
+    # The topology is extracted by the database: the rest of the document is not sent.
+    columns: list[Column] = [RankRow.geometry_class]
+    return [*columns, RankRow.document["topology"]] if topology else columns
 
 
 def _parse_all(

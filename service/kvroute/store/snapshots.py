@@ -17,6 +17,7 @@ from sqlalchemy.dialects import postgresql
 
 from kvroute.geometry import missing_ranks
 from kvroute.store import ranks as repo
+from kvroute.store.dialect import dialect_of
 from kvroute.store.engine import SessionMaker, autocommit_connection, engine_of, retry_disconnect
 from kvroute.store.errors import NotFound
 from kvroute.store.models import DeploymentRow, InstanceRow, RankRow
@@ -153,7 +154,7 @@ async def _states(
     sessionmaker: SessionMaker, shape: str, values: dict[str, Any], now: datetime
 ) -> dict[str, InstanceState]:
     engine = engine_of(sessionmaker)
-    grouped = engine.dialect.name == "postgresql"
+    grouped = dialect_of(engine).arrays
     query = _GROUPED[shape] if grouped else _ROWS[shape]
     if grouped:
         values = {**values, "now": now}

@@ -20,6 +20,7 @@ from __future__ import annotations
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from kvroute.store.dialect import dialect_of
 from kvroute.store.engine import autocommit_connection
 from kvroute.store.models import (
     EngineLeaseRow,
@@ -52,7 +53,7 @@ _STALE = text(
 async def refresh(engine: AsyncEngine) -> list[str]:
     """Analyzes the tables whose statistics are stale (see the module); returns their names.
     Nothing on SQLite, whose planner assumes an index equality is selective."""
-    if engine.dialect.name != "postgresql":
+    if not dialect_of(engine).statistics:
         return []
     async with autocommit_connection(engine) as connection:
         values = {"tables": list(TABLES), "threshold": THRESHOLD_ROWS, "scale": SCALE}

@@ -18,7 +18,7 @@ whose verdict is that stage, and re-running the check on it alone yields the ide
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kvroute.geometry.checks.compat import PEER_STAGES, check_peers
 from kvroute.geometry.leaves.errors import GeometryError
@@ -74,9 +74,23 @@ def check_peers_by_class(
         raise AssertionError(f"verdict memo disagrees with check_peers for {first.label()}")
 
 
-def representatives(peers: Sequence[RankRegistration]) -> list[RankRegistration]:
+class Classed(Protocol):
+    """A rank as far as its class goes: a registration, or the class its row records."""
+
+    @property
+    def instance(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def class_digest(self) -> str: ...
+
+
+AnyRank = TypeVar("AnyRank", bound=Classed)
+
+
+def representatives(peers: Sequence[AnyRank]) -> list[AnyRank]:
     """The first peer of each class in (instance, rank) order: what the store reads for admission."""
-    first: dict[str, RankRegistration] = {}
+    first: dict[str, AnyRank] = {}
     for peer in sorted(peers, key=lambda p: (p.instance, p.rank)):
         first.setdefault(peer.class_digest, peer)
     return list(first.values())

@@ -74,12 +74,13 @@ class _Reader:
     def int(self, key: str, *, default: int | None = None) -> int:
         low, high = INTEGER_BOUNDS[f"{self.schema}.{key}"]
         value = self.obj.get(key)
-        field = self._field(key)
         if value is None:
             if default is None:
-                raise _invalid(field, "is required")
+                raise _invalid(self._field(key), "is required")
             return default
-        return _bounded_int(field, value, low, high)
+        if type(value) is int and low <= value <= high:
+            return value  # the common case, without naming the field
+        return _bounded_int(self._field(key), value, low, high)
 
     def opt_int(self, key: str) -> builtins.int | None:
         return self.int(key) if self.has(key) else None
@@ -177,6 +178,9 @@ def _parse_pool(r: _Reader) -> Pool:
     )
 
 
+_SLOT_BOUNDS = (INTEGER_BOUNDS["View.layers[].layer"], INTEGER_BOUNDS["View.layers[].offset"])
+
+
 def _parse_view(r: _Reader) -> View:
     roles = r.list("roles")
     for index, role in enumerate(roles):
@@ -185,9 +189,22 @@ def _parse_view(r: _Reader) -> View:
                 f"{r._field('roles')}[{index}]", f"is not a role name: {_short(role)}", _short(role)
             )
     layers = []
-    for index in range(len(r.list("layers"))):
-        slot = r.item("layers", index, "View.layers[]")
-        layers.append(LayerSlot(slot.int("layer"), slot.int("offset")))
+    (layer_low, layer_high), (offset_low, offset_high) = _SLOT_BOUNDS
+    for index, slot in enumerate(r.list("layers")):
+        # A slot per layer of the view: read in place when well formed, through a reader (which
+        # names the field that is not) otherwise.
+        if isinstance(slot, Mapping):
+            layer, offset = slot.get("layer"), slot.get("offset")
+            if (
+                type(layer) is int
+                and type(offset) is int
+                and layer_low <= layer <= layer_high
+                and offset_low <= offset <= offset_high
+            ):
+                layers.append(LayerSlot(layer, offset))
+                continue
+        reader = r.item("layers", index, "View.layers[]")
+        layers.append(LayerSlot(reader.int("layer"), reader.int("offset")))
     kind = r.enum("kind", Kind)
     _check_kind_members(r, kind)
     return View(

@@ -22,6 +22,7 @@ memoizes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -174,24 +175,38 @@ def _digest(face: Any) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """JSON of a face, generic over its fields so that a field added to a face is digested."""
-    if is_dataclass(value) and not isinstance(value, type):
-        return {
-            item.name: _member(item.metadata, getattr(value, item.name))
-            for item in fields(value)
-            if not item.metadata.get("name")
-            and not (item.metadata.get("optional") and getattr(value, item.name) is None)
-        }
+    """JSON of a face, generic over its fields so that a field added to a face is digested.
+
+    Every registration is digested on admission, and a face has a node per layer of every view:
+    the common nodes (scalars, tuples) are tested first, and each dataclass's fields are listed
+    once per type (``_digested_fields``)."""
     if isinstance(value, Enum):
         return value.value
-    if isinstance(value, frozenset):
-        return sorted(_plain(member) for member in value)
-    if isinstance(value, tuple):
-        return [_plain(member) for member in value]
     if value is None or isinstance(value, bool | int | str):
         return value
+    if isinstance(value, tuple):
+        return [_plain(member) for member in value]
+    if isinstance(value, frozenset):
+        return sorted(_plain(member) for member in value)
+    if is_dataclass(value) and not isinstance(value, type):
+        plain = {}
+        for name, metadata, optional in _digested_fields(type(value)):
+            member = getattr(value, name)
+            if not (optional and member is None):
+                plain[name] = _member(metadata, member)
+        return plain
     # A type with no canonical form here would make equal faces digest apart, or worse, alike.
     raise TypeError(f"a rank face holds a {type(value).__name__}, which face_digest cannot digest")
+
+
+@functools.cache
+def _digested_fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    """(name, metadata, optional) of each field of a face dataclass that is digested."""
+    return tuple(
+        (item.name, item.metadata, bool(item.metadata.get("optional")))
+        for item in fields(cls)
+        if not item.metadata.get("name")
+    )
 
 
 def _member(metadata: Any, value: Any) -> Any:
