@@ -1,0 +1,45 @@
+"""KV integrity: the latest canary or digest outcome of each transfer path.
+
+Revision ID: 9d3b6f1e2a47
+Revises: a7c3e5f1b824
+Create Date: 2026-12-04 23:40:00+00:00
+
+One row per producer instance x consumer rank, with the registrations it was reported against
+(``kvroute.store.kv_paths``).
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "9d3b6f1e2a47"
+down_revision: str | Sequence[str] | None = "a7c3e5f1b824"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "kv_paths",
+        sa.Column("deployment", sa.String(length=63), nullable=False),
+        sa.Column("producer", sa.String(length=63), nullable=False),
+        sa.Column("consumer", sa.String(length=63), nullable=False),
+        sa.Column("consumer_rank", sa.Integer(), nullable=False),
+        sa.Column("producer_generations", sa.JSON(), nullable=False),
+        sa.Column("consumer_generation", sa.BigInteger(), nullable=False),
+        sa.Column("state", sa.String(length=16), nullable=False),
+        sa.Column("source", sa.String(length=16), nullable=False),
+        sa.Column("element", sa.JSON(), nullable=True),
+        sa.Column("cost_ms", sa.Float(), nullable=True),
+        sa.Column("reported_at", sa.DateTime(timezone=True), nullable=False),
+        sa.CheckConstraint("state IN ('attested', 'failed')", name=op.f("ck_kv_paths_state")),
+        sa.CheckConstraint("source IN ('canary', 'digest')", name=op.f("ck_kv_paths_source")),
+        sa.PrimaryKeyConstraint(
+            "deployment", "producer", "consumer", "consumer_rank", name=op.f("pk_kv_paths")
+        ),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("kv_paths")
