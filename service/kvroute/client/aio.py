@@ -383,6 +383,19 @@ class AsyncKvrouteClient:
         _, body = await self._call("GET", path, params=params)
         return wire.from_json(wire.Pairs, body)
 
+    async def report_kv_path(self, deployment: str, report: Mapping[str, Any]) -> wire.KvPath:
+        """Reports one path's canary or digest outcome (``integrity.path_report`` builds it).
+        Resent on a lost connection: a report names the path's latest outcome, so a repeat
+        stores the same."""
+        path = f"/v1/deployments/{_seg(deployment)}/kv-paths"
+        _, body = await self._call("POST", path, body=dict(report), retry_sent=True)
+        return wire.from_json(wire.KvPath, body)
+
+    async def kv_paths(self, deployment: str) -> wire.KvPaths:
+        """Every reported path's outcome, judged against the live registrations."""
+        _, body = await self._call("GET", f"/v1/deployments/{_seg(deployment)}/kv-paths")
+        return wire.from_json(wire.KvPaths, body)
+
 
 async def _payload(resp: aiohttp.ClientResponse) -> Any:
     if resp.status == 204:

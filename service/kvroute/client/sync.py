@@ -159,3 +159,7 @@ class KvrouteClient:
     rejections = blocking(AsyncKvrouteClient.rejections)
     compatibility = blocking(AsyncKvrouteClient.compatibility)
     pairs = blocking(AsyncKvrouteClient.pairs)
+
+    # KV integrity per transfer path.
+    report_kv_path = blocking(AsyncKvrouteClient.report_kv_path)
+    kv_paths = blocking(AsyncKvrouteClient.kv_paths)
