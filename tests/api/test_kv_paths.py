@@ -110,3 +110,25 @@ async def test_reports_of_paths_that_are_not_live_or_malformed_are_4xx(client: C
     status, body = await report(client, state="failed", element={"layer": 1})
     assert status == 422, body
     assert "element" in body["detail"], body
+
+
+async def test_producer_digests_are_stored_per_rank_and_read_by_request(client: Client) -> None:
+    digests = "/v1/deployments/llama/kv-digests"
+    digest = {"tokens": [0, 40], "chunk": 256, "rows": [["target", "key,value", 0, 1, 0, ["00ff"]]]}
+    for rank in (1, 0, 1):
+        body = {"producer": "ctx0", "request_id": "req-1", "rank": rank, "digest": digest}
+        response = await client.post(digests, json=body, headers=WORKER)
+        assert response.status == 204, await response.text()
+    query = {"producer": "ctx0", "request_id": "req-1"}
+    response = await client.get(digests, params=query, headers=WORKER)
+    body = await response.json()
+    assert [item["rank"] for item in body["ranks"]] == [0, 1]
+    assert body["ranks"][0]["digest"] == digest
+    response = await client.get(digests, params={**query, "request_id": "other"}, headers=WORKER)
+    assert (await response.json())["ranks"] == []
+    bad = {"producer": "ctx0", "request_id": "req-1", "rank": 0, "digest": {"tokens": [0]}}
+    response = await client.post(digests, json=bad, headers=WORKER)
+    assert response.status == 422
+    response = await client.get(digests, params={"producer": "ctx0"}, headers=WORKER)
+    assert response.status == 422
+    assert "request_id" in (await response.json())["detail"]

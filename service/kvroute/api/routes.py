@@ -74,6 +74,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     # KV integrity: workers report each path's canary or sampled digest; routers read them.
     Endpoint("POST", DEPLOYMENT + "/kv-paths", kv_paths.post_kv_path, Scope.WORKER),
     Endpoint("GET", DEPLOYMENT + "/kv-paths", kv_paths.get_kv_paths, Scope.WORKER),
+    Endpoint("POST", DEPLOYMENT + "/kv-digests", kv_paths.post_kv_digest, Scope.WORKER),
+    Endpoint("GET", DEPLOYMENT + "/kv-digests", kv_paths.get_kv_digests, Scope.WORKER),
     # Watch instead of poll: the deployment's changes as server-sent events, resumable.
     Endpoint("GET", DEPLOYMENT + "/events", events.stream_events, Scope.WORKER),
     Endpoint("POST", DEPLOYMENT + "/transfers", transfers.post_transfer, Scope.WORKER),

@@ -396,6 +396,23 @@ class AsyncKvrouteClient:
         _, body = await self._call("GET", f"/v1/deployments/{_seg(deployment)}/kv-paths")
         return wire.from_json(wire.KvPaths, body)
 
+    async def put_kv_digest(
+        self, deployment: str, producer: str, request_id: str, rank: int, digest: Mapping[str, Any]
+    ) -> None:
+        """Stores a producer rank's digest of a sampled request (``KvDigest.to_json()``)."""
+        body = {"producer": producer, "request_id": request_id, "rank": rank, "digest": digest}
+        path = f"/v1/deployments/{_seg(deployment)}/kv-digests"
+        await self._call("POST", path, body=body, retry_sent=True)
+
+    async def kv_digests(
+        self, deployment: str, producer: str, request_id: str
+    ) -> dict[int, dict[str, Any]]:
+        """Producer rank -> its digest of the request, for the ranks that stored one yet."""
+        params = {"producer": producer, "request_id": request_id}
+        path = f"/v1/deployments/{_seg(deployment)}/kv-digests"
+        _, body = await self._call("GET", path, params=params)
+        return {int(item["rank"]): dict(item["digest"]) for item in body["ranks"]}
+
 
 async def _payload(resp: aiohttp.ClientResponse) -> Any:
     if resp.status == 204:

@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from kvroute import wire
+from kvroute.store import kv_digests as digests
 from kvroute.store import kv_paths as store
 from kvroute.store.engine import SessionMaker
 
@@ -84,3 +85,23 @@ def state_counts(paths: wire.KvPaths) -> dict[str, int]:
     for path in paths.paths:
         counts[path.state] += 1
     return counts
+
+
+async def put_digest(
+    sessionmaker: SessionMaker, deployment: str, body: Mapping[str, Any], *, now: datetime
+) -> None:
+    """Stores a producer rank's digest (a validated ``KvDigestUpload`` body)."""
+    key = (body["producer"], body["request_id"], body["rank"])
+    await digests.put_digest(sessionmaker, deployment, key, body["digest"], now=now)
+
+
+async def get_digests(
+    sessionmaker: SessionMaker, deployment: str, producer: str, request_id: str
+) -> dict[str, Any]:
+    found = await digests.get_digests(sessionmaker, deployment, producer, request_id)
+    return {
+        "deployment": deployment,
+        "producer": producer,
+        "request_id": request_id,
+        "ranks": [{"rank": rank, "digest": digest} for rank, digest in found.items()],
+    }

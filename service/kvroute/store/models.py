@@ -346,3 +346,18 @@ class KvPathRow(Base):
     element: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     cost_ms: Mapped[float | None] = mapped_column(Float())
     reported_at: Mapped[datetime]
+
+
+class KvDigestRow(Base):
+    """A producer rank's digest of one sampled request, kept until its consumer ranks compare
+    (``kvroute.store.kv_paths``); trimmed once older than ``DIGEST_KEEP``."""
+
+    __tablename__ = "kv_digests"
+    __table_args__ = (Index(None, "at"),)
+
+    deployment: Mapped[str] = mapped_column(primary_key=True)
+    producer: Mapped[str] = mapped_column(primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    rank: Mapped[int] = mapped_column(primary_key=True)
+    digest: Mapped[dict[str, Any]]
+    at: Mapped[datetime]

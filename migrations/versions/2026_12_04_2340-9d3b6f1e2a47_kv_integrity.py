@@ -1,10 +1,11 @@
-"""KV integrity: the latest canary or digest outcome of each transfer path.
+"""KV integrity: the latest canary or digest outcome of each transfer path, and sampled digests.
 
 Revision ID: 9d3b6f1e2a47
 Revises: a7c3e5f1b824
 Create Date: 2026-12-04 23:40:00+00:00
 
-One row per producer instance x consumer rank, with the registrations it was reported against
+One row per producer instance x consumer rank, with the registrations it was reported against, and
+the producer ranks' digests of sampled requests until their consumers compare
 (``kvroute.store.kv_paths``).
 """
 
@@ -39,7 +40,22 @@ def upgrade() -> None:
             "deployment", "producer", "consumer", "consumer_rank", name=op.f("pk_kv_paths")
         ),
     )
+    op.create_table(
+        "kv_digests",
+        sa.Column("deployment", sa.String(length=63), nullable=False),
+        sa.Column("producer", sa.String(length=63), nullable=False),
+        sa.Column("request_id", sa.String(length=256), nullable=False),
+        sa.Column("rank", sa.Integer(), nullable=False),
+        sa.Column("digest", sa.JSON(), nullable=False),
+        sa.Column("at", sa.DateTime(timezone=True), nullable=False),
+        sa.PrimaryKeyConstraint(
+            "deployment", "producer", "request_id", "rank", name=op.f("pk_kv_digests")
+        ),
+    )
+    op.create_index(op.f("ix_kv_digests_at"), "kv_digests", ["at"])
 
 
 def downgrade() -> None:
+    op.drop_index(op.f("ix_kv_digests_at"), table_name="kv_digests")
+    op.drop_table("kv_digests")
     op.drop_table("kv_paths")
