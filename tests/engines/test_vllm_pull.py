@@ -43,6 +43,8 @@ PRODUCERS = [
     {"deployment": "llama4", "instance": "p-tp2", "model": LLAMA4, "tp": 2, "heads": 4, "block_size": 16},
     {"deployment": "llama4", "instance": "p-gone", "model": LLAMA4, "tp": 1, "heads": 4, "block_size": 16},
     {"deployment": "llama6", "instance": "p-tp3", "model": LLAMA6, "tp": 3, "heads": 6, "block_size": 16},
+    {"deployment": "llama4", "instance": "p-digest", "model": LLAMA4, "tp": 2, "heads": 4, "block_size": 16,
+     "extra": {"kv_digest_rate": 1.0}},
 ]  # fmt: skip
 
 
@@ -71,7 +73,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer
     process.start()
     try:
         ready = replies.get(timeout=REPLY_S)
-        assert ready == ("ready", ["p-gone", "p-tp2", "p-tp3"]), ready
+        assert ready == ("ready", ["p-digest", "p-gone", "p-tp2", "p-tp3"]), ready
         yield server, Producers(commands, replies), root
     finally:
         commands.put(("stop",))
@@ -231,3 +233,38 @@ def test_a_refused_pairing_stops_start_up_with_the_refusal(world: Any) -> None:
     assert (error.local, error.peer) == (64, 32)
     assert error.code in str(refused.value)
     assert "local 64, peer 32" in str(refused.value)
+
+
+def test_sampled_digests_agree_and_a_byte_flipped_after_the_write_is_recomputed(
+    world: Any, llama4_consumer: Engine
+) -> None:
+    """A producer sampling every request (``kv_digest_rate`` 1): its TP2 ranks digest the blocks
+    they hold, the TP1 consumer (32-token blocks) compares what it pulled, head by head. A bit
+    flipped in a producer block after its digest makes the request's blocks load errors."""
+    from kvroute.client import KvrouteClient
+
+    server, producers, _ = world
+    tokens = list(range(700, 740))
+    _, _, params = producers.ask("prefill", "p-digest", "prefill-5", tokens)
+    assert params["kvroute_digest"] is True
+    _, errors = pull(llama4_consumer, "decode-5", tokens, params)
+    assert errors == set()
+    expect(llama4_consumer, "decode-5", range(40))
+    with KvrouteClient(server.url, token=WORKER_TOKEN) as client:
+        [path] = [p for p in client.kv_paths("llama4").paths if p.producer == "p-digest"]
+        assert (path.state, path.source, path.consumer) == ("attested", "digest", "d-tp1")
+    _, _, params = producers.ask("prefill", "p-digest", "prefill-6", tokens)
+    # Rank 1 holds global heads 2 and 3; token 20, layer 1, its head 0 (global 2), K element 5.
+    assert producers.ask("flip", "p-digest", "prefill-6", (1, 1, 0, 20, 5)) == (
+        "flipped",
+        "prefill-6",
+    )
+    _, errors = pull(llama4_consumer, "decode-6", tokens, params)
+    assert errors == set(llama4_consumer.block_ids("decode-6"))  # recomputed, not decoded from
+    with KvrouteClient(server.url, token=WORKER_TOKEN) as client:
+        [path] = [p for p in client.kv_paths("llama4").paths if p.producer == "p-digest"]
+        assert (path.state, path.source) == ("failed", "digest")
+        assert path.element is not None
+        assert (path.element["layer"], path.element["head"], path.element["kv"]) == (1, 2, "K")
+        pairs = client.pairs("llama4", generation="d-tp1").generation[0]
+        assert {e.context: e.code for e in pairs.excluded}.get("p-digest") == "kv_path_failed"

@@ -73,6 +73,15 @@ class KvDigest:
                     return Mismatch(key, self._chunk_tokens(index))
         return None
 
+    def window(self, first: int) -> KvDigest:
+        """These digests from token ``first`` (a chunk boundary) on: what a consumer that moved
+        only a suffix compares with."""
+        if first % self.chunk and first != self.tokens[0]:
+            raise ValueError(f"token {first} is not a boundary of {self.chunk}-token chunks")
+        skip = len(_cuts(range(self.tokens[0], first), self.chunk)) if first > self.tokens[0] else 0
+        rows = {key: digests[skip:] for key, digests in self.rows.items()}
+        return KvDigest((first, self.tokens[1]), self.chunk, rows)
+
     def shared(self, received: KvDigest) -> int:
         """How many row series both digests hold (zero: nothing was compared)."""
         return len(received.rows.keys() & self.rows.keys())

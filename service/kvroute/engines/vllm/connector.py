@@ -106,7 +106,7 @@ class KvrouteConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KvrouteMetadata)
-        self.worker.start(metadata.step.loads, metadata.step.sends)
+        self.worker.start(metadata.step.loads, metadata.step.sends, metadata.step.digests)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish between steps (asynchronous), never inside a forward pass."""

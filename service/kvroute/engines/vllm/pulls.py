@@ -22,6 +22,7 @@ from kvroute.client.nixl_transport import (
     PendingPull,
     pool_addresses,
 )
+from kvroute.engines.vllm.digests import Check, ConsumerChecks
 from kvroute.engines.vllm.params import Handover, done_message
 from kvroute.engines.vllm.prefetch import Fetched, Prefetcher
 from kvroute.geometry import Plan
@@ -83,11 +84,13 @@ class Pulls:
     state_groups: set[int]
     timeout_s: float
     mem_type: str = "DRAM"
+    checks: ConsumerChecks | None = None  # sampled requests' digests (``digests``)
     producers: dict[str, _Producer] = field(default_factory=dict)
     waiting: dict[str, tuple[Load, float]] = field(default_factory=dict)  # id -> load, deadline
     running: dict[str, _Running] = field(default_factory=dict)
     errors: set[int] = field(default_factory=set)
     done: set[str] = field(default_factory=set)
+    checking: dict[str, _Running] = field(default_factory=dict)  # pulled, digests compared
 
     def start(self, load: Load) -> None:
         """Posts the load's reads, or parks it until its producer's plan is fetched."""
@@ -140,14 +143,28 @@ class Pulls:
                 continue
             del self.running[request_id]
             self._release(running.pending)
-            if state == "DONE":
+            if state == "DONE" and running.load.handover.kv_digest and self.checks is not None:
+                self.checking[request_id] = running
+                self.checks.submit(_check(running))
+            elif state == "DONE":
                 self._tell_producer(running)
                 self.done.add(request_id)
             else:
                 self._fail(running.load, detail)
                 self._forget(running.load.handover.instance)
+        self._checked()
         finished, self.done = self.done, set()
         return finished
+
+    def _checked(self) -> None:
+        """Sampled requests whose digests were compared: wrong KV is a load error (recomputed)."""
+        for check, failure in self.checks.finished() if self.checks is not None else ():
+            running = self.checking.pop(check.request_id)
+            self._tell_producer(running)  # the producer may free its blocks either way
+            if failure is None:
+                self.done.add(check.request_id)
+            else:
+                self._fail(running.load, failure)
 
     def take_errors(self) -> set[int]:
         errors, self.errors = self.errors, set()
@@ -231,6 +248,18 @@ class Pulls:
                 )
             )
         return _merged(parts, plan.expected_writers)
+
+
+def _check(running: _Running) -> Check:
+    load = running.load
+    return Check(
+        request_id=load.request_id,
+        producer=load.handover.instance,
+        producer_request=load.handover.request_id,
+        senders=frozenset(peer.rank for peer in running.producer.plan.peers if peer.sends),
+        blocks=load.block_ids[0],
+        tokens=load.tokens,
+    )
 
 
 def _only_views(plan: Plan, views: set[int]) -> Plan:
