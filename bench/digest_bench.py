@@ -5,6 +5,8 @@ per block: 128 KiB per token, so 8,192 tokens are 1 GiB) in shuffled blocks of a
 out hnd, nhd, and as vLLM's CPU backend keeps it (per head K then V, K in 2 planes). Each layout is
 digested (xxh3-64 per 256-token chunk of each row series, after gathering the series in logical
 order); the baseline is ``numpy.copyto`` of the same number of contiguous bytes in the same run.
+Last, a canary's CPU cost per path on each layout: writing the pattern into one reserved block
+through the layout and checking every byte of it (the pull itself is one block of the real plan).
 
     .venv/bin/python bench/digest_bench.py [--tokens 8192] [--repeat 3]
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from kvroute.client.integrity import check_canary, write_canary
 from kvroute.client.kv_digest import kv_digest
 from kvroute.geometry import RankRegistration
 
@@ -94,6 +97,15 @@ def main() -> None:
         print(
             f"digest {layout:<18} {size / took / 1e9:6.2f} GB/s  "
             f"{took * 1e3:7.1f} ms  x{took / copy:.1f} memcpy"
+        )
+    for layout in INTERIORS:
+        reg, block, tokens = registration(layout, slots), [slots - 1], range(TPB)
+        written = best(lambda r=reg: write_canary(r, {0: pool}, block, tokens), args.repeat)
+        checked = best(lambda r=reg: check_canary(r, {0: pool}, block, tokens), args.repeat)
+        assert check_canary(reg, {0: pool}, block, tokens) is None
+        print(
+            f"canary {layout:<18} write {written * 1e3:6.1f} ms  check {checked * 1e3:6.1f} ms  "
+            f"({LAYERS * LAYER_BYTES / 2**20:.0f} MiB block)"
         )
 
 
