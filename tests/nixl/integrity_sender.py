@@ -12,11 +12,10 @@ import torch
 from kvroute.client import KvrouteClient
 from kvroute.client.integrity import reserved_blocks, write_canary
 from kvroute.client.kv_digest import kv_digest
-from kvroute.client.memory import ShmPool
-from kvroute.client.nixl_transport import NixlEndpoint, nixl_memory
-from kvroute.client.pools import SharedKvPool, rank_document
+from kvroute.client.pools import SharedKvPool
 from kvroute.geometry import RankRegistration
 from tests.nixl import world
+from tests.nixl.sender import SenderRank
 
 WAIT_S = 120.0
 
@@ -24,37 +23,20 @@ WAIT_S = 120.0
 def serve(
     url: str, token: str, tp_size: int, tp_rank: int, shm_name: str, commands: Queue, replies: Queue
 ) -> None:
-    target, draft = world.layouts(tp_size)
-    probe = SharedKvPool.carve([target, draft], world.BLOCKS)
-    memory = ShmPool(shm_name, probe.slot_stride * world.BLOCKS)
-    pool = SharedKvPool.carve([target, draft], world.BLOCKS, buffer=memory.tensor)
-    world.fill_sender(pool, tp_size, tp_rank)
-    endpoint = NixlEndpoint(f"ctx0-rank{tp_rank}")
-    flat = pool.buffer.reshape(-1)
-    endpoint.register(flat)
-    descriptor = {**memory.descriptor(), "nixl": nixl_memory(flat.data_ptr())}
-    document = rank_document(
-        role="context",
-        target=target,
-        pools=[pool.describe(memory=descriptor)],
-        num_draft_layers=1,
-        parallel=world.parallel(tp_size, tp_rank),
-        nixl_agent_metadata=endpoint.metadata,
-    )
+    rank = SenderRank.open(tp_size, tp_rank, shm_name)
     reg = RankRegistration.from_json(
-        document, deployment=world.DEPLOYMENT, instance="ctx0", rank=tp_rank
+        rank.document, deployment=world.DEPLOYMENT, instance="ctx0", rank=tp_rank
     )
-    pools = {0: flat.numpy()}
+    pools = {0: rank.flat.numpy()}
     try:
         with KvrouteClient(url, token=token) as client:
-            client.register(world.DEPLOYMENT, "ctx0", tp_rank, document)
+            client.register(world.DEPLOYMENT, "ctx0", tp_rank, rank.document)
             replies.put(("registered", tp_rank))
             while (command := commands.get(timeout=WAIT_S))[0] != "stop":
-                replies.put(_answer(command, reg, pools, pool))
+                replies.put(_answer(command, reg, pools, rank.pool))
     finally:
-        endpoint.close()
-        del pool, probe, flat, pools
-        memory.close()
+        del pools
+        rank.close()
 
 
 def _answer(
