@@ -160,6 +160,26 @@ def test_tp2_producer_to_tp1_consumer_with_larger_blocks(
     resumed = llama4_consumer.scheduler.schedule()
     assert resumed.num_scheduled_tokens == {"decode-1": 1}
     llama4_consumer.finish_prefill(resumed, "decode-1")
+    # The first pairing pulled the producer's canary (vLLM's null block) and attested the path.
+    path = canary_path(world, "p-tp2", "d-tp1")
+    assert (path.state, path.source, path.element) == ("attested", "canary", None)
+    assert path.cost_ms is not None
+
+
+def canary_path(world: Any, producer: str, consumer: str) -> Any:
+    """The path's outcome once the consumer's canary check (off the step) has reported it."""
+    from kvroute.client import KvrouteClient
+
+    server, _, _ = world
+    deadline = time.monotonic() + 30
+    with KvrouteClient(server.url, token=WORKER_TOKEN) as client:
+        while time.monotonic() < deadline:
+            paths = client.kv_paths("llama4").paths
+            found = [p for p in paths if (p.producer, p.consumer) == (producer, consumer)]
+            if found:
+                return found[0]
+            time.sleep(0.05)
+    raise AssertionError(f"no canary outcome of {producer} -> {consumer}")
 
 
 def test_a_prefix_cache_hit_on_the_consumer_moves_only_the_suffix(
@@ -252,7 +272,9 @@ def test_sampled_digests_agree_and_a_byte_flipped_after_the_write_is_recomputed(
     expect(llama4_consumer, "decode-5", range(40))
     with KvrouteClient(server.url, token=WORKER_TOKEN) as client:
         [path] = [p for p in client.kv_paths("llama4").paths if p.producer == "p-digest"]
-        assert (path.state, path.source, path.consumer) == ("attested", "digest", "d-tp1")
+        # The canary of the first pairing and this request's digest both attest the path.
+        assert (path.state, path.consumer) == ("attested", "d-tp1")
+        assert path.source in ("canary", "digest")
     _, _, params = producers.ask("prefill", "p-digest", "prefill-6", tokens)
     # Rank 1 holds global heads 2 and 3; token 20, layer 1, its head 0 (global 2), K element 5.
     assert producers.ask("flip", "p-digest", "prefill-6", (1, 1, 0, 20, 5)) == (

@@ -1,4 +1,11 @@
-"""Sampled KV digests in the connector (``kv_digest_rate`` of ``kv_connector_extra_config``).
+"""Sampled KV digests and the canary in the connector (``kv_digest_rate`` of
+``kv_connector_extra_config``).
+
+The canary: vLLM's block pool keeps block 0 as its null block, given to no request, so a producer
+rank writes the canary there at start-up (through the layout its backend's own cache write showed
+the probe), and a consumer rank pulls it with the real plan and NIXL when it first pairs with a
+producer instance, and again after that instance registers again (the prefetcher drops its plan),
+checks it through its own layout and reports the path.
 
 A producer's scheduler samples a finished request and marks its handover (``kvroute_digest``);
 each producer rank then digests the request's blocks as it holds them, in logical order
@@ -27,13 +34,14 @@ from typing import Any
 import numpy as np
 
 from kvroute.client import KvrouteClient, KvrouteError
-from kvroute.client.integrity import path_report
+from kvroute.client.integrity import check_canary, path_report, write_canary
 from kvroute.client.kv_digest import KvDigest, Mismatch, kv_digest
 from kvroute.client.nixl_descs import PoolAddress
 from kvroute.geometry import RankRegistration
 
 log = logging.getLogger(f"vllm.{__name__}")
-POLL_S = 0.05  # between reads of the producer's digests while its ranks are still storing them
+POLL_S = 0.05
+NULL_BLOCK = 0  # vLLM's BlockPool hands it to no request: the canary's block on both sides  # between reads of the producer's digests while its ranks are still storing them
 
 
 def host_pools(addresses: Mapping[int, PoolAddress]) -> dict[int, np.ndarray]:
@@ -75,6 +83,9 @@ class RankMemory:
 
     def digest(self, blocks: tuple[int, ...], tokens: range, chunk: int) -> KvDigest:
         return kv_digest(self.reg, self.pools, blocks, tokens, chunk)
+
+    def write_canary(self) -> None:
+        write_canary(self.reg, self.pools, [NULL_BLOCK], range(self.reg.tokens_per_block))
 
 
 class ProducerDigests:
@@ -135,6 +146,25 @@ class ConsumerChecks:
                 error = future.exception()
                 ended.append((check, f"digest check failed: {error}" if error else future.result()))
         return ended
+
+    def canary(self, producer: str, tokens: int, cost_s: float) -> None:
+        """Checks the canary pulled from ``producer`` into the null block and reports the path."""
+        self.pool.submit(self._canary, producer, tokens, cost_s)
+
+    def _canary(self, producer: str, tokens: int, cost_s: float) -> None:
+        reg = self.memory.reg
+        started = time.perf_counter()
+        failure = check_canary(reg, self.memory.pools, [NULL_BLOCK], range(tokens))
+        cost_ms = (cost_s + time.perf_counter() - started) * 1e3
+        if failure is not None:
+            log.error("kvroute: the canary from %s to %s rank %d failed at %s; kvroute routes no "
+                      "request over this path", producer, reg.instance, reg.rank,
+                      failure.describe())  # fmt: skip
+        report = path_report(producer, reg.instance, reg.rank, "canary", failure, cost_ms)
+        try:
+            self.client.report_kv_path(reg.deployment, report)
+        except KvrouteError:
+            log.warning("kvroute: could not report the canary from %s", producer, exc_info=True)
 
     def _compare(self, check: Check) -> str | None:
         sent = self._producer_digest(check)

@@ -22,13 +22,14 @@ from kvroute.client.nixl_transport import (
     PendingPull,
     pool_addresses,
 )
-from kvroute.engines.vllm.digests import Check, ConsumerChecks
+from kvroute.engines.vllm.digests import NULL_BLOCK, Check, ConsumerChecks
 from kvroute.engines.vllm.params import Handover, done_message
 from kvroute.engines.vllm.prefetch import Fetched, Prefetcher
 from kvroute.geometry import Plan
 
 # Under vLLM's logger, whose handlers an engine configures: the lines land in its log.
 log = logging.getLogger(f"vllm.{__name__}")
+CANARY = "kvroute-canary:"  # the id of a producer instance's canary pull
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +144,9 @@ class Pulls:
                 continue
             del self.running[request_id]
             self._release(running.pending)
-            if state == "DONE" and running.load.handover.kv_digest and self.checks is not None:
+            if request_id.startswith(CANARY):
+                self._canary_pulled(running, state)
+            elif state == "DONE" and running.load.handover.kv_digest and self.checks is not None:
                 self.checking[request_id] = running
                 self.checks.submit(_check(running))
             elif state == "DONE":
@@ -170,7 +173,32 @@ class Pulls:
         errors, self.errors = self.errors, set()
         return errors
 
+    def _canary_pulled(self, running: _Running, state: str) -> None:
+        load = running.load
+        if state != "DONE" or self.checks is None:  # a transport failure, not a layout's
+            log.warning("kvroute: the canary pull from %s did not complete (%s)",
+                        load.handover.instance, state)  # fmt: skip
+            return
+        cost_s = time.monotonic() - (running.deadline - self.timeout_s)
+        self.checks.canary(load.handover.instance, load.tokens[1], cost_s)
+
+    def _canary_load(self, instance: str, documents: Mapping[int, Mapping[str, Any]]) -> None:
+        """Pulls the producer's canary (its null block) into this rank's: at first pairing, and
+        whenever the producer's plan was fetched again (it registered again)."""
+        if self.checks is None or not documents:
+            return
+        mine = self.checks.memory.reg.tokens_per_block
+        theirs = min(int(document["tokens_per_block"]) for document in documents.values())
+        tokens, blocks = min(mine, theirs), ((NULL_BLOCK,),)
+        handover = Handover(instance, CANARY + instance, blocks, 0, tokens)
+        load = Load(CANARY + instance, handover, blocks, (0, tokens), mine)
+        self.waiting[load.request_id] = (load, time.monotonic() + self.timeout_s)
+
     def _fail(self, load: Load, detail: str) -> None:
+        if load.request_id.startswith(CANARY):  # no request's blocks: nothing to recompute
+            log.warning("kvroute: the canary pull from %s failed: %s", load.handover.instance,
+                        detail)  # fmt: skip
+            return
         log.warning("kvroute pull of %s from %s failed: %s", load.request_id,
                     load.handover.instance, detail)  # fmt: skip
         self.errors |= load.blocks_to_write()
@@ -214,6 +242,7 @@ class Pulls:
             agents[rank] = self.endpoint.add_peer(metadata)
         producer = _Producer(fetched.plan, dict(fetched.documents), agents, fetched)
         self.producers[instance] = producer
+        self._canary_load(instance, fetched.documents)
         return producer
 
     def _forget(self, instance: str) -> None:

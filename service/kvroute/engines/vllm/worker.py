@@ -197,6 +197,8 @@ class Worker:
         parallel = self.vllm_config.parallel_config
         memory = self._memory(cache, rank)
         if settings.producer:
+            if memory is not None:  # the canary consumers pull when they first pair
+                memory.write_canary()
             if memory is not None and settings.kv_digest_rate > 0:
                 self.digests = ProducerDigests(
                     self._digest_client(), memory, settings.kv_digest_chunk
