@@ -98,8 +98,9 @@ def main() -> None:
             f"digest {layout:<18} {size / took / 1e9:6.2f} GB/s  "
             f"{took * 1e3:7.1f} ms  x{took / copy:.1f} memcpy"
         )
+    block, tokens = [slots - 1], range(TPB)
     for layout in INTERIORS:
-        reg, block, tokens = registration(layout, slots), [slots - 1], range(TPB)
+        reg = registration(layout, slots)
         written = best(lambda r=reg: write_canary(r, {0: pool}, block, tokens), args.repeat)
         checked = best(lambda r=reg: check_canary(r, {0: pool}, block, tokens), args.repeat)
         assert check_canary(reg, {0: pool}, block, tokens) is None
