@@ -93,6 +93,16 @@ def _populate(server: LiveServer, owners: Owners) -> dict[str, str]:
         )
         finished = worker.wait_transfer(job.id, limit_s=WAIT_S)
         assert finished.state == "succeeded", finished.error
+        element = {
+            "layer": 2,
+            "head": 1,
+            "kv": "V",
+            "token": 9,
+            "detail": "layer 2 head 1 V, token 9",
+        }
+        failed = {"producer": "ctx0", "consumer": "gen0", "consumer_rank": 0, "state": "failed",
+                  "source": "canary", "element": element, "cost_ms": 12.5}  # fmt: skip
+        worker.report_kv_path("llama", failed)
         with pytest.raises(KvrouteError) as refused:
             worker.register("llama", "gen-bad", 0, rank_document(role="generation", head_dim=32))
         assert refused.value.status == 409
@@ -206,6 +216,17 @@ def test_clicking_through_deployment_refusals_jobs_and_a_plan(
         "16",
     ]
     _wait(browser, lambda d: _loaded(d, "compatibility-picture"))
+
+    # KV integrity: the failed canary, its first wrong element and cost.
+    (path,) = _rows(browser, "kv-paths")
+    assert path[:6] == [
+        "ctx0",
+        "gen0 rank 0",
+        "failed",
+        "canary",
+        "layer 2 head 1 V, token 9",
+        "12.5",
+    ]
 
     # Transfer jobs.
     (job,) = _rows(browser, "transfers")

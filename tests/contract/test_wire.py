@@ -50,6 +50,8 @@ MODELS = [
     wire.PairExclusion,
     wire.GenerationPairs,
     wire.Pairs,
+    wire.KvPath,
+    wire.KvPaths,
 ]
 REQUESTS = [wire.TransferRequest]  # bodies the client renders and the server parses
 
@@ -92,7 +94,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "lease_id": st.from_regex(r"[0-9a-f]{32}", fullmatch=True),
     "revision": st.integers(1, 2**40),
     "kind": st.sampled_from(
-        ["rank_registered", "rank_expired", "rank_deleted", "plans_invalidated"]
+        ["rank_registered", "rank_expired", "rank_deleted", "plans_invalidated", "kv_path_failed"]
     ),
     "data": st.none() | st.just({"reason": "deleted"}),
     "missing_ranks": st.lists(ranks, max_size=4).map(tuple),
@@ -117,6 +119,29 @@ STATES = {
     wire.Rank: st.sampled_from(["live", "expired"]),
     wire.RankSummary: st.sampled_from(["live", "expired"]),
     wire.TransferJob: st.sampled_from(["queued", "running", "succeeded", "failed", "cancelled"]),
+    wire.KvPath: st.sampled_from(["attested", "failed", "stale"]),
+}
+KV_PATH_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "producer": names,
+    "consumer": names,
+    "consumer_rank": ranks,
+    "reported": st.sampled_from(["attested", "failed"]),
+    "source": st.sampled_from(["canary", "digest"]),
+    "producer_generations": st.dictionaries(
+        st.integers(0, 8).map(str), st.integers(1, 10_000), max_size=3
+    ),
+    "consumer_generation": st.integers(1, 10_000),
+    "element": st.none()
+    | st.fixed_dictionaries(
+        {
+            "layer": st.integers(0, 100),
+            "head": st.integers(-1, 64),
+            "kv": st.sampled_from(["K", "V"]),
+            "token": counts,
+            "detail": st.text(max_size=20),
+        }
+    ),
+    "cost_ms": st.none() | st.floats(0, 1e4),
 }
 
 
@@ -134,6 +159,8 @@ def _field(model: type, name: str, hint: Any) -> st.SearchStrategy[Any]:
     if name == "id" and hint is str:  # a job id; the rejection log's ids are integers
         return st.uuids().map(str)
     special = _pair_field(name) if model is wire.CompatibilityPair else None
+    if model is wire.KvPath:
+        special = KV_PATH_FIELDS.get(name)
     if special is not None:
         return special
     if model is wire.TransferRequest and name == "receiver_ranks":
@@ -189,7 +216,7 @@ def test_every_response_schema_has_a_model_and_the_client_reads_those_models():
         "Registered", "LeaseRenewed", "LeasedRank", "EngineLease", "Event", "Rank", "RankSummary", "InstanceSummary", "Instance",
         "DeploymentSummary", "Deployment", "Rejection", "TokenRange", "TransferJob",
         "CompatibilityInstance", "CompatibilityPair", "Compatibility",
-        "Pairing", "PairChoice", "PairExclusion", "GenerationPairs", "Pairs",
+        "Pairing", "PairChoice", "PairExclusion", "GenerationPairs", "Pairs", "KvPath", "KvPaths",
     }  # fmt: skip
     assert {model.__name__ for model in MODELS} == answers <= set(SPEC["components"]["schemas"])
     assert client.RankInfo is wire.Rank

@@ -40,6 +40,9 @@ def test_small_demo_moves_and_verifies_every_byte() -> None:
         "refused gen-bad: 409 head_dim_mismatch field=attention.head_dim local=8 peer=16" in output
     )
     assert "4 tokens/block -> generation gen0 TP2, 8" in output
+    # The path is attested by a canary before any request moves (docs/integrity.md).
+    assert "canary ctx0 -> gen0 rank 0: attested" in output
+    assert "canary ctx0 -> gen0 rank 1: attested" in output
     assert output.count("succeeded") == 3
     for tokens in ("[3, 18)", "[18, 33)", "[33, 48)"):  # mid-block starts and ends on both sides
         assert tokens in output

@@ -43,6 +43,8 @@ PRODUCERS = [
     {"deployment": "llama4", "instance": "p-tp2", "model": LLAMA4, "tp": 2, "heads": 4, "block_size": 16},
     {"deployment": "llama4", "instance": "p-gone", "model": LLAMA4, "tp": 1, "heads": 4, "block_size": 16},
     {"deployment": "llama6", "instance": "p-tp3", "model": LLAMA6, "tp": 3, "heads": 6, "block_size": 16},
+    {"deployment": "llama4", "instance": "p-digest", "model": LLAMA4, "tp": 2, "heads": 4, "block_size": 16,
+     "extra": {"kv_digest_rate": 1.0}},
 ]  # fmt: skip
 
 
@@ -71,7 +73,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer
     process.start()
     try:
         ready = replies.get(timeout=REPLY_S)
-        assert ready == ("ready", ["p-gone", "p-tp2", "p-tp3"]), ready
+        assert ready == ("ready", ["p-digest", "p-gone", "p-tp2", "p-tp3"]), ready
         yield server, Producers(commands, replies), root
     finally:
         commands.put(("stop",))
@@ -158,6 +160,26 @@ def test_tp2_producer_to_tp1_consumer_with_larger_blocks(
     resumed = llama4_consumer.scheduler.schedule()
     assert resumed.num_scheduled_tokens == {"decode-1": 1}
     llama4_consumer.finish_prefill(resumed, "decode-1")
+    # The first pairing pulled the producer's canary (vLLM's null block) and attested the path.
+    path = canary_path(world, "p-tp2", "d-tp1")
+    assert (path.state, path.source, path.element) == ("attested", "canary", None)
+    assert path.cost_ms is not None
+
+
+def canary_path(world: Any, producer: str, consumer: str) -> Any:
+    """The path's outcome once the consumer's canary check (off the step) has reported it."""
+    from kvroute.client import KvrouteClient
+
+    server, _, _ = world
+    deadline = time.monotonic() + 30
+    with KvrouteClient(server.url, token=WORKER_TOKEN) as client:
+        while time.monotonic() < deadline:
+            paths = client.kv_paths("llama4").paths
+            found = [p for p in paths if (p.producer, p.consumer) == (producer, consumer)]
+            if found:
+                return found[0]
+            time.sleep(0.05)
+    raise AssertionError(f"no canary outcome of {producer} -> {consumer}")
 
 
 def test_a_prefix_cache_hit_on_the_consumer_moves_only_the_suffix(
@@ -233,6 +255,43 @@ def test_a_refused_pairing_stops_start_up_with_the_refusal(world: Any) -> None:
     assert "local 64, peer 32" in str(refused.value)
 
 
+def test_sampled_digests_agree_and_a_byte_flipped_after_the_write_is_recomputed(
+    world: Any, llama4_consumer: Engine
+) -> None:
+    """A producer sampling every request (``kv_digest_rate`` 1): its TP2 ranks digest the blocks
+    they hold, the TP1 consumer (32-token blocks) compares what it pulled, head by head. A bit
+    flipped in a producer block after its digest makes the request's blocks load errors."""
+    from kvroute.client import KvrouteClient
+
+    server, producers, _ = world
+    tokens = list(range(700, 740))
+    _, _, params = producers.ask("prefill", "p-digest", "prefill-5", tokens)
+    assert params["kvroute_digest"] is True
+    _, errors = pull(llama4_consumer, "decode-5", tokens, params)
+    assert errors == set()
+    expect(llama4_consumer, "decode-5", range(40))
+    with KvrouteClient(server.url, token=WORKER_TOKEN) as client:
+        [path] = [p for p in client.kv_paths("llama4").paths if p.producer == "p-digest"]
+        # The canary of the first pairing and this request's digest both attest the path.
+        assert (path.state, path.consumer) == ("attested", "d-tp1")
+        assert path.source in ("canary", "digest")
+    _, _, params = producers.ask("prefill", "p-digest", "prefill-6", tokens)
+    # Rank 1 holds global heads 2 and 3; token 20, layer 1, its head 0 (global 2), K element 5.
+    assert producers.ask("flip", "p-digest", "prefill-6", (1, 1, 0, 20, 5)) == (
+        "flipped",
+        "prefill-6",
+    )
+    _, errors = pull(llama4_consumer, "decode-6", tokens, params)
+    assert errors == set(llama4_consumer.block_ids("decode-6"))  # recomputed, not decoded from
+    with KvrouteClient(server.url, token=WORKER_TOKEN) as client:
+        [path] = [p for p in client.kv_paths("llama4").paths if p.producer == "p-digest"]
+        assert (path.state, path.source) == ("failed", "digest")
+        assert path.element is not None
+        assert (path.element["layer"], path.element["head"], path.element["kv"]) == (1, 2, "K")
+        pairs = client.pairs("llama4", generation="d-tp1").generation[0]
+        assert {e.context: e.code for e in pairs.excluded}.get("p-digest") == "kv_path_failed"
+
+
 def test_a_request_aborted_before_its_load_frees_the_producer_s_blocks_at_once(
     world: Any, llama4_consumer: Engine
 ) -> None:
@@ -242,14 +301,14 @@ def test_a_request_aborted_before_its_load_frees_the_producer_s_blocks_at_once(
     from vllm.v1.request import RequestStatus
 
     _, producers, _ = world
-    tokens = list(range(700, 745))
-    _, _, params = producers.ask("prefill", "p-tp2", "prefill-6", tokens)
-    request = llama4_consumer.request("decode-6", tokens, params)
-    llama4_consumer.scheduler.finish_requests("decode-6", RequestStatus.FINISHED_ABORTED)
+    tokens = list(range(800, 845))
+    _, _, params = producers.ask("prefill", "p-tp2", "prefill-7", tokens)
+    request = llama4_consumer.request("decode-7", tokens, params)
+    llama4_consumer.scheduler.finish_requests("decode-7", RequestStatus.FINISHED_ABORTED)
     assert request.status == RequestStatus.FINISHED_ABORTED
     started = time.monotonic()
     output = llama4_consumer.step()
-    assert output.kv_connector_metadata.step.releases[0].request_id == "prefill-6"
+    assert output.kv_connector_metadata.step.releases[0].request_id == "prefill-7"
     deadline = time.monotonic() + 30  # a release waits for the producer's plan, if unfetched
     while time.monotonic() < deadline:
         for worker in llama4_consumer.workers:
@@ -257,5 +316,5 @@ def test_a_request_aborted_before_its_load_frees_the_producer_s_blocks_at_once(
         if not any(worker.worker.pulls.releasing for worker in llama4_consumer.workers):
             break
         time.sleep(0.01)
-    assert producers.ask("await_sent", "p-tp2", "prefill-6") == ("sent", "prefill-6", [0, 1])
+    assert producers.ask("await_sent", "p-tp2", "prefill-7") == ("sent", "prefill-7", [0, 1])
     assert time.monotonic() - started < 60

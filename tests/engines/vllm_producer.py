@@ -46,7 +46,8 @@ def _start(url: str, token: str, root: str, instances: list[dict[str, Any]],
     for spec in instances:
         model = model_dir(Path(root), spec["deployment"], **spec["model"])
         extra = {"url": url, "token": token, "deployment": spec["deployment"],
-                 "instance": spec["instance"], "send_timeout_s": WAIT_S}  # fmt: skip
+                 "instance": spec["instance"], "send_timeout_s": WAIT_S,
+                 **spec.get("extra", {})}  # fmt: skip
         engines[spec["instance"]] = Engine.start(
             model, role="kv_producer", extra=extra, tp=spec["tp"],
             total_heads=spec["heads"], block_size=spec["block_size"],
@@ -60,6 +61,10 @@ def _handle(engines: dict[str, Any], command: str, *args: Any) -> tuple[Any, ...
     if command == "await_sent":
         instance, request_id = args
         return ("sent", request_id, _await_sent(engines[instance], request_id))
+    if command == "flip":
+        instance, request_id, where = args
+        _flip(engines[instance], request_id, where)
+        return ("flipped", request_id)
     if command == "drop":
         for worker in engines[args[0]].workers:
             # As a crashed engine: the agent and its UCX worker go away with their memory
@@ -92,3 +97,25 @@ def _await_sent(engine: Any, request_id: str) -> list[int]:
                 sent.add(rank)
         time.sleep(0.01)
     return sorted(sent)
+
+
+def _flip(engine: Any, request_id: str, where: tuple[int, int, int, int, int]) -> None:
+    """Flips the low bit of one element of ``request_id``'s blocks on one rank, once every rank
+    has stored its digest of them: a fault after the write, which only a digest can see."""
+    import torch
+
+    from kvroute.client import KvrouteClient
+    from tests.engines.engine import layer_name
+
+    rank, layer, head, token, element = where
+    settings = engine.workers[0].worker.settings
+    deadline = time.monotonic() + 60
+    with KvrouteClient(settings.url, token=settings.token) as client:
+        while (
+            len(client.kv_digests(settings.deployment, settings.instance, request_id)) < engine.tp
+        ):
+            assert time.monotonic() < deadline, f"no digests of {request_id}"
+            time.sleep(0.02)
+    block = engine.block_ids(request_id)[token // engine.block_size]
+    cell = engine.caches[rank][layer_name(layer)][block, head, token % engine.block_size]
+    cell.view(torch.int16)[element] ^= 1

@@ -6,7 +6,9 @@ the pool's address in its registration, then waits for the receiver's completion
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from multiprocessing.queues import Queue
+from typing import Any
 
 from kvroute.client import KvrouteClient
 from kvroute.client.memory import ShmPool
@@ -17,38 +19,57 @@ from tests.nixl import world
 WAIT_S = 60.0
 
 
+@dataclass
+class SenderRank:
+    """A context rank's pool (filled from the logical tensor), NIXL agent and registration."""
+
+    memory: ShmPool
+    pool: SharedKvPool
+    endpoint: NixlEndpoint
+    flat: Any
+    document: dict[str, Any]
+
+    @classmethod
+    def open(cls, tp_size: int, tp_rank: int, shm_name: str) -> SenderRank:
+        target, draft = world.layouts(tp_size)
+        probe = SharedKvPool.carve([target, draft], world.BLOCKS)
+        memory = ShmPool(shm_name, probe.slot_stride * world.BLOCKS)
+        pool = SharedKvPool.carve([target, draft], world.BLOCKS, buffer=memory.tensor)
+        world.fill_sender(pool, tp_size, tp_rank)
+        endpoint = NixlEndpoint(f"ctx0-rank{tp_rank}")
+        flat = pool.buffer.reshape(-1)
+        endpoint.register(flat)
+        descriptor = {**memory.descriptor(), "nixl": nixl_memory(flat.data_ptr())}
+        document = rank_document(
+            role="context",
+            target=target,
+            pools=[pool.describe(memory=descriptor)],
+            num_draft_layers=1,
+            parallel=world.parallel(tp_size, tp_rank),
+            nixl_agent_metadata=endpoint.metadata,
+        )
+        return cls(memory, pool, endpoint, flat, document)
+
+    def close(self) -> None:
+        self.endpoint.close()
+        del self.pool, self.flat
+        self.memory.close()
+
+
 def serve(
     url: str, token: str, tp_size: int, tp_rank: int, shm_name: str, commands: Queue, replies: Queue
 ) -> None:
-    target, draft = world.layouts(tp_size)
-    probe = SharedKvPool.carve([target, draft], world.BLOCKS)
-    memory = ShmPool(shm_name, probe.slot_stride * world.BLOCKS)
-    pool = SharedKvPool.carve([target, draft], world.BLOCKS, buffer=memory.tensor)
-    world.fill_sender(pool, tp_size, tp_rank)
-    endpoint = NixlEndpoint(f"ctx0-rank{tp_rank}")
-    flat = pool.buffer.reshape(-1)
-    endpoint.register(flat)
-    descriptor = {**memory.descriptor(), "nixl": nixl_memory(flat.data_ptr())}
-    document = rank_document(
-        role="context",
-        target=target,
-        pools=[pool.describe(memory=descriptor)],
-        num_draft_layers=1,
-        parallel=world.parallel(tp_size, tp_rank),
-        nixl_agent_metadata=endpoint.metadata,
-    )
+    rank = SenderRank.open(tp_size, tp_rank, shm_name)
     try:
         with KvrouteClient(url, token=token) as client:
-            client.register(world.DEPLOYMENT, "ctx0", tp_rank, document)
+            client.register(world.DEPLOYMENT, "ctx0", tp_rank, rank.document)
             replies.put(("registered", tp_rank))
             command, expected = commands.get(timeout=WAIT_S)
             assert command == "await"
-            notifications = endpoint.wait_notifications(expected, limit_s=WAIT_S)
+            notifications = rank.endpoint.wait_notifications(expected, limit_s=WAIT_S)
             replies.put(
                 ("notified", [(agent, message.decode()) for agent, message in notifications])
             )
             commands.get(timeout=WAIT_S)  # "stop": the receiver has verified the bytes
     finally:
-        endpoint.close()
-        del pool, probe, flat
-        memory.close()
+        rank.close()

@@ -176,7 +176,8 @@ def test_base_requirements_are_the_client_set_and_server_is_an_extra(installed: 
         fields = email.message_from_string(wheel.read(name).decode())
     requirements = [Requirement(text) for text in fields.get_all("Requires-Dist") or []]
     base = {r.name for r in requirements if r.marker is None}
-    assert base == {"aiohttp", "numpy"}
+    # xxhash: the KV digests a worker computes (``kvroute.client.kv_digest``).
+    assert base == {"aiohttp", "numpy", "xxhash"}
     server = {r.name for r in requirements if r.marker and r.marker.evaluate({"extra": "server"})}
     assert {"sqlalchemy", "alembic", "asyncpg", "aiosqlite", "openapi-core"} <= server
     assert {"client", "server", "transfer"} <= set(fields.get_all("Provides-Extra") or [])

@@ -44,6 +44,8 @@ class Metrics:
     expired_leases: Counter
     database_up: Gauge
     http_duration: Histogram
+    kv_paths: Gauge
+    kv_digest_mismatches: Counter
 
     @classmethod
     def create(cls, *, database_backend: str) -> Metrics:
@@ -88,6 +90,21 @@ class Metrics:
                 "1 when the last database read for metrics or leases succeeded, else 0",
                 registry=registry,
             ),
+            kv_paths=Gauge(
+                "kvroute_kv_path_attestations",
+                "KV transfer paths (producer instance x consumer rank) by integrity state: "
+                "attested, failed, stale (registered again since its last canary)",
+                ["deployment", "state"],
+                registry=registry,
+            ),
+            # Instance labels on a counter, as the integrity issue asks: a mismatch is rare and
+            # names the pair an operator must look at; the pairs keep no series until one fails.
+            kv_digest_mismatches=Counter(
+                "kvroute_kv_digest_mismatch_total",
+                "Sampled requests whose received KV digest differed from the producer's",
+                ["producer", "consumer"],
+                registry=registry,
+            ),
             http_duration=Histogram(
                 "kvroute_http_request_duration_seconds",
                 "HTTP request handling time",
@@ -104,6 +121,13 @@ class Metrics:
         for (deployment, instance), (live, expired) in counts.items():
             self.live_ranks.labels(deployment=deployment, instance=instance).set(live)
             self.expired_ranks.labels(deployment=deployment, instance=instance).set(expired)
+
+    def set_path_states(self, deployment: str, counts: Mapping[str, int]) -> None:
+        for state, count in counts.items():
+            self.kv_paths.labels(deployment=deployment, state=state).set(count)
+
+    def count_digest_mismatch(self, producer: str, consumer: str) -> None:
+        self.kv_digest_mismatches.labels(producer=producer, consumer=consumer).inc()
 
     def count_expired(self, expired: Iterable[tuple[RankName, datetime]]) -> None:
         for name, _ in expired:

@@ -13,11 +13,13 @@ from kvroute.api.keys import (
     inventory_key,
     lifecycle_key,
     metrics_key,
+    sessionmaker_key,
     settings_key,
     spec_text_key,
 )
 from kvroute.api.problems import DEFAULT_RETRY_AFTER_S
 from kvroute.api.transfers import transfer_checks
+from kvroute.control import kv_paths
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +62,15 @@ async def metrics(request: web.Request) -> web.Response:
     try:
         async with asyncio.timeout(app[settings_key].readiness_timeout_seconds):
             counts = await app[inventory_key].rank_counts(now=app_now(app))
+            paths = await kv_paths.all_state_counts(app[sessionmaker_key], now=app_now(app))
     except Exception:
         # A scrape must not fail with the database; the rank gauges keep their last values.
         log.warning("could not refresh the rank gauges", exc_info=True)
         gauges.database_up.set(0)
     else:
         gauges.set_rank_counts(counts)
+        for deployment, states in paths.items():
+            gauges.set_path_states(deployment, states)
         gauges.database_up.set(1)
     return web.Response(
         body=generate_latest(gauges.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}

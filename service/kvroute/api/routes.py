@@ -16,6 +16,7 @@ from kvroute.api import (
     console,
     events,
     inventory,
+    kv_paths,
     leases,
     ops,
     pairing,
@@ -70,6 +71,11 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", "/v1/preflight", preflight.post_preflight, Scope.WORKER),
     Endpoint("GET", DEPLOYMENT + "/compatibility", compatibility.get_compatibility, Scope.ADMIN),
     Endpoint("GET", DEPLOYMENT + "/pairs", pairing.get_pairs, Scope.WORKER),
+    # KV integrity: workers report each path's canary or sampled digest; routers read them.
+    Endpoint("POST", DEPLOYMENT + "/kv-paths", kv_paths.post_kv_path, Scope.WORKER),
+    Endpoint("GET", DEPLOYMENT + "/kv-paths", kv_paths.get_kv_paths, Scope.WORKER),
+    Endpoint("POST", DEPLOYMENT + "/kv-digests", kv_paths.post_kv_digest, Scope.WORKER),
+    Endpoint("GET", DEPLOYMENT + "/kv-digests", kv_paths.get_kv_digests, Scope.WORKER),
     # Watch instead of poll: the deployment's changes as server-sent events, resumable.
     Endpoint("GET", DEPLOYMENT + "/events", events.stream_events, Scope.WORKER),
     Endpoint("POST", DEPLOYMENT + "/transfers", transfers.post_transfer, Scope.WORKER),

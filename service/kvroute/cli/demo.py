@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvroute.cli import demo_canary
 from kvroute.cli.common import CommandError
 from kvroute.client import KvrouteClient, KvrouteError, TokenRange, TokenWindow, TransferStatus
 
@@ -283,6 +284,17 @@ def _model(args: argparse.Namespace) -> tuple[ModuleType, Any, list[dict[str, An
     return demo_workers, model, demo_workers.requests(model, args.jobs)
 
 
+def _attested(client: KvrouteClient, workers: Workers, model: Any) -> bool:
+    """The canary over ctx0 -> every gen0 rank, printed; False when a path failed."""
+    failures = demo_canary.attest(client, workers, model)
+    for rank, failure in sorted(failures.items()):
+        if failure is None:
+            console.print(f"canary ctx0 -> gen0 rank {rank}: attested")
+        else:
+            console.print(f"[red]canary ctx0 -> gen0 rank {rank}: failed at {failure}[/]")
+    return not any(failures.values())
+
+
 def _print_refusal(refusal: KvrouteError) -> None:
     console.print(
         f"refused gen-bad: {refusal.status} {refusal.code} field={refusal.field} "
@@ -319,6 +331,9 @@ def run(args: argparse.Namespace) -> int:
                     demo.DEPLOYMENT, sender="ctx0", receiver="gen0", prompt_tokens=prompt
                 )
                 console.print(plan_table(plans, model))
+                # The dense demo attests its path with a canary before any request moves.
+                if demo.__name__.endswith(".demo_workers") and not _attested(admin, workers, model):
+                    return 1
                 with Progress(console=console) as progress:
                     statuses = run_jobs(admin, demo, model, requests, progress)
                     verified = workers.verify(requests, model.ranks("generation"), progress)

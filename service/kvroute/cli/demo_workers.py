@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from kvroute.cli.demo_canary import canary_command, canary_slots
 from kvroute.client import KvrouteClient
 from kvroute.client.memory import ShmPool
 from kvroute.client.pools import KvLayout, Parallel, SharedKvPool, rank_document
@@ -170,7 +171,8 @@ class WorkerSpec(Generic[M]):
 
 def _pool(spec: WorkerSpec[Model]) -> tuple[ShmPool, SharedKvPool, list[KvLayout]]:
     layouts = list(spec.model.layouts(spec.role))
-    slots = spec.model.slots(spec.role)
+    # The prompt's blocks, then the ones kept back for the canary (``demo_canary``).
+    slots = spec.model.slots(spec.role) + canary_slots(spec.model, spec.role)
     stride = SharedKvPool.carve(layouts, 1).slot_stride
     memory = ShmPool(spec.shm_name, stride * slots)
     memory.tensor.zero_()
@@ -256,9 +258,10 @@ def answer_commands(
     document: dict[str, Any],
     queues: tuple[Queue, Queue],
     verify: Callable[[Any], dict[str, int]],
+    canary: Callable[[], tuple[Any, ...]] | None = None,
 ) -> None:
-    """Registers, keeps the lease and answers the demo's commands (verify, then stop) on
-    ``queues`` (commands, replies)."""
+    """Registers, keeps the lease and answers the demo's commands (verify, canary, then stop)
+    on ``queues`` (commands, replies)."""
     commands, replies = queues
     with (
         KvrouteClient(spec.url, token=spec.token) as client,
@@ -267,6 +270,9 @@ def answer_commands(
         replies.put(("registered", spec.instance, spec.tp_rank, lease.generation, os.getpid()))
         while True:
             command: tuple[Any, ...] = commands.get(timeout=COMMAND_WAIT_S)
+            if command[0] == "canary" and canary is not None:
+                replies.put(canary())
+                continue
             if command[0] != "verify":
                 lease.stop(deregister=True)
                 replies.put(("stopped", spec.tp_rank))
@@ -288,8 +294,14 @@ def serve(spec: WorkerSpec[Model], commands: Queue, replies: Queue) -> None:
             parallel=Parallel(tp_size=spec.tp_size, tp_rank=spec.tp_rank),
             lease_seconds=30,
         )
+        flat = memory.tensor.numpy()
         answer_commands(
-            spec, DEPLOYMENT, document, (commands, replies), partial(verify, spec, pool, layouts)
+            spec,
+            DEPLOYMENT,
+            document,
+            (commands, replies),
+            partial(verify, spec, pool, layouts),
+            partial(canary_command, spec, flat, document),
         )
     finally:
         del pool

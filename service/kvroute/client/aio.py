@@ -19,6 +19,7 @@ import aiohttp
 
 from kvroute import wire
 from kvroute.client.errors import KvrouteError
+from kvroute.client.integrity_calls import KvIntegrityCalls
 from kvroute.client.lease import EngineLeaseKeeper, LeaseKeeper
 from kvroute.client.models import (
     Compatibility,
@@ -56,7 +57,7 @@ def lease_path(deployment: str, lease_id: str | None = None) -> str:
     return base if lease_id is None else f"{base}/{_seg(lease_id)}"
 
 
-class AsyncKvrouteClient:
+class AsyncKvrouteClient(KvIntegrityCalls):
     """Talks to one kvroute service; use as ``async with AsyncKvrouteClient(url) as client``."""
 
     def __init__(

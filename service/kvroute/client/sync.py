@@ -159,3 +159,9 @@ class KvrouteClient:
     rejections = blocking(AsyncKvrouteClient.rejections)
     compatibility = blocking(AsyncKvrouteClient.compatibility)
     pairs = blocking(AsyncKvrouteClient.pairs)
+
+    # KV integrity per transfer path.
+    report_kv_path = blocking(AsyncKvrouteClient.report_kv_path)
+    kv_paths = blocking(AsyncKvrouteClient.kv_paths)
+    put_kv_digest = blocking(AsyncKvrouteClient.put_kv_digest)
+    kv_digests = blocking(AsyncKvrouteClient.kv_digests)

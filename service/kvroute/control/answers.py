@@ -82,14 +82,16 @@ async def cached_answer(
     deployment: str,
     now: datetime,
     domains: bool,
+    extra: Hashable = (),
 ) -> Rendered:
     """``compute``'s answer over the deployment's live instances, rendered; the cached rendering
-    while the state it depends on is unchanged. ``NotFound`` for an unknown deployment. With
-    ``domains`` the instances' domains are read even without a pairing policy."""
+    while the state it depends on (and ``extra``, any further input of ``compute``) is unchanged.
+    ``NotFound`` for an unknown deployment. With ``domains`` the instances' domains are read even
+    without a pairing policy."""
     for attempt in range(1, MATRIX_READS + 1):
         states = await deployment_states(sessionmaker, deployment, now=now)
         policy = PairingPolicy.from_json(await pairing_policy(sessionmaker, deployment))
-        key = state_key(states, policy)
+        key = (state_key(states, policy), extra)
         if (hit := cache.get(name, key)) is not None:
             return hit
         try:

@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from kvroute import wire
+from kvroute.control import kv_paths
 from kvroute.control.answers import AnswerCache, Rendered, cached_answer
 from kvroute.control.compatibility import InstanceRanks, compatibility_matrix
 from kvroute.geometry.checks.classes import VerdictMemo
@@ -47,6 +48,8 @@ async def deployment_pairs(
 ) -> Rendered:
     """The pairs answer of every generation instance, or of ``generation`` alone."""
 
+    failed = await kv_paths.failed_paths(sessionmaker, deployment, now=now)
+
     def compute(
         instances: list[InstanceRanks], memo: VerdictMemo, policy: PairingPolicy
     ) -> wire.Pairs:
@@ -55,9 +58,11 @@ async def deployment_pairs(
         ):
             raise NotFound(f"generation instance {generation!r} of {deployment!r} does not exist")
         matrix = compatibility_matrix(deployment, instances, memo, only=generation)
-        return pairs_answer(deployment, instances, matrix, policy, generation)
+        return pairs_answer(deployment, instances, matrix, policy, generation, failed)
 
     name = ("pairs", deployment, *(() if generation is None else (generation,)))
+    # The failed paths are an input: a new failure (or one gone stale) renders the answer again.
+    extra = tuple(sorted((key, path.reported_at) for key, path in failed.items()))
     return await cached_answer(
         sessionmaker,
         registrations,
@@ -68,6 +73,7 @@ async def deployment_pairs(
         deployment=deployment,
         now=now,
         domains=True,
+        extra=extra,
     )
 
 
@@ -77,6 +83,7 @@ def pairs_answer(
     matrix: wire.Compatibility,
     policy: PairingPolicy,
     only: str | None = None,
+    failed: kv_paths.FailedPaths | None = None,
 ) -> wire.Pairs:
     cells = {(cell.generation, cell.context): cell for cell in matrix.pairs}
     contexts = sorted((item for item in instances if item.role == "context"), key=_name)
@@ -90,6 +97,8 @@ def pairs_answer(
         for ctx in contexts:
             theirs = domains[ctx.name]
             reason = _exclusion(cells[gen.name, ctx.name], policy, mine, theirs)
+            if reason is None and (path := (failed or {}).get((gen.name, ctx.name))):
+                reason = kv_paths.exclusion(path)
             if reason is not None:
                 excluded.append(wire.PairExclusion(context=ctx.name, **reason))
             else:

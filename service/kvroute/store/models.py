@@ -26,6 +26,7 @@ from sqlalchemy import (
     CheckConstraint,
     DateTime,
     Dialect,
+    Float,
     ForeignKey,
     ForeignKeyConstraint,
     Index,
@@ -318,3 +319,45 @@ class TransferJobRow(Base):
     src_state_slot: Mapped[int | None] = mapped_column(BigInteger)
     dst_state_slot: Mapped[int | None] = mapped_column(BigInteger)
     prompt_tokens: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class KvPathRow(Base):
+    """The latest integrity outcome of one KV transfer path: a producer (context) instance to one
+    rank of a consumer (generation) instance (``kvroute.store.kv_paths``). It holds for the
+    registrations it was reported against: the producer's live generations and the consumer
+    rank's; a re-registration on either side leaves it stale."""
+
+    __tablename__ = "kv_paths"
+    __table_args__ = (
+        CheckConstraint(_in("state", ("attested", "failed")), name="state"),
+        CheckConstraint(_in("source", ("canary", "digest")), name="source"),
+    )
+
+    deployment: Mapped[str] = mapped_column(primary_key=True)
+    producer: Mapped[str] = mapped_column(primary_key=True)
+    consumer: Mapped[str] = mapped_column(primary_key=True)
+    consumer_rank: Mapped[int] = mapped_column(primary_key=True)
+    # rank (as a string, JSON's keys) -> generation of every live producer rank when reported.
+    producer_generations: Mapped[dict[str, Any]]
+    consumer_generation: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16))
+    source: Mapped[str] = mapped_column(String(16))
+    # The first wrong element (layer, head, token, kv, detail); none_as_null: SQL NULL when none.
+    element: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    cost_ms: Mapped[float | None] = mapped_column(Float())
+    reported_at: Mapped[datetime]
+
+
+class KvDigestRow(Base):
+    """A producer rank's digest of one sampled request, kept until its consumer ranks compare
+    (``kvroute.store.kv_paths``); trimmed once older than ``DIGEST_KEEP``."""
+
+    __tablename__ = "kv_digests"
+    __table_args__ = (Index(None, "at"),)
+
+    deployment: Mapped[str] = mapped_column(primary_key=True)
+    producer: Mapped[str] = mapped_column(primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    rank: Mapped[int] = mapped_column(primary_key=True)
+    digest: Mapped[dict[str, Any]]
+    at: Mapped[datetime]

@@ -150,6 +150,25 @@ async function compatibilitySection(name, matrix) {
   return nodes;
 }
 
+// KV integrity per path (producer instance -> consumer rank): the latest canary or sampled digest.
+function integritySection(paths) {
+  const columns = ["producer", "consumer rank", "state", "source", "first wrong element", "cost ms", "reported"];
+  const rows = paths.map((p) => ({
+    class: p.state,
+    cells: [
+      p.producer,
+      `${p.consumer} rank ${p.consumer_rank}`,
+      el("span", { class: "status" }, p.state === "stale" ? `stale (was ${p.reported})` : p.state),
+      p.source,
+      p.element ? p.element.detail : "-",
+      p.cost_ms === undefined ? "-" : p.cost_ms.toFixed(1),
+      p.reported_at,
+    ],
+  }));
+  const empty = paths.length ? [] : [el("p", {}, "No path attested yet: workers report a canary when they first pair.")];
+  return [el("h2", {}, "KV integrity"), table("kv-paths", columns, rows), ...empty];
+}
+
 function transfersSection(jobs) {
   const columns = ["job", "sender -> receiver", "receiver ranks", "blocks", "moves", "state", "bytes", "seconds", "created", "error"];
   const rows = jobs.map((job) => ({
@@ -267,10 +286,11 @@ function planSection(name, instances) {
 async function deploymentPage(name) {
   const base = `/v1/deployments/${enc(name)}`;
   const deployment = await api(base);
-  const [instances, matrix, jobs] = await Promise.all([
+  const [instances, matrix, jobs, kvPaths] = await Promise.all([
     Promise.all(deployment.instances.map((i) => api(`${base}/instances/${enc(i.name)}`))),
     api(`${base}/compatibility`),
     api(`${base}/transfers?limit=50`),
+    api(`${base}/kv-paths`),
   ]);
   done(
     `deployment:${name}`,
@@ -279,6 +299,7 @@ async function deploymentPage(name) {
     el("p", {}, `${deployment.live_ranks} live ranks, ${deployment.expired_ranks} expired, since ${deployment.created_at}`),
     ...instancesSection(instances),
     ...(await compatibilitySection(name, matrix)),
+    ...integritySection(kvPaths.paths),
     ...transfersSection(jobs.transfers),
     ...planSection(name, instances),
   );

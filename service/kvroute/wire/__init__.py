@@ -6,6 +6,7 @@ install has it.
 """
 
 from kvroute.wire.codec import WireError, from_json, to_json
+from kvroute.wire.kv_paths import PATH_STATES, KvPath, KvPaths
 from kvroute.wire.models import (
     OPTION_NAMES,
     TERMINAL_STATES,
@@ -33,6 +34,7 @@ from kvroute.wire.pairs import GenerationPairs, PairChoice, PairExclusion, Pairi
 
 __all__ = [
     "OPTION_NAMES",
+    "PATH_STATES",
     "TERMINAL_STATES",
     "Compatibility",
     "CompatibilityInstance",
@@ -44,6 +46,8 @@ __all__ = [
     "GenerationPairs",
     "Instance",
     "InstanceSummary",
+    "KvPath",
+    "KvPaths",
     "LeaseRenewed",
     "LeasedRank",
     "PairChoice",

@@ -33,6 +33,10 @@ class Settings:
     # Registration members passed through as given (kvroute checks them): the model's identity
     # ("model": {"name", "revision", ...}), its KV quantization and the engine's topology domains.
     members: tuple[tuple[str, Any], ...] = ()
+    # Sampled KV digests (``digests``): the share of a producer's requests digested and checked by
+    # their consumers (0: off), and the tokens each digest covers.
+    kv_digest_rate: float = 0.0
+    kv_digest_chunk: int = 1024
 
     @classmethod
     def from_config(cls, kv_role: str | None, extra: Mapping[str, Any]) -> Settings:
@@ -60,6 +64,8 @@ class Settings:
             send_timeout_s=float(extra.get("send_timeout_s", 120.0)),
             kv_cache_layout=extra.get("kv_cache_layout", "BLHNC"),
             members=tuple((key, extra[key]) for key in PASSED_MEMBERS if extra.get(key)),
+            kv_digest_rate=_rate(extra.get("kv_digest_rate", 0.0)),
+            kv_digest_chunk=int(extra.get("kv_digest_chunk", 1024)),
         )
 
     def registration_members(self) -> dict[str, Any]:
@@ -72,6 +78,13 @@ class Settings:
         return self.role == "context"
 
 
+def _rate(value: Any) -> float:
+    rate = float(value)
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"kv_digest_rate must lie in [0, 1], got {value!r}")
+    return rate
+
+
 @dataclass(frozen=True, slots=True)
 class Handover:
     """A prefilled request as the consumer learns it: whose blocks hold which tokens."""
@@ -81,6 +94,7 @@ class Handover:
     block_ids: tuple[tuple[int, ...], ...]  # per KV cache group, covering tokens from first_token
     first_token: int  # token held by the first block of each list
     prompt_tokens: int
+    kv_digest: bool = False  # sampled: the producer's ranks store digests the consumer checks
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -91,6 +105,7 @@ class Handover:
             "remote_block_ids": [list(group) for group in self.block_ids],
             "remote_first_token": self.first_token,
             "prompt_tokens": self.prompt_tokens,
+            **({"kvroute_digest": True} if self.kv_digest else {}),
         }
 
     @classmethod
@@ -108,6 +123,7 @@ class Handover:
                 block_ids=tuple(tuple(int(b) for b in group) for group in groups),
                 first_token=int(params.get("remote_first_token", 0)),
                 prompt_tokens=int(params["prompt_tokens"]),
+                kv_digest=bool(params.get("kvroute_digest", False)),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"kv_transfer_params lack a kvroute handover: {error}") from error

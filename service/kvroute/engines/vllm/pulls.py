@@ -24,12 +24,14 @@ from kvroute.client.nixl_transport import (
     PendingPull,
     pool_addresses,
 )
+from kvroute.engines.vllm.digests import NULL_BLOCK, Check, ConsumerChecks
 from kvroute.engines.vllm.params import Handover, done_message
 from kvroute.engines.vllm.prefetch import Fetched, Prefetcher
 from kvroute.geometry import Plan, TokenRange, TokenWindow
 
 # Under vLLM's logger, whose handlers an engine configures: the lines land in its log.
 log = logging.getLogger(f"vllm.{__name__}")
+CANARY = "kvroute-canary:"  # the id of a producer instance's canary pull
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +87,14 @@ class Pulls:
     state_groups: set[int]
     timeout_s: float
     mem_type: str = "DRAM"
+    checks: ConsumerChecks | None = None  # sampled requests' digests (``digests``)
     producers: dict[str, _Producer] = field(default_factory=dict)
     waiting: dict[str, tuple[Load, float]] = field(default_factory=dict)  # id -> load, deadline
     releasing: list[tuple[Handover, float]] = field(default_factory=list)  # not to pull; deadline
     running: dict[str, _Running] = field(default_factory=dict)
     errors: set[int] = field(default_factory=set)
     done: set[str] = field(default_factory=set)
+    checking: dict[str, _Running] = field(default_factory=dict)  # pulled, digests compared
 
     def start(self, load: Load) -> None:
         """Posts the load's reads, or parks it until its producer's plan is fetched."""
@@ -165,21 +169,64 @@ class Pulls:
                 continue
             del self.running[request_id]
             self._release(running.pending)
-            # Failed or not, the producer may free the blocks: a failed load is recomputed here.
-            self._tell_producer(running.producer, running.load.handover)
-            if state == "DONE":
+            if request_id.startswith(CANARY):
+                self._canary_pulled(running, state)
+            elif state == "DONE" and running.load.handover.kv_digest and self.checks is not None:
+                self.checking[request_id] = running
+                self.checks.submit(_check(running))
+            elif state == "DONE":
+                self._tell_producer(running.producer, running.load.handover)
                 self.done.add(request_id)
             else:
+                # A failed load is recomputed here: the producer may free the blocks now.
+                self._tell_producer(running.producer, running.load.handover)
                 self._fail(running.load, detail)
                 self._forget(running.load.handover.instance)
+        self._checked()
         finished, self.done = self.done, set()
         return finished
+
+    def _checked(self) -> None:
+        """Sampled requests whose digests were compared: wrong KV is a load error (recomputed)."""
+        for check, failure in self.checks.finished() if self.checks is not None else ():
+            running = self.checking.pop(check.request_id)
+            # The producer may free its blocks either way.
+            self._tell_producer(running.producer, running.load.handover)
+            if failure is None:
+                self.done.add(check.request_id)
+            else:
+                self._fail(running.load, failure)
 
     def take_errors(self) -> set[int]:
         errors, self.errors = self.errors, set()
         return errors
 
+    def _canary_pulled(self, running: _Running, state: str) -> None:
+        load = running.load
+        if state != "DONE" or self.checks is None:  # a transport failure, not a layout's
+            log.warning("kvroute: the canary pull from %s did not complete (%s)",
+                        load.handover.instance, state)  # fmt: skip
+            return
+        cost_s = time.monotonic() - (running.deadline - self.timeout_s)
+        self.checks.canary(load.handover.instance, load.tokens[1], cost_s)
+
+    def _canary_load(self, instance: str, documents: Mapping[int, Mapping[str, Any]]) -> None:
+        """Pulls the producer's canary (its null block) into this rank's: at first pairing, and
+        whenever the producer's plan was fetched again (it registered again)."""
+        if self.checks is None or not documents:
+            return
+        mine = self.checks.memory.reg.tokens_per_block
+        theirs = min(int(document["tokens_per_block"]) for document in documents.values())
+        tokens, blocks = min(mine, theirs), ((NULL_BLOCK,),)
+        handover = Handover(instance, CANARY + instance, blocks, 0, tokens)
+        load = Load(CANARY + instance, handover, blocks, (0, tokens), mine)
+        self.waiting[load.request_id] = (load, time.monotonic() + self.timeout_s)
+
     def _fail(self, load: Load, detail: str) -> None:
+        if load.request_id.startswith(CANARY):  # no request's blocks: nothing to recompute
+            log.warning("kvroute: the canary pull from %s failed: %s", load.handover.instance,
+                        detail)  # fmt: skip
+            return
         log.warning("kvroute pull of %s from %s failed: %s", load.request_id,
                     load.handover.instance, detail)  # fmt: skip
         self.errors |= load.blocks_to_write()
@@ -222,6 +269,7 @@ class Pulls:
             agents[rank] = self.endpoint.add_peer(metadata)
         producer = _Producer(fetched.plan, dict(fetched.documents), agents, fetched)
         self.producers[instance] = producer
+        self._canary_load(instance, fetched.documents)
         return producer
 
     def _forget(self, instance: str) -> None:
@@ -258,6 +306,18 @@ class Pulls:
                 )
             )
         return _merged(parts, plan.expected_writers)
+
+
+def _check(running: _Running) -> Check:
+    load = running.load
+    return Check(
+        request_id=load.request_id,
+        producer=load.handover.instance,
+        producer_request=load.handover.request_id,
+        senders=frozenset(peer.rank for peer in running.producer.plan.peers if peer.sends),
+        blocks=load.block_ids[0],
+        tokens=load.tokens,
+    )
 
 
 def _only_views(plan: Plan, views: set[int]) -> Plan:

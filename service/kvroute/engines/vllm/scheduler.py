@@ -8,6 +8,7 @@ consumer ranks have pulled them, and answers the handover for the proxy to pass 
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,8 @@ class StepPlan:
     # Handovers this consumer will not pull (aborted before its load, or nothing left to move):
     # each rank tells the producer at once, instead of the producer holding them until its timeout.
     releases: list[Handover] = field(default_factory=list)
+    # Sampled requests whose blocks each producer rank digests: id -> (block lists, prompt tokens).
+    digests: dict[str, tuple[tuple[tuple[int, ...], ...], int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -39,6 +42,7 @@ class SchedulerSide:
     backoff: int = 0
     matched: dict[str, int] = field(default_factory=dict)  # request id -> local prefix hit
     step: StepPlan = field(default_factory=StepPlan)
+    rng: random.Random = field(default_factory=random.Random)
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if self.settings.producer:
@@ -85,13 +89,17 @@ class SchedulerSide:
         if not any(groups):
             return False, None
         self.step.sends[request.request_id] = self.settings.send_timeout_s
+        sampled = self.sample()
         handover = Handover(
             self.settings.instance,
             request.request_id,
             groups,
             first_token=0,
             prompt_tokens=len(request.prompt_token_ids),
+            kv_digest=sampled,
         )
+        if sampled:
+            self.step.digests[request.request_id] = (groups, handover.prompt_tokens)
         return True, handover.to_params()
 
     def _hold_back(self, request: Any) -> None:
@@ -115,6 +123,10 @@ class SchedulerSide:
     def _release(self, request: Any, handover: Handover) -> None:
         self.step.releases.append(handover)
         request.kv_transfer_params = {**request.kv_transfer_params, "do_remote_prefill": False}
+
+    def sample(self) -> bool:
+        rate = self.settings.kv_digest_rate
+        return rate > 0 and (rate >= 1 or self.rng.random() < rate)
 
     def take_step(self) -> StepPlan:
         step, self.step = self.step, StepPlan()

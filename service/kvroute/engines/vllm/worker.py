@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvroute.client import KvrouteClient, KvrouteError, SyncLease
 from kvroute.client.nixl_transport import NixlEndpoint
 from kvroute.engines.vllm.backends import checked_layouts
+from kvroute.engines.vllm.digests import ConsumerChecks, ProducerDigests, RankMemory
 from kvroute.engines.vllm.layout import Layer, Place, RankCache, describe
 from kvroute.engines.vllm.params import Settings, parse_done
 from kvroute.engines.vllm.prefetch import Prefetcher
@@ -156,6 +157,8 @@ class Worker:
         self.holding: dict[str, float] = {}  # request id -> when its blocks are freed regardless
         self.heard: dict[str, int] = {}  # request id -> done notifications so far
         self.expected: dict[str, int] = {}
+        self.digest_client: KvrouteClient | None = None  # its own: used off the step's thread
+        self.digests: ProducerDigests | None = None
 
     @property
     def rank(self) -> int:
@@ -194,7 +197,14 @@ class Worker:
                  settings.instance, rank, settings.deployment, settings.role,
                  len(document["views"]), len(document["pools"]))  # fmt: skip
         parallel = self.vllm_config.parallel_config
+        memory = self._memory(cache, rank)
         if settings.producer:
+            if memory is not None:  # the canary consumers pull when they first pair
+                memory.write_canary()
+            if memory is not None and settings.kv_digest_rate > 0:
+                self.digests = ProducerDigests(
+                    self._digest_client(), memory, settings.kv_digest_chunk
+                )
             return cache  # a producer holds blocks; only consumers pull
         self.prefetcher = Prefetcher(
             settings.url, settings.token, settings.deployment, settings.instance, rank
@@ -211,13 +221,31 @@ class Worker:
             cache.state_groups,
             settings.pull_timeout_s,
             cache.mem_type,
+            checks=None
+            if memory is None
+            else ConsumerChecks(
+                self._digest_client(), memory, settings.kv_digest_chunk, settings.pull_timeout_s
+            ),
         )
         return cache
+
+    def _memory(self, cache: RankCache, rank: int) -> RankMemory | None:
+        where = (self.settings.deployment, self.settings.instance, rank)
+        groups = len(cache.group_views)
+        return RankMemory.of(cache.document, where, cache.addresses, cache.mem_type, groups)
+
+    def _digest_client(self) -> KvrouteClient:
+        if self.digest_client is None:
+            self.digest_client = KvrouteClient(self.settings.url, token=self.settings.token)
+        return self.digest_client
 
     def start(self, step: StepPlan) -> None:
         now = time.monotonic()
         for request_id, timeout_s in step.sends.items():
             self.holding[request_id] = now + timeout_s
+        for request_id, (groups, prompt_tokens) in step.digests.items():
+            if self.digests is not None:  # the blocks are held until every consumer pulled
+                self.digests.submit(request_id, groups[0], prompt_tokens)
         if (step.loads or step.releases) and self.pulls is None:
             raise RuntimeError("register_kv_caches was never called on this worker")
         for load in step.loads:
@@ -257,6 +285,12 @@ class Worker:
         return sent
 
     def close(self) -> None:
+        for pool in (self.digests, self.pulls.checks if self.pulls is not None else None):
+            if pool is not None:
+                pool.close()
+        if self.digest_client is not None:
+            self.digest_client.close()
+            self.digest_client = None
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None

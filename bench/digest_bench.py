@@ -1,0 +1,114 @@
+"""What a sampled KV digest costs on CPU: GB/s of ``kvroute.client.kv_digest`` against memcpy.
+
+One rank's request of ``--tokens`` tokens (32 layers x K, V x 8 KV heads x 128 dims bf16, 16 tokens
+per block: 128 KiB per token, so 8,192 tokens are 1 GiB) in shuffled blocks of a host pool, laid
+out hnd, nhd, and as vLLM's CPU backend keeps it (per head K then V, K in 2 planes). Each layout is
+digested (xxh3-64 per 256-token chunk of each row series, after gathering the series in logical
+order); the baseline is ``numpy.copyto`` of the same number of contiguous bytes in the same run.
+Last, a canary's CPU cost per path on each layout: writing the pattern into one reserved block
+through the layout and checking every byte of it (the pull itself is one block of the real plan).
+
+    .venv/bin/python bench/digest_bench.py [--tokens 8192] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvroute.client.integrity import check_canary, write_canary
+from kvroute.client.kv_digest import kv_digest
+from kvroute.geometry import RankRegistration
+
+LAYERS, HEADS, HEAD_DIM, TPB, ELEMENT = 32, 8, 128, 16, 2
+LAYER_BYTES = 2 * HEADS * TPB * HEAD_DIM * ELEMENT
+INTERIORS: dict[str, dict[str, Any] | None] = {
+    "hnd": None,
+    "nhd": None,
+    "vllm-cpu": {
+        "order": "head_buffer",
+        "tilings": [{"planes": 2, "token_group": 1}, {"planes": 1, "token_group": 1}],
+    },
+}
+
+
+def registration(layout: str, slots: int) -> RankRegistration:
+    view: dict[str, Any] = {
+        "view_id": 0,
+        "pool_id": 0,
+        "kind": "nhd" if layout == "nhd" else "hnd",
+        "roles": ["key", "value"],
+        "owner": "target",
+        "num_kv_heads": HEADS,
+        "total_kv_heads": HEADS,
+        "buffers_per_layer": 2,
+        "bytes_per_layer": LAYER_BYTES,
+        "layers": [{"layer": i, "offset": i * LAYER_BYTES} for i in range(LAYERS)],
+    }
+    if INTERIORS[layout]:
+        view["interior"] = INTERIORS[layout]
+    slot = LAYERS * LAYER_BYTES
+    doc = {
+        "role": "context",
+        "tp_size": 1,
+        "tp_rank": 0,
+        "pp_size": 1,
+        "pp_rank": 0,
+        "layers_per_stage": [LAYERS],
+        "tokens_per_block": TPB,
+        "attention": {"num_kv_heads": HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
+        "pools": [{"pool_id": 0, "slot_bytes": slot, "slot_stride": slot, "num_slots": slots}],
+        "views": [view],
+    }
+    return RankRegistration.from_json(doc, deployment="bench", instance="ctx", rank=0)
+
+
+def best(run: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    blocks_needed = -(-args.tokens // TPB)
+    slots = blocks_needed + 8
+    rng = np.random.default_rng(0)
+    pool = rng.integers(0, 256, size=slots * LAYERS * LAYER_BYTES, dtype=np.uint8)
+    blocks = [int(b) for b in rng.permutation(slots)[:blocks_needed]]
+    size = args.tokens * LAYERS * LAYER_BYTES // TPB
+    source, target = pool[:size], np.empty(size, dtype=np.uint8)
+    copy = best(lambda: np.copyto(target, source), args.repeat)
+    print(f"{size / 2**30:.2f} GiB per request ({args.tokens} tokens, {blocks_needed} blocks)")
+    print(f"memcpy (numpy.copyto)      {size / copy / 1e9:6.2f} GB/s")
+    for layout in INTERIORS:
+        reg = registration(layout, slots)
+        took = best(lambda r=reg: kv_digest(r, {0: pool}, blocks, range(args.tokens)), args.repeat)
+        print(
+            f"digest {layout:<18} {size / took / 1e9:6.2f} GB/s  "
+            f"{took * 1e3:7.1f} ms  x{took / copy:.1f} memcpy"
+        )
+    block, tokens = [slots - 1], range(TPB)
+    for layout in INTERIORS:
+        reg = registration(layout, slots)
+        written = best(lambda r=reg: write_canary(r, {0: pool}, block, tokens), args.repeat)
+        checked = best(lambda r=reg: check_canary(r, {0: pool}, block, tokens), args.repeat)
+        assert check_canary(reg, {0: pool}, block, tokens) is None
+        print(
+            f"canary {layout:<18} write {written * 1e3:6.1f} ms  check {checked * 1e3:6.1f} ms  "
+            f"({LAYERS * LAYER_BYTES / 2**20:.0f} MiB block)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""A rank's KV in logical order: per (view, layer, global head, K/V) the rows of a token range.
+
+The two sides of a transfer may lay the same logical KV out differently (token-major or head-major,
+a K tiled in planes, other block sizes, another TP split); integrity checks compare what each side
+holds by *logical* element, so both read their pools through their own registered layout into one
+shape: for each ``RowKey`` an array ``[tokens, row bytes]``. ``place_rows`` is the inverse, which a
+worker uses to write a known pattern (the canary) through the layout its kernels read.
+
+Covered: block views (hnd with or without a declared interior, nhd, replicated) of a rank without
+context parallelism. Recurrent state and sliding-window views are left out: their extent differs
+between the sides of one request, so a token range does not name the same bytes on both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from kvroute.geometry import Kind, RankRegistration, View
+from kvroute.geometry.leaves.heads import head_range
+
+REPLICATED_HEAD = -1  # the head a replicated view's rows are keyed by (identical on every rank)
+
+
+class RowKey(NamedTuple):
+    """One logical row series, named the same on both sides of a transfer."""
+
+    owner: str
+    roles: str  # the view's roles, sorted and joined by ","
+    layer: int
+    head: int  # global KV head, or REPLICATED_HEAD
+    buffer: int  # 0: K, 1: V (or a view's further buffers)
+
+    def label(self) -> str:
+        head = "replicated" if self.head == REPLICATED_HEAD else f"head {self.head}"
+        kv = {0: "K", 1: "V"}.get(self.buffer, f"buffer {self.buffer}")
+        return f"{self.owner} {self.roles} layer {self.layer} {head} {kv}"
+
+
+class UnsupportedLayout(ValueError):
+    """A rank whose KV cannot be read in logical order here (context parallelism)."""
+
+
+def covered_views(reg: RankRegistration) -> list[View]:
+    if reg.cp_size > 1:
+        raise UnsupportedLayout(
+            f"{reg.label()}: cp_size={reg.cp_size}; logical KV reads cover ranks without "
+            "context parallelism"
+        )
+    return [
+        v for v in reg.views if not v.is_state and v.sliding_window is None and _heads_known(reg, v)
+    ]
+
+
+def _heads_known(reg: RankRegistration, view: View) -> bool:
+    """Whether the view's global heads follow from its document: one head per rank without a
+    declared total may be any of several (heads replicated over the TP), so it is left out rather
+    than compared under a guessed name."""
+    return (
+        view.kind is Kind.REPLICATED
+        or view.total_kv_heads is not None
+        or reg.heads(view) > 1
+        or reg.tp_per_dp == 1
+    )
+
+
+def global_heads(reg: RankRegistration, view: View) -> list[int]:
+    if view.kind is Kind.REPLICATED:
+        return [REPLICATED_HEAD]
+    heads = reg.heads(view)
+    total = view.total_kv_heads if view.total_kv_heads is not None else heads * reg.tp_per_dp
+    low, high = head_range(total, reg.tp_per_dp, reg.tp_rank_in_group)
+    return list(range(low, high))
+
+
+def _block_span(reg: RankRegistration, view: View, tokens: range) -> tuple[int, int]:
+    """(first block index, block count) of the block list covering ``tokens``."""
+    tpb = reg.tokens(view)
+    first = tokens.start // tpb
+    return first, (tokens.stop - 1) // tpb - first + 1
+
+
+def _regions(pool: np.ndarray, stride: int, offset: int, size: int, slots: int) -> np.ndarray:
+    """``[slots, size]`` view of one layer's region in every slot of a flat uint8 pool."""
+    return np.lib.stride_tricks.as_strided(
+        pool[offset:], shape=(slots, size), strides=(stride, 1), writeable=pool.flags.writeable
+    )
+
+
+def _to_rows(reg: RankRegistration, view: View, region: np.ndarray) -> np.ndarray:
+    """``[blocks, bytes_per_layer]`` -> ``[heads, buffers, blocks x tokens, row]`` (a view or copy)."""
+    n, b, t = region.shape[0], view.buffers_per_layer, reg.tokens(view)
+    h = 1 if view.kind is Kind.REPLICATED else reg.heads(view)
+    u = view.bytes_per_layer // (b * h * t)
+    if view.kind is Kind.NHD:
+        rows = region.reshape(n, b, t, h, u).transpose(3, 1, 0, 2, 4)
+        return rows.reshape(h, b, n * t, u)
+    interior = view.interior
+    if interior is None or interior.trivial:
+        return region.reshape(n, b, h, t, u).transpose(2, 1, 0, 3, 4).reshape(h, b, n * t, u)
+    tiles = region.reshape(n, h, b, t * u) if interior.heads_outer else None
+    buffers = []
+    for buf in range(b):
+        tile = tiles[:, :, buf] if tiles is not None else region.reshape(n, b, h, t * u)[:, buf]
+        planes = interior.tiling(buf).planes
+        # [planes][tokens][row / planes]: a token's row is its chunk of every plane, in plane order.
+        per_token = tile.reshape(n, h, planes, t, u // planes).transpose(1, 0, 3, 2, 4)
+        buffers.append(per_token.reshape(h, n * t, u))
+    return np.stack(buffers, axis=1)
+
+
+def read_rows(
+    reg: RankRegistration,
+    pools: Mapping[int, np.ndarray],
+    blocks: Sequence[int],
+    tokens: range,
+) -> Iterator[tuple[RowKey, np.ndarray]]:
+    """Each covered row series of ``tokens`` (prompt positions; block ``blocks[i]`` holds positions
+    ``[i x tpb, (i + 1) x tpb)``) as a C-contiguous ``[tokens, row]`` uint8 array, from the rank's
+    flat uint8 pools."""
+    for view in covered_views(reg):
+        pool = reg.pools_by_id[view.pool_id]
+        first, count = _block_span(reg, view, tokens)
+        slots = np.asarray(blocks[first : first + count], dtype=np.int64)
+        skip = tokens.start - first * reg.tokens(view)
+        heads = global_heads(reg, view)
+        for slot in view.layers:
+            whole = _regions(
+                pools[view.pool_id], pool.slot_stride, slot.offset, view.bytes_per_layer,
+                pool.num_slots,
+            )  # fmt: skip
+            rows = _to_rows(reg, view, whole[slots])[:, :, skip : skip + len(tokens)]
+            for j, head in enumerate(heads):
+                for buf in range(view.buffers_per_layer):
+                    key = RowKey(view.owner.value, _roles(view), slot.layer, head, buf)
+                    yield key, np.ascontiguousarray(rows[j, buf])
+
+
+def place_rows(
+    reg: RankRegistration,
+    pools: Mapping[int, np.ndarray],
+    blocks: Sequence[int],
+    tokens: range,
+    content: Mapping[RowKey, np.ndarray],
+) -> None:
+    """Writes ``content[key]`` (``[tokens, row]``) into the rank's pools through its own layout:
+    the inverse of ``read_rows`` for the same blocks and tokens (whole blocks only, so no write
+    splits a token group)."""
+    for view in covered_views(reg):
+        pool = reg.pools_by_id[view.pool_id]
+        first, count = _block_span(reg, view, tokens)
+        tpb = reg.tokens(view)
+        if tokens.start % tpb or len(tokens) != count * tpb:
+            raise ValueError(f"place_rows writes whole blocks; {tokens} cuts {tpb}-token blocks")
+        slots = np.asarray(blocks[first : first + count], dtype=np.int64)
+        # Where each logical byte goes: the row shape of an index array, whatever copies it took.
+        where = _to_rows(reg, view, np.arange(count * view.bytes_per_layer).reshape(count, -1))
+        for slot in view.layers:
+            region = np.zeros(count * view.bytes_per_layer, dtype=np.uint8)
+            for j, head in enumerate(global_heads(reg, view)):
+                for buf in range(view.buffers_per_layer):
+                    key = RowKey(view.owner.value, _roles(view), slot.layer, head, buf)
+                    region[where[j, buf]] = content[key]
+            whole = _regions(
+                pools[view.pool_id], pool.slot_stride, slot.offset, view.bytes_per_layer,
+                pool.num_slots,
+            )  # fmt: skip
+            whole[slots] = region.reshape(count, -1)
+
+
+def _roles(view: View) -> str:
+    return ",".join(sorted(view.roles))
