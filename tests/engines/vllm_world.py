@@ -108,9 +108,8 @@ def flash_layouts(vllm_config: Any, layers: list[Any]) -> dict[str, Any]:
     the backend's own split of the layer tensor (``transpose(1, 2).split(head_size, -1)``)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from kvroute.engines.vllm.backends import contract
+    from kvroute.engines.vllm.backends import contract, probe_spec
     from kvroute.engines.vllm.layout import attention_layout
-    from kvroute.engines.vllm.probe import probe
 
     layouts = {}
     for layer in layers:
@@ -123,15 +122,7 @@ def flash_layouts(vllm_config: Any, layers: list[Any]) -> dict[str, Any]:
             key_cache[0, slots] = key
             value_cache[0, slots] = value
 
-        found = probe(
-            write,
-            heads=spec.num_kv_heads,
-            tokens=spec.block_size,
-            head_size=spec.head_size,
-            dtype=tensor.dtype,
-            device=tensor.device,
-            strides=tuple(tensor.stride()[1:]),
-        )
+        found = probe_spec(write, spec, tensor)
         order, _ = attention_layout(tensor, layer.name)
         assert found.layout == contract("FLASH_ATTN", None, spec.head_size, order), found.layout
         layouts[layer.name] = found.layout

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvroute.engines.vllm.layout import attention_layout
-from kvroute.engines.vllm.probe import Layout, LayoutProbeError, probe
+from kvroute.engines.vllm.probe import Layout, LayoutProbeError, Probed, probe
 from kvroute.geometry import HeadOrder, Interior, Kind, Tiling
 
 # Under vLLM's logger, whose handlers an engine configures: the lines land in its log.
@@ -60,6 +60,20 @@ def contract(backend: str, isa: str | None, head_size: int, order: Kind = Kind.H
     )
 
 
+def probe_spec(write: Any, spec: Any, tensor: Any) -> Probed:
+    """The probe of one block shaped as an attention spec, in the layer tensor's dtype, device
+    and strides."""
+    return probe(
+        write,
+        heads=spec.num_kv_heads,
+        tokens=spec.block_size,
+        head_size=spec.head_size,
+        dtype=tensor.dtype,
+        device=tensor.device,
+        strides=tuple(tensor.stride()[1:]),
+    )
+
+
 def check_layer(layer: Any, name: str, tensor: Any, spec: Any) -> Checked:
     """Probes one attention layer through its own cache update; raises on any contradiction."""
     backend = layer.attn_backend.get_name()
@@ -69,15 +83,7 @@ def check_layer(layer: Any, name: str, tensor: Any, spec: Any) -> Checked:
     def write(key: Any, value: Any, cache: Any, slots: Any) -> None:
         layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
 
-    found = probe(
-        write,
-        heads=spec.num_kv_heads,
-        tokens=spec.block_size,
-        head_size=spec.head_size,
-        dtype=tensor.dtype,
-        device=tensor.device,
-        strides=tuple(tensor.stride()[1:]),
-    )
+    found = probe_spec(write, spec, tensor)
     if not found.layout.same_bytes(expected, spec.num_kv_heads):
         raise LayoutProbeError(
             f"layer {name}: attention backend {backend} (ISA {getattr(layer, 'isa', None)}): "
