@@ -37,8 +37,8 @@ def tokens(answer: dict[str, Any]) -> list[int]:
     return list(answer["choices"][0]["token_ids"])
 
 
-def single(url: str, prompt: list[int]) -> list[int]:
-    status, answer = post(f"{url}/v1/completions", body(prompt))
+def single(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    status, answer = post(f"{url}/v1/completions", body(prompt, max_tokens=max_tokens))
     assert status == 200, answer
     return tokens(answer)
 
@@ -64,13 +64,16 @@ def proxied(url: str, prompt: list[int], *, stream: bool = False) -> tuple[str, 
         return consumer, found
 
 
-def handover(producer: str, consumer: str, prompt: list[int]) -> list[int]:
+def handover(
+    producer: str, consumer: str, prompt: list[int], max_tokens: int = MAX_TOKENS
+) -> list[int]:
     """What the proxy does, by hand: prefill on ``producer``, decode on ``consumer``."""
     prefill = body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     status, answer = post(f"{producer}/v1/completions", prefill)
     assert status == 200, answer
     params = answer["kv_transfer_params"]
-    status, answer = post(f"{consumer}/v1/completions", body(prompt, kv_transfer_params=params))
+    decode = body(prompt, max_tokens=max_tokens, kv_transfer_params=params)
+    status, answer = post(f"{consumer}/v1/completions", decode)
     assert status == 200, answer
     return tokens(answer)
 
