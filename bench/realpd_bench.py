@@ -89,7 +89,8 @@ def run_pairing(
 ) -> list[str]:  # fmt: skip
     """The single engine, then per round NixlConnector and a kvroute pair per digest rate (its
     engines restarted with ``kv_digest_rate``; rate 0: no digests, the canary only), each path's
-    engines alone: idle engines left up were seen at 60-80 % CPU, and would slow the next path. Rounds alternate the paths so a slow minute on a shared machine lands on both."""
+    engines alone: idle engines left up were seen at 60-80 % CPU, and would slow the next path.
+    Rounds alternate the paths so a slow minute on a shared machine lands on both."""
     src, dst = blocks
     cluster = Cluster(root / f"{src}-{dst}")
     cluster.root.mkdir(parents=True, exist_ok=True)
