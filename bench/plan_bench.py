@@ -190,6 +190,22 @@ def instance(
     return ranks
 
 
+def interleaved_fleet(
+    model: Model | Hybrid,
+    instances: int,
+    context_layout: tuple[int, int],
+    generation_layout: tuple[int, int],
+) -> list[tuple[str, RankRegistration]]:
+    """Every rank, instances interleaved (ctx0, gen0, ctx1, ...) as a fleet comes up."""
+    context = instance(model, "context", "ctx", *context_layout)
+    generation = instance(model, "generation", "gen", *generation_layout)
+    ranks = []
+    for index in range(instances):
+        ranks += [(f"ctx{index}", reg) for reg in context]
+        ranks += [(f"gen{index}", reg) for reg in generation]
+    return ranks
+
+
 def _by_pool(views: Sequence[View]) -> dict[int, list[View]]:
     pools: dict[int, list[View]] = {}
     for view in views:
