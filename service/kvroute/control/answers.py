@@ -75,14 +75,10 @@ class AnswerSources(Protocol):
     """What a whole-deployment answer reads: the database and the process's caches (the
     ``Registry`` holds them all)."""
 
-    @property
-    def sessionmaker(self) -> SessionMaker: ...
-    @property
-    def registrations(self) -> RegistrationCache: ...
-    @property
-    def verdicts(self) -> VerdictMemo: ...
-    @property
-    def answers(self) -> AnswerCache: ...
+    sessionmaker: SessionMaker
+    registrations: RegistrationCache
+    verdicts: VerdictMemo
+    answers: AnswerCache
 
 
 async def cached_answer(
