@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvroute.geometry import Pool
 from kvroute.transfer.errors import PoolMemoryError
-from kvroute.transfer.mapped import Segment, exhausted, identity_of, map_descriptor
+from kvroute.transfer.mapped import Segment, identity_of, map_descriptor
 from kvroute.transfer.memory import Descriptor, PoolMemory, descriptor_offset
 from kvroute.transfer.shm import TrustedFiles
 
@@ -35,6 +35,7 @@ WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 
 class MemfdBackend(TrustedFiles):
     name = "memfd"
+    file_named, absent = "the memfd at {}", "no process holds a descriptor at {}"
     _proc = PROC
 
     def open(self, descriptor: Descriptor, pool: Pool) -> PoolMemory:
@@ -43,7 +44,7 @@ class MemfdBackend(TrustedFiles):
         offset = descriptor_offset(descriptor, pool, self.name)
         where = f"pid {pid} fd {number}"
         path = self._proc / str(pid) / "fd" / str(number)
-        fd = self._open_fd(path, where, pool)
+        fd = self._open(path, 0, where, pool)
         segment = Segment(
             self.name,
             pool,
@@ -60,18 +61,6 @@ class MemfdBackend(TrustedFiles):
                 pool.pool_id, self.name, f"{key} must be an integer >= {low}, got {value!r}"
             )
         return value
-
-    def _open_fd(self, path: Path, where: str, pool: Pool) -> int:
-        try:
-            return os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError as error:
-            raise PoolMemoryError(
-                pool.pool_id, self.name, f"no process holds a descriptor at {where}"
-            ) from error
-        except OSError as error:
-            raise exhausted(error, f"opening the memfd at {where}") or PoolMemoryError(
-                pool.pool_id, self.name, f"cannot open the memfd at {where}: {error.strerror}"
-            ) from error
 
     def _check(self, fd: int, where: str, offset: int, pool: Pool) -> None:
         """A memfd of a trusted owner, sealed against shrinking, writable, large enough."""

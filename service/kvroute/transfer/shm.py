@@ -55,6 +55,22 @@ class TrustedFiles:
         self._prefix = name_prefix
         self._owners = frozenset(owners) if owners is not None else frozenset({os.geteuid()})
 
+    # How errors name a file (``where`` fills the braces), and what its absence means.
+    file_named: str
+    absent: str
+
+    def _open(self, path: Path, flags: int, where: str, pool: Pool) -> int:
+        """``path`` opened read-write with ``flags`` added."""
+        what = self.file_named.format(where)
+        try:
+            return os.open(path, os.O_RDWR | os.O_CLOEXEC | flags)
+        except FileNotFoundError as error:
+            raise PoolMemoryError(pool.pool_id, self.name, self.absent.format(where)) from error
+        except OSError as error:
+            raise exhausted(error, f"opening {what}") or PoolMemoryError(
+                pool.pool_id, self.name, f"cannot open {what}: {error.strerror}"
+            ) from error
+
     def _check_prefix(self, name: str, what: str, pool: Pool) -> None:
         if not name.startswith(self._prefix):
             raise PoolMemoryError(
@@ -82,6 +98,7 @@ class TrustedFiles:
 
 class ShmBackend(TrustedFiles):
     name = "shm"
+    file_named, absent = "segment {}", "no shared memory segment named {}"
 
     def __init__(
         self,
@@ -96,8 +113,8 @@ class ShmBackend(TrustedFiles):
     def open(self, descriptor: Descriptor, pool: Pool) -> PoolMemory:
         name = self._segment_name(descriptor, pool)
         offset = descriptor_offset(descriptor, pool, self.name)
-        fd = self._open_fd(name, pool)
         path = self._root / name
+        fd = self._open(path, os.O_NOFOLLOW, repr(name), pool)
         segment = Segment(
             self.name,
             pool,
@@ -122,18 +139,6 @@ class ShmBackend(TrustedFiles):
             )
         self._check_prefix(segment, f"segment name {segment!r}", pool)
         return segment
-
-    def _open_fd(self, segment: str, pool: Pool) -> int:
-        try:
-            return os.open(self._root / segment, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError as error:
-            raise PoolMemoryError(
-                pool.pool_id, self.name, f"no shared memory segment named {segment!r}"
-            ) from error
-        except OSError as error:
-            raise exhausted(error, f"opening segment {segment!r}") or PoolMemoryError(
-                pool.pool_id, self.name, f"cannot open segment {segment!r}: {error.strerror}"
-            ) from error
 
     def _check(self, fd: int, segment: str, offset: int, pool: Pool) -> None:
         """Type, owner and size of the open segment; raises ``PoolMemoryError`` naming what is off."""
