@@ -217,13 +217,18 @@ def render_pool_doc(pool_id: int, slot: int) -> dict:
     return render_pool(Pool(pool_id, slot, slot, 4096))
 
 
-def median_seconds(action: Callable[[], object], repeat: int) -> float:
+def timings(action: Callable[[], object], repeat: int) -> list[float]:
+    """Wall seconds of ``repeat`` runs of ``action``."""
     samples = []
     for _ in range(repeat):
         start = time.perf_counter()
         action()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return samples
+
+
+def median_seconds(action: Callable[[], object], repeat: int) -> float:
+    return statistics.median(timings(action, repeat))
 
 
 CASES: list[
