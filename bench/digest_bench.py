@@ -14,7 +14,6 @@ through the layout and checking every byte of it (the pull itself is one block o
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ import numpy as np
 from kvroute.client.integrity import check_canary, write_canary
 from kvroute.client.kv_digest import kv_digest
 from kvroute.geometry import RankRegistration
+from plan_bench import timings
 
 LAYERS, HEADS, HEAD_DIM, TPB, ELEMENT = 32, 8, 128, 16, 2
 LAYER_BYTES = 2 * HEADS * TPB * HEAD_DIM * ELEMENT
@@ -68,12 +68,7 @@ def registration(layout: str, slots: int) -> RankRegistration:
 
 
 def best(run: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(timings(run, repeat))
 
 
 def main() -> None:

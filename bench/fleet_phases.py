@@ -40,15 +40,9 @@ WATCH_TIMEOUT_S = 120.0
 
 
 def fleet32(model: Any, instances: int) -> list[tuple[str, RankRegistration]]:
-    from plan_bench import instance
+    from plan_bench import interleaved_fleet
 
-    context = instance(model, "context", "ctx", *CONTEXT_LAYOUT)
-    generation = instance(model, "generation", "gen", *GENERATION_LAYOUT)
-    ranks = []
-    for index in range(instances):
-        ranks += [(f"ctx{index}", reg) for reg in context]
-        ranks += [(f"gen{index}", reg) for reg in generation]
-    return ranks
+    return interleaved_fleet(model, instances, CONTEXT_LAYOUT, GENERATION_LAYOUT)
 
 
 async def run_fleet(bench: Any, bases: list[str], args: Any, mode: str) -> list[Any]:

@@ -190,6 +190,22 @@ def instance(
     return ranks
 
 
+def interleaved_fleet(
+    model: Model | Hybrid,
+    instances: int,
+    context_layout: tuple[int, int],
+    generation_layout: tuple[int, int],
+) -> list[tuple[str, RankRegistration]]:
+    """Every rank, instances interleaved (ctx0, gen0, ctx1, ...) as a fleet comes up."""
+    context = instance(model, "context", "ctx", *context_layout)
+    generation = instance(model, "generation", "gen", *generation_layout)
+    ranks = []
+    for index in range(instances):
+        ranks += [(f"ctx{index}", reg) for reg in context]
+        ranks += [(f"gen{index}", reg) for reg in generation]
+    return ranks
+
+
 def _by_pool(views: Sequence[View]) -> dict[int, list[View]]:
     pools: dict[int, list[View]] = {}
     for view in views:
@@ -201,13 +217,18 @@ def render_pool_doc(pool_id: int, slot: int) -> dict:
     return render_pool(Pool(pool_id, slot, slot, 4096))
 
 
-def median_seconds(action: Callable[[], object], repeat: int) -> float:
+def timings(action: Callable[[], object], repeat: int) -> list[float]:
+    """Wall seconds of ``repeat`` runs of ``action``."""
     samples = []
     for _ in range(repeat):
         start = time.perf_counter()
         action()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return samples
+
+
+def median_seconds(action: Callable[[], object], repeat: int) -> float:
+    return statistics.median(timings(action, repeat))
 
 
 CASES: list[

@@ -19,13 +19,10 @@ jobs run under the same machine load. Absolute times move with the load; the rat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +31,7 @@ from typing import Any
 from kvroute.client.memory import ShmPool
 from kvroute.client.pools import KvLayout, SharedKvPool, rank_document
 from kvroute.geometry import Kind
-from kvroute.live import LiveServer
+from kvroute.live import LiveServer, json_call
 
 WORKER_TOKEN = "churn-worker-token-0123456789"
 ADMIN_TOKEN = "churn-admin-token-0123456789ab"
@@ -58,18 +55,6 @@ class Sample:
     maps: int
     pool_fds: int
     pool_maps: int
-
-
-def call(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method)
-    request.add_header("Authorization", f"Bearer {token}")
-    request.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"null")
 
 
 def held(pid: int, marker: str) -> tuple[int, int, int, int]:
@@ -154,7 +139,7 @@ class Churn:
         statuses: tuple[int, ...],
         token: str = WORKER_TOKEN,
     ) -> Any:
-        status, answer = call(method, self.server.url + path, token, body)
+        status, answer = json_call(method, self.server.url + path, token, body)
         if status not in statuses:
             raise RuntimeError(f"{method} {path}: {status} {answer}")
         return answer

@@ -65,7 +65,7 @@ import fleet_sizes
 from kvroute.geometry import RankRegistration
 from kvroute.live import LiveServer
 from layouts import relayout
-from plan_bench import Model, instance
+from plan_bench import Model, interleaved_fleet
 
 MODEL = Model(layers=80, kv_heads=8, draft_heads=2, indexer=False)
 INSTANCES = 32  # of each role: 1,024 ranks
@@ -168,14 +168,7 @@ def _server_cpu(pids: list[int]) -> float:
 
 
 def fleet(instances: int) -> list[tuple[str, RankRegistration]]:
-    """Every rank, instances interleaved (ctx0, gen0, ctx1, ...) as a fleet comes up."""
-    context = instance(MODEL, "context", "ctx", *CONTEXT_LAYOUT)
-    generation = instance(MODEL, "generation", "gen", *GENERATION_LAYOUT)
-    ranks = []
-    for index in range(instances):
-        ranks += [(f"ctx{index}", reg) for reg in context]
-        ranks += [(f"gen{index}", reg) for reg in generation]
-    return ranks
+    return interleaved_fleet(MODEL, instances, CONTEXT_LAYOUT, GENERATION_LAYOUT)
 
 
 def rank_path(name: str, rank: int) -> str:

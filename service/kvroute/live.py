@@ -7,6 +7,7 @@ production: the CLI in its own process, a free loopback port, a bounded wait for
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,9 +19,26 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 START_TIMEOUT_S = 90.0  # imports alone took 12-28 s on the shared 2-core machine (load 8-9)
 STOP_TIMEOUT_S = 15.0
+CALL_TIMEOUT_S = 30.0
+
+
+def json_call(method: str, url: str, token: str | None, body: Any = None) -> tuple[int, Any]:
+    """One JSON request with ``token`` as its bearer: (status, JSON body, None when empty); a 4xx
+    or 5xx is an answer here, not an error, and nothing is retried (unlike the client)."""
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=CALL_TIMEOUT_S) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"null")
 
 
 def free_port() -> int:

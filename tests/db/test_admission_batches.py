@@ -12,6 +12,7 @@ deployments must end with the same rows.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import event, select
@@ -19,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvroute.control.registry import Registry
 from kvroute.geometry import GeometryError, RankRegistration
+from kvroute.geometry.checks.classes import VerdictMemo
 from kvroute.geometry.checks.instance import InstanceMemo
 from kvroute.store.admission import admit_batch, prepare
 from kvroute.store.engine import SessionMaker
@@ -26,6 +28,16 @@ from kvroute.store.models import InstanceRow, PoolRow, RankRow, ViewRow
 from kvroute.store.registrations import RegistrationCache
 from kvroute.store.rejections import DEFAULT_LOG_SIZE
 from tests.db.documents import T0, registration
+
+
+@dataclass(frozen=True)
+class Caches:
+    """Admission's caches without a ``Registry``."""
+
+    registrations: RegistrationCache
+    verdicts: VerdictMemo
+    agreements: InstanceMemo
+
 
 SCENARIOS = 12
 LENGTH = 14
@@ -73,9 +85,7 @@ async def _batched(
     ended_early = 0
     while pending:
         batch = _distinct(pending)
-        result = await admit_batch(
-            sessionmaker, batch, now=T0, registrations=cache, verdicts=memo, agreements=agreed
-        )
+        result = await admit_batch(sessionmaker, batch, Caches(cache, memo, agreed), now=T0)
         outcomes += [_outcome(outcome) for outcome in result.outcomes]
         ended_early += bool(result.deferred)
         pending = result.deferred + pending[len(batch) :]
@@ -161,9 +171,7 @@ async def test_a_batch_costs_the_statements_of_one_admission(
 
         event.listen(engine.sync_engine, "before_cursor_execute", note)
         try:
-            result = await admit_batch(
-                sessionmaker, batch, now=T0, registrations=cache, verdicts=memo, agreements=agreed
-            )
+            result = await admit_batch(sessionmaker, batch, Caches(cache, memo, agreed), now=T0)
         finally:
             event.remove(engine.sync_engine, "before_cursor_execute", note)
         assert [type(outcome).__name__ for outcome in result.outcomes] == ["RegisterOutcome"] * len(

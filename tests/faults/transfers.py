@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from kvroute.live import json_call
 from tests.documents import rank_document
-from tests.faults.conftest import WORKER
+from tests.faults.conftest import WORKER_TOKEN
 from tests.transfer.conftest import Owners
 
 POLL_S = 0.05
@@ -20,14 +18,7 @@ TRANSFERS = "/v1/deployments/llama/transfers"
 
 def call(method: str, url: str, body: Any = None) -> tuple[int, Any]:
     """One request with the worker token: (status, JSON body); no retries, unlike the client."""
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers=dict(WORKER))
-    request.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"null")
+    return json_call(method, url, WORKER_TOKEN, body)
 
 
 @dataclass(frozen=True)

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from typing import Any
 
 from kvroute.engines.models import Instance, Verdict
+from kvroute.live import json_call
 from tests.client.live import ADMIN_TOKEN, WORKER_TOKEN
 
 
 def call(url: str, method: str, body: Any = None, *, admin: bool = False) -> tuple[int, Any]:
-    token = ADMIN_TOKEN if admin else WORKER_TOKEN
-    request = urllib.request.Request(
-        url,
-        data=None if body is None else json.dumps(body).encode(),
-        method=method,
-        headers={"content-type": "application/json", "Authorization": f"Bearer {token}"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"null")
+    return json_call(method, url, ADMIN_TOKEN if admin else WORKER_TOKEN, body)
 
 
 def register_all(base: str, deployment: str, *instances: Instance) -> dict[str, Any] | None:

@@ -14,14 +14,7 @@ from kvroute.pictures import compatibility_svg
 async def get_compatibility(request: web.Request) -> web.Response:
     deployment = request[validated_key].path["deployment"]
     registry = request.app[registry_key]
-    matrix = await deployment_matrix(
-        registry.sessionmaker,
-        registry.registrations,
-        registry.verdicts,
-        registry.answers,
-        deployment,
-        now=app_now(request.app),
-    )
+    matrix = await deployment_matrix(registry, deployment, now=app_now(request.app))
     if request[validated_key].query.get("format", "json") == "svg":
         return web.Response(text=compatibility_svg(matrix.document()), content_type="image/svg+xml")
     return web.Response(body=matrix.body, content_type="application/json", charset="utf-8")

@@ -106,21 +106,18 @@ def _database_problem(exc: Exception) -> Problem | None:
     if fault is None:
         return None  # a driver error that is not an outage (integrity, syntax): a bug, 500
     if fault.busy:
-        log.warning("database busy: %s", fault.cause)
-        return Problem(
-            status=503,
-            title="Service Unavailable",
-            detail="the database did not answer in time (busy or locked); retry shortly",
-            code="database_busy",
-            headers={"Retry-After": str(BUSY_RETRY_AFTER_S)},
-        )
-    log.warning("database unavailable: %s", fault.cause)
+        detail = "the database did not answer in time (busy or locked); retry shortly"
+        code, retry_after = "database_busy", BUSY_RETRY_AFTER_S
+    else:
+        detail, code = "the database is unreachable; retry later", "database_unavailable"
+        retry_after = UNAVAILABLE_RETRY_AFTER_S
+    log.warning("%s: %s", code.replace("_", " "), fault.cause)
     return Problem(
         status=503,
         title="Service Unavailable",
-        detail="the database is unreachable; retry later",
-        code="database_unavailable",
-        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
+        detail=detail,
+        code=code,
+        headers={"Retry-After": str(retry_after)},
     )
 
 

@@ -16,10 +16,7 @@ async def get_pairs(request: web.Request) -> web.Response:
     validated = request[validated_key]
     registry = request.app[registry_key]
     answer = await deployment_pairs(
-        registry.sessionmaker,
-        registry.registrations,
-        registry.verdicts,
-        registry.answers,
+        registry,
         validated.path["deployment"],
         now=app_now(request.app),
         generation=validated.query.get("generation"),

@@ -78,26 +78,14 @@ class Model(TensorParallelRoles):
 
     def layouts(self, role: str) -> tuple[KvLayout, KvLayout]:
         tp_size, tokens = self.tp(role), self.tokens(role)
-        target = KvLayout(
-            Kind.HND,
-            self.layers,
-            heads_of(self.kv_heads, tp_size, 0)[1],
-            tokens,
-            self.head_dim,
-            self.dtype,
-            total_kv_heads=self.kv_heads,
-        )
-        draft = KvLayout(
-            Kind.HND,
-            1,
-            heads_of(self.draft_kv_heads, tp_size, 0)[1],
-            tokens,
-            self.head_dim,
-            self.dtype,
-            owner=Owner.DRAFT,
-            total_kv_heads=self.draft_kv_heads,
-        )
-        return target, draft
+
+        def layout(owner: Owner, layers: int, kv_heads: int) -> KvLayout:
+            heads = heads_of(kv_heads, tp_size, 0)[1]
+            shape = (layers, heads, tokens, self.head_dim, self.dtype)
+            return KvLayout(Kind.HND, *shape, owner=owner, total_kv_heads=kv_heads)
+
+        target = layout(Owner.TARGET, self.layers, self.kv_heads)
+        return target, layout(Owner.DRAFT, 1, self.draft_kv_heads)
 
 
 # A Llama-3-8B-like target (32 layers, 8 KV heads, head_dim 128) with a one-layer Eagle draft

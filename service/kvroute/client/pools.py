@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvroute.geometry import DTYPE_BITS, Kind, Owner
+from kvroute.geometry import DTYPE_BITS, Kind, Owner, Pool
 from kvroute.geometry.registration.builder import LayerSpec, build_views
-from kvroute.geometry.registration.rendering import render_view
+from kvroute.geometry.registration.rendering import render_pool, render_view
 
 if TYPE_CHECKING:
     import torch
@@ -158,15 +158,9 @@ class PoolDescription:
     memory: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "pool_id": self.pool_id,
-            "slot_bytes": self.slot_bytes,
-            "slot_stride": self.slot_stride,
-            "num_slots": self.num_slots,
-        }
-        if self.memory is not None:
-            doc["memory"] = dict(self.memory)
-        return doc
+        """The pool's entry of a registration document, as the server renders a stored one."""
+        pool = Pool(self.pool_id, self.slot_bytes, self.slot_stride, self.num_slots, self.memory)
+        return render_pool(pool)
 
 
 def describe_tensor(

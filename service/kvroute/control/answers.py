@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from cachetools import LRUCache
 
@@ -71,11 +71,18 @@ def state_key(states: Sequence[InstanceState], policy: PairingPolicy) -> Hashabl
 Compute = Callable[[list[InstanceRanks], VerdictMemo, PairingPolicy], Any]
 
 
+class AnswerSources(Protocol):
+    """What a whole-deployment answer reads: the database and the process's caches (the
+    ``Registry`` holds them all)."""
+
+    sessionmaker: SessionMaker
+    registrations: RegistrationCache
+    verdicts: VerdictMemo
+    answers: AnswerCache
+
+
 async def cached_answer(
-    sessionmaker: SessionMaker,
-    registrations: RegistrationCache,
-    verdicts: VerdictMemo,
-    cache: AnswerCache,
+    sources: AnswerSources,
     name: tuple[str, ...],
     compute: Compute,
     *,
@@ -88,6 +95,7 @@ async def cached_answer(
     while the state it depends on (and ``extra``, any further input of ``compute``) is unchanged.
     ``NotFound`` for an unknown deployment. With ``domains`` the instances' domains are read even
     without a pairing policy."""
+    sessionmaker, cache = sources.sessionmaker, sources.answers
     for attempt in range(1, MATRIX_READS + 1):
         states = await deployment_states(sessionmaker, deployment, now=now)
         policy = PairingPolicy.from_json(await pairing_policy(sessionmaker, deployment))
@@ -97,7 +105,7 @@ async def cached_answer(
         try:
             topology = domains or not policy.empty
             instances, memo = await matrix_inputs(
-                registrations, deployment, states, verdicts, topology=topology
+                sources.registrations, deployment, states, sources.verdicts, topology=topology
             )
         except RegistrationMoved:
             # A rank re-registered between the two reads: a read-only view just reads again.
@@ -113,15 +121,7 @@ async def cached_answer(
     raise AssertionError("unreachable")
 
 
-async def deployment_matrix(
-    sessionmaker: SessionMaker,
-    registrations: RegistrationCache,
-    verdicts: VerdictMemo,
-    cache: AnswerCache,
-    deployment: str,
-    *,
-    now: datetime,
-) -> Rendered:
+async def deployment_matrix(sources: AnswerSources, deployment: str, *, now: datetime) -> Rendered:
     """The matrix of the deployment's live registrations; ``NotFound`` for an unknown one."""
 
     def compute(
@@ -130,10 +130,7 @@ async def deployment_matrix(
         return compatibility_matrix(deployment, instances, memo, policy)
 
     return await cached_answer(
-        sessionmaker,
-        registrations,
-        verdicts,
-        cache,
+        sources,
         ("compatibility", deployment),
         compute,
         deployment=deployment,

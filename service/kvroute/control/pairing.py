@@ -18,7 +18,7 @@ from typing import Any
 
 from kvroute import wire
 from kvroute.control import kv_paths
-from kvroute.control.answers import AnswerCache, Rendered, cached_answer
+from kvroute.control.answers import AnswerSources, Rendered, cached_answer
 from kvroute.control.compatibility import InstanceRanks, compatibility_matrix
 from kvroute.geometry.checks.classes import VerdictMemo
 from kvroute.geometry.registration.domains import (
@@ -31,16 +31,12 @@ from kvroute.store import pairing as store
 from kvroute.store import registry as records
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import NotFound
-from kvroute.store.registrations import RegistrationCache
 
 INCOMPLETE = "instance_incomplete"
 
 
 async def deployment_pairs(
-    sessionmaker: SessionMaker,
-    registrations: RegistrationCache,
-    verdicts: VerdictMemo,
-    cache: AnswerCache,
+    sources: AnswerSources,
     deployment: str,
     *,
     now: datetime,
@@ -48,7 +44,7 @@ async def deployment_pairs(
 ) -> Rendered:
     """The pairs answer of every generation instance, or of ``generation`` alone."""
 
-    failed = await kv_paths.failed_paths(sessionmaker, deployment, now=now)
+    failed = await kv_paths.failed_paths(sources.sessionmaker, deployment, now=now)
 
     def compute(
         instances: list[InstanceRanks], memo: VerdictMemo, policy: PairingPolicy
@@ -64,10 +60,7 @@ async def deployment_pairs(
     # The failed paths are an input: a new failure (or one gone stale) renders the answer again.
     extra = tuple(sorted((key, path.reported_at) for key, path in failed.items()))
     return await cached_answer(
-        sessionmaker,
-        registrations,
-        verdicts,
-        cache,
+        sources,
         name,
         compute,
         deployment=deployment,

@@ -20,7 +20,8 @@ from kvroute.control.admissions import Admissions
 from kvroute.control.answers import AnswerCache
 from kvroute.control.renewals import Renewals
 from kvroute.geometry import GeometryError, RankRegistration
-from kvroute.geometry.checks.classes import Verdict
+from kvroute.geometry.checks.classes import VerdictMemo
+from kvroute.geometry.checks.instance import InstanceMemo
 from kvroute.store import admission, engine_leases, events, lease_watch, registry, statistics
 from kvroute.store.engine import SessionMaker, engine_of
 from kvroute.store.errors import LeaseExpired
@@ -49,8 +50,8 @@ class Registry:
         self.sessionmaker = sessionmaker
         self.rejection_log_size = rejection_log_size
         self.registrations = RegistrationCache(sessionmaker)
-        self.verdicts: LRUCache[tuple[str, str], Verdict] = LRUCache(VERDICT_CACHE_SIZE)
-        self.agreements: LRUCache[tuple[str, str], bool] = LRUCache(AGREEMENT_CACHE_SIZE)
+        self.verdicts: VerdictMemo = LRUCache(VERDICT_CACHE_SIZE)
+        self.agreements: InstanceMemo = LRUCache(AGREEMENT_CACHE_SIZE)
         # The matrix and pairs answers as last rendered, with the state they were computed from.
         self.answers = AnswerCache()
         self._admissions = Admissions(self._admit_batch)
@@ -89,13 +90,7 @@ class Registry:
         self, candidates: list[RankRegistration], leases: list[str | None], now: datetime
     ) -> admission.BatchResult:
         return await admission.admit_batch(
-            self.sessionmaker,
-            candidates,
-            now=now,
-            registrations=self.registrations,
-            verdicts=self.verdicts,
-            agreements=self.agreements,
-            leases=leases,
+            self.sessionmaker, candidates, self, now=now, leases=leases
         )
 
     async def dry_run(
@@ -103,14 +98,7 @@ class Registry:
     ) -> tuple[int, GeometryError | None]:
         """Admission's answer for ``candidates`` in order, up to the first refusal; stores nothing
         (no rank, no deployment, no rejection log entry: it is a question, not a registration)."""
-        return await admission.dry_run(
-            self.sessionmaker,
-            candidates,
-            now=now,
-            registrations=self.registrations,
-            verdicts=self.verdicts,
-            agreements=self.agreements,
-        )
+        return await admission.dry_run(self.sessionmaker, candidates, self, now=now)
 
     async def refuse(
         self, error: GeometryError, *, deployment: str, instance: str, rank: int, now: datetime

@@ -31,7 +31,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import BindParameter, bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -89,14 +89,21 @@ def _check_and_digest(reg: RankRegistration) -> None:
     _ = reg.class_digest, reg.canonical_digest, reg.instance_digest
 
 
+class Caches(Protocol):
+    """What admission keeps between calls besides the database (the ``Registry`` holds them): the
+    parsed registrations, the verdicts per pair of classes and the instance digests that agreed."""
+
+    registrations: RegistrationCache
+    verdicts: VerdictMemo
+    agreements: InstanceMemo
+
+
 async def admit_batch(
     sessionmaker: SessionMaker,
     candidates: Sequence[RankRegistration],
+    caches: Caches,
     *,
     now: datetime,
-    registrations: RegistrationCache,
-    verdicts: VerdictMemo,
-    agreements: InstanceMemo,
     leases: Sequence[str | None] | None = None,
 ) -> BatchResult:
     """Admits, renews or refuses ``candidates`` (one deployment, distinct ranks, self-checked);
@@ -105,14 +112,12 @@ async def admit_batch(
 
     async def attempt() -> BatchResult:
         async with engine_of(sessionmaker).begin() as connection:
-            return await _admit(
-                connection, candidates, named, now, registrations, (verdicts, agreements)
-            )
+            return await _admit(connection, candidates, named, now, caches)
 
     result = await retry_disconnect(attempt)
     for reg, outcome in zip(candidates, result.outcomes, strict=False):
         if isinstance(outcome, RegisterOutcome):
-            registrations.remember(reg, outcome.generation)
+            caches.registrations.remember(reg, outcome.generation)
     return result
 
 
@@ -121,8 +126,7 @@ async def _admit(
     candidates: Sequence[RankRegistration],
     leases: Sequence[str | None],
     now: datetime,
-    registrations: RegistrationCache,
-    memos: tuple[VerdictMemo, InstanceMemo],
+    caches: Caches,
 ) -> BatchResult:
     deployment = candidates[0].deployment
     await repo.lock_deployment_connection(connection, deployment)
@@ -131,7 +135,7 @@ async def _admit(
         connection, deployment, {lease for lease in leases if lease is not None}, at
     )
     peers = await read_peers(connection, candidates, at)
-    state = await _State.load(connection, registrations, deployment, peers, at)
+    state = await _State.load(connection, caches.registrations, deployment, peers, at)
     outcomes: list[Outcome | None] = []
     admitted: list[tuple[int, RankRegistration, Existing | None]] = []
     terms: list[LeaseTerms] = []
@@ -141,7 +145,7 @@ async def _admit(
             outcomes.append(engine_leases.missing(deployment, lease))
             continue
         try:
-            state.check(reg, *memos)
+            state.check(reg, caches.verdicts, caches.agreements)
         except GeometryError as error:
             outcomes.append(error)
             continue
@@ -238,11 +242,9 @@ class _State:
 async def dry_run(
     sessionmaker: SessionMaker,
     candidates: Sequence[RankRegistration],
+    caches: Caches,
     *,
     now: datetime,
-    registrations: RegistrationCache,
-    verdicts: VerdictMemo,
-    agreements: InstanceMemo,
 ) -> tuple[int, GeometryError | None]:
     """What admitting ``candidates`` (one deployment, distinct ranks) one by one would answer, up to
     the first refusal: (its index, the refusal), or (len, None). The same checks as ``_admit``
@@ -261,11 +263,11 @@ async def dry_run(
                 at = await _checked_at(connection, candidates[0].deployment, now)
                 peers = await read_peers(connection, candidates, at)
                 state = await _State.load(
-                    connection, registrations, candidates[0].deployment, peers, at
+                    connection, caches.registrations, candidates[0].deployment, peers, at
                 )
                 for index, reg in enumerate(candidates):
                     try:
-                        state.check(reg, verdicts, agreements)
+                        state.check(reg, caches.verdicts, caches.agreements)
                     except GeometryError as error:
                         return index, error
                     state.admit(reg, peers.rows.get(reg.key), at)

@@ -108,31 +108,24 @@ def _class_firsts(deployment: Any, role: str, at: Any) -> Any:
             probe.c.lease_expires_at > at,
         )
 
-    first = aliased(RANKS)
-    instance = (
-        select(first.c.instance)
-        .where(*live(first))
-        .order_by(first.c.instance, first.c.rank)
-        .limit(1)
-        .correlate(classes)
-        .scalar_subquery()
+    def first(column: Any, where: Sequence[Any], order: Sequence[Any]) -> Any:
+        """The first ``column`` in ``order`` of the rows ``where`` holds, per class."""
+        chosen = select(column).where(*where).order_by(*order).limit(1)
+        return chosen.correlate(classes).scalar_subquery()
+
+    lowest_instance, lowest_rank, row = aliased(RANKS), aliased(RANKS), aliased(RANKS)
+    instance = first(
+        lowest_instance.c.instance,
+        live(lowest_instance),
+        (lowest_instance.c.instance, lowest_instance.c.rank),
     )
-    lowest = aliased(RANKS)
-    rank = (
-        select(lowest.c.rank)
-        .where(*live(lowest), lowest.c.instance == instance)
-        .order_by(lowest.c.rank)
-        .limit(1)
-        .correlate(classes)
-        .scalar_subquery()
+    rank = first(
+        lowest_rank.c.rank,
+        (*live(lowest_rank), lowest_rank.c.instance == instance),
+        (lowest_rank.c.rank,),
     )
-    row = aliased(RANKS)
-    generation = (
-        select(row.c.generation)
-        .where(row.c.deployment == deployment, row.c.instance == instance, row.c.rank == rank)
-        .correlate(classes)
-        .scalar_subquery()
-    )
+    ranked = (row.c.deployment == deployment, row.c.instance == instance, row.c.rank == rank)
+    generation = first(row.c.generation, ranked, ())  # one row: the rank's key
     return select(
         instance,
         rank,

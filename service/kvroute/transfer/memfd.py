@@ -20,33 +20,23 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-from collections.abc import Collection
 from pathlib import Path
 
 from kvroute.geometry import Pool
 from kvroute.transfer.errors import PoolMemoryError
-from kvroute.transfer.mapped import Segment, exhausted, identity_of, map_descriptor
-from kvroute.transfer.memory import Descriptor, PoolMemory, check_extent, descriptor_offset
-from kvroute.transfer.shm import DEFAULT_NAME_PREFIX
+from kvroute.transfer.mapped import Segment, identity_of, map_descriptor
+from kvroute.transfer.memory import Descriptor, PoolMemory, descriptor_offset
+from kvroute.transfer.shm import TrustedFiles
 
 PROC = Path("/proc")
 MEMFD_LINK = "/memfd:"  # readlink of a memfd: "/memfd:<name> (deleted)"
 WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 
 
-class MemfdBackend:
+class MemfdBackend(TrustedFiles):
     name = "memfd"
-
-    def __init__(
-        self,
-        proc: Path = PROC,
-        *,
-        name_prefix: str = DEFAULT_NAME_PREFIX,
-        owners: Collection[int] | None = None,
-    ) -> None:
-        self._proc = proc
-        self._prefix = name_prefix
-        self._owners = frozenset(owners) if owners is not None else frozenset({os.geteuid()})
+    file_named, absent = "the memfd at {}", "no process holds a descriptor at {}"
+    _proc = PROC
 
     def open(self, descriptor: Descriptor, pool: Pool) -> PoolMemory:
         pid = self._number(descriptor, "pid", 1, pool)
@@ -54,7 +44,7 @@ class MemfdBackend:
         offset = descriptor_offset(descriptor, pool, self.name)
         where = f"pid {pid} fd {number}"
         path = self._proc / str(pid) / "fd" / str(number)
-        fd = self._open_fd(path, where, pool)
+        fd = self._open(path, 0, where, pool)
         segment = Segment(
             self.name,
             pool,
@@ -72,18 +62,6 @@ class MemfdBackend:
             )
         return value
 
-    def _open_fd(self, path: Path, where: str, pool: Pool) -> int:
-        try:
-            return os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError as error:
-            raise PoolMemoryError(
-                pool.pool_id, self.name, f"no process holds a descriptor at {where}"
-            ) from error
-        except OSError as error:
-            raise exhausted(error, f"opening the memfd at {where}") or PoolMemoryError(
-                pool.pool_id, self.name, f"cannot open the memfd at {where}: {error.strerror}"
-            ) from error
-
     def _check(self, fd: int, where: str, offset: int, pool: Pool) -> None:
         """A memfd of a trusted owner, sealed against shrinking, writable, large enough."""
         info = os.fstat(fd)
@@ -91,26 +69,10 @@ class MemfdBackend:
         if not stat.S_ISREG(info.st_mode) or not link.startswith(MEMFD_LINK):
             raise PoolMemoryError(pool.pool_id, self.name, f"{where} is not a memfd ({link!r})")
         memfd_name = link.removeprefix(MEMFD_LINK).removesuffix(" (deleted)")
-        if not memfd_name.startswith(self._prefix):
-            raise PoolMemoryError(
-                pool.pool_id,
-                self.name,
-                f"memfd {memfd_name!r} at {where} does not start with {self._prefix!r}, the "
-                "prefix this kvroute opens (KVROUTE_SHM_NAME_PREFIX)",
-            )
-        if info.st_uid not in self._owners:
-            raise PoolMemoryError(
-                pool.pool_id,
-                self.name,
-                f"memfd at {where} is owned by uid {info.st_uid}, not by a worker uid this "
-                f"kvroute trusts ({', '.join(map(str, sorted(self._owners)))}; "
-                "KVROUTE_SHM_OWNER_UIDS)",
-            )
+        self._check_prefix(memfd_name, f"memfd {memfd_name!r} at {where}", pool)
+        self._check_owner(info, f"memfd at {where}", pool)
         self._check_seals(fd, where, pool)
-        try:
-            check_extent(info.st_size, offset, pool, self.name)
-        except PoolMemoryError as error:
-            raise PoolMemoryError(pool.pool_id, self.name, f"{where}: {error.reason}") from None
+        self._check_size(info, offset, where, pool)
 
     def _check_seals(self, fd: int, where: str, pool: Pool) -> None:
         try:

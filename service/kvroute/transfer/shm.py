@@ -43,8 +43,62 @@ SHM_ROOT = Path("/dev/shm")
 DEFAULT_NAME_PREFIX = "kvroute-"  # kvroute.settings' default of KVROUTE_SHM_NAME_PREFIX
 
 
-class ShmBackend:
+class TrustedFiles:
+    """What a backend of worker-created files (``shm``, ``memfd``) trusts: a name that starts with
+    this kvroute's prefix, a worker uid as owner, and the pool's whole extent in the file."""
+
+    name: str
+
+    def __init__(
+        self, *, name_prefix: str = DEFAULT_NAME_PREFIX, owners: Collection[int] | None = None
+    ) -> None:
+        self._prefix = name_prefix
+        self._owners = frozenset(owners) if owners is not None else frozenset({os.geteuid()})
+
+    # How errors name a file (``where`` fills the braces), and what its absence means.
+    file_named: str
+    absent: str
+
+    def _open(self, path: Path, flags: int, where: str, pool: Pool) -> int:
+        """``path`` opened read-write with ``flags`` added."""
+        what = self.file_named.format(where)
+        try:
+            return os.open(path, os.O_RDWR | os.O_CLOEXEC | flags)
+        except FileNotFoundError as error:
+            raise PoolMemoryError(pool.pool_id, self.name, self.absent.format(where)) from error
+        except OSError as error:
+            raise exhausted(error, f"opening {what}") or PoolMemoryError(
+                pool.pool_id, self.name, f"cannot open {what}: {error.strerror}"
+            ) from error
+
+    def _check_prefix(self, name: str, what: str, pool: Pool) -> None:
+        if not name.startswith(self._prefix):
+            raise PoolMemoryError(
+                pool.pool_id,
+                self.name,
+                f"{what} does not start with {self._prefix!r}, the prefix this kvroute opens "
+                "(KVROUTE_SHM_NAME_PREFIX)",
+            )
+
+    def _check_owner(self, info: os.stat_result, what: str, pool: Pool) -> None:
+        if info.st_uid not in self._owners:
+            raise PoolMemoryError(
+                pool.pool_id,
+                self.name,
+                f"{what} is owned by uid {info.st_uid}, not by a worker uid this kvroute trusts "
+                f"({', '.join(map(str, sorted(self._owners)))}; KVROUTE_SHM_OWNER_UIDS)",
+            )
+
+    def _check_size(self, info: os.stat_result, offset: int, what: str, pool: Pool) -> None:
+        try:
+            check_extent(info.st_size, offset, pool, self.name)
+        except PoolMemoryError as error:
+            raise PoolMemoryError(pool.pool_id, self.name, f"{what}: {error.reason}") from None
+
+
+class ShmBackend(TrustedFiles):
     name = "shm"
+    file_named, absent = "segment {}", "no shared memory segment named {}"
 
     def __init__(
         self,
@@ -53,15 +107,14 @@ class ShmBackend:
         name_prefix: str = DEFAULT_NAME_PREFIX,
         owners: Collection[int] | None = None,
     ) -> None:
+        super().__init__(name_prefix=name_prefix, owners=owners)
         self._root = root
-        self._prefix = name_prefix
-        self._owners = frozenset(owners) if owners is not None else frozenset({os.geteuid()})
 
     def open(self, descriptor: Descriptor, pool: Pool) -> PoolMemory:
         name = self._segment_name(descriptor, pool)
         offset = descriptor_offset(descriptor, pool, self.name)
-        fd = self._open_fd(name, pool)
         path = self._root / name
+        fd = self._open(path, os.O_NOFOLLOW, repr(name), pool)
         segment = Segment(
             self.name,
             pool,
@@ -84,46 +137,16 @@ class ShmBackend:
                 self.name,
                 f"segment name {segment!r} must match {SHM_NAME.pattern} and not be '.' or '..'",
             )
-        if not segment.startswith(self._prefix):
-            raise PoolMemoryError(
-                pool.pool_id,
-                self.name,
-                f"segment name {segment!r} does not start with {self._prefix!r}, the prefix this "
-                "kvroute opens (KVROUTE_SHM_NAME_PREFIX)",
-            )
+        self._check_prefix(segment, f"segment name {segment!r}", pool)
         return segment
-
-    def _open_fd(self, segment: str, pool: Pool) -> int:
-        try:
-            return os.open(self._root / segment, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError as error:
-            raise PoolMemoryError(
-                pool.pool_id, self.name, f"no shared memory segment named {segment!r}"
-            ) from error
-        except OSError as error:
-            raise exhausted(error, f"opening segment {segment!r}") or PoolMemoryError(
-                pool.pool_id, self.name, f"cannot open segment {segment!r}: {error.strerror}"
-            ) from error
 
     def _check(self, fd: int, segment: str, offset: int, pool: Pool) -> None:
         """Type, owner and size of the open segment; raises ``PoolMemoryError`` naming what is off."""
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise PoolMemoryError(pool.pool_id, self.name, f"{segment!r} is not a segment")
-        if info.st_uid not in self._owners:
-            raise PoolMemoryError(
-                pool.pool_id,
-                self.name,
-                f"segment {segment!r} is owned by uid {info.st_uid}, not by a worker uid this "
-                f"kvroute trusts ({', '.join(map(str, sorted(self._owners)))}; "
-                "KVROUTE_SHM_OWNER_UIDS)",
-            )
-        try:
-            check_extent(info.st_size, offset, pool, self.name)
-        except PoolMemoryError as error:
-            raise PoolMemoryError(
-                pool.pool_id, self.name, f"segment {segment!r}: {error.reason}"
-            ) from None
+        self._check_owner(info, f"segment {segment!r}", pool)
+        self._check_size(info, offset, f"segment {segment!r}", pool)
 
 
 def _lstat_identity(path: Path) -> Identity | None:

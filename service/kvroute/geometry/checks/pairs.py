@@ -66,13 +66,7 @@ def pair_geometry(
     otherwise, the one re-blocking refusal left) and equal.
     """
     fail = PairFailer(local, view, peer)
-    if view.buffers_per_layer != theirs.buffers_per_layer:
-        raise fail(
-            "buffers_mismatch",
-            "buffers_per_layer",
-            view.buffers_per_layer,
-            theirs.buffers_per_layer,
-        )
+    fail.unless_same(theirs, "buffers_per_layer", "buffers_mismatch")
     if view.dtype and theirs.dtype and view.dtype != theirs.dtype:
         raise fail("view_dtype_mismatch", "dtype", view.dtype, theirs.dtype)
     tokens, peer_tokens = local.tokens(view), peer.tokens(theirs)
@@ -175,13 +169,8 @@ def _check_same_bytes(
     fail: PairFailer, view: View, theirs: View, tokens: int, peer_tokens: int
 ) -> None:
     """Equal heads and equal blocks move whole layer regions, which must be the same size."""
-    if tokens == peer_tokens and view.bytes_per_layer != theirs.bytes_per_layer:
-        raise fail(
-            "bytes_per_layer_mismatch",
-            "bytes_per_layer",
-            view.bytes_per_layer,
-            theirs.bytes_per_layer,
-        )
+    if tokens == peer_tokens:
+        fail.unless_same(theirs, "bytes_per_layer", "bytes_per_layer_mismatch")
 
 
 def _sliced_unit(
@@ -284,6 +273,14 @@ class PairFailer:
             local=mine,
             theirs=theirs,
         )
+
+    def unless_same(
+        self, theirs: View, attribute: str, code: str, *, reason: str | None = None
+    ) -> None:
+        """Raises ``code`` naming both values when the two views' ``attribute`` differ."""
+        mine, other = getattr(self.view, attribute), getattr(theirs, attribute)
+        if mine != other:
+            raise self(code, attribute, mine, other, reason=reason)
 
 
 def pair_window(

@@ -67,15 +67,13 @@ def state_geometry(
     if view.dtype and theirs.dtype and view.dtype != theirs.dtype:
         raise fail("view_dtype_mismatch", "dtype", view.dtype, theirs.dtype)
     if view.kind is Kind.REPLICATED:
-        if view.bytes_per_layer != theirs.bytes_per_layer:
-            raise fail(
-                "bytes_per_layer_mismatch",
-                "bytes_per_layer",
-                view.bytes_per_layer,
-                theirs.bytes_per_layer,
-                reason="replicated state differs for overlapping layers: "
-                f"bytes_per_layer local={view.bytes_per_layer}, peer={theirs.bytes_per_layer}",
-            )
+        fail.unless_same(
+            theirs,
+            "bytes_per_layer",
+            "bytes_per_layer_mismatch",
+            reason="replicated state differs for overlapping layers: "
+            f"bytes_per_layer local={view.bytes_per_layer}, peer={theirs.bytes_per_layer}",
+        )
         return StateGeometry("replicated", sections(view), sections(theirs), view.bytes_per_layer)
     if view.kind is Kind.SSM:
         _check_ssm(fail, local, view, peer, theirs)
@@ -88,15 +86,13 @@ def state_geometry(
 def _check_ssm(
     fail: PairFailer, local: RankRegistration, view: View, peer: RankRegistration, theirs: View
 ) -> None:
-    if view.ssm_bytes_per_head != theirs.ssm_bytes_per_head:
-        raise fail(
-            "ssm_bytes_per_head_mismatch",
-            "ssm_bytes_per_head",
-            view.ssm_bytes_per_head,
-            theirs.ssm_bytes_per_head,
-            reason=f"ssm_bytes_per_head differs: local={view.ssm_bytes_per_head}, "
-            f"peer={theirs.ssm_bytes_per_head}; check head_dim / d_state / mamba_ssm_cache_dtype",
-        )
+    fail.unless_same(
+        theirs,
+        "ssm_bytes_per_head",
+        "ssm_bytes_per_head_mismatch",
+        reason=f"ssm_bytes_per_head differs: local={view.ssm_bytes_per_head}, "
+        f"peer={theirs.ssm_bytes_per_head}; check head_dim / d_state / mamba_ssm_cache_dtype",
+    )
     mine = view.bytes_per_layer * local.state_tp
     other = theirs.bytes_per_layer * peer.state_tp
     if mine != other:

@@ -7,10 +7,11 @@ relative to a request's state slot on each side. ``plan`` puts them into peers a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvroute.geometry.leaves.parts import Owner
+from kvroute.geometry.leaves.parts import Owner, View
 from kvroute.geometry.plans.mappers import Fragment
 from kvroute.geometry.plans.reading import Members, invalid
 from kvroute.geometry.plans.rows import TokenAxis
@@ -49,6 +50,31 @@ class PairTransfer:
             "owner": self.owner,
             "roles": list(self.roles),
             "layers": list(self.layers),
+        }
+
+    @staticmethod
+    def members_between(
+        theirs: View,
+        view: View,
+        mapper: str,
+        duplication: tuple[int, int],
+        fragments: Iterable[Fragment],
+        layers: Iterable[int],
+    ) -> dict[str, Any]:
+        """The members of a pair from the sender's view ``theirs`` to the receiver's ``view``,
+        which names the owner and roles; ``duplication`` is (duplicate, peer duplicate) factor."""
+        return {
+            "src_view": theirs.view_id,
+            "dst_view": view.view_id,
+            "src_pool": theirs.pool_id,
+            "dst_pool": view.pool_id,
+            "mapper": mapper,
+            "duplicate_head_factor": duplication[0],
+            "peer_duplicate_head_factor": duplication[1],
+            "fragments": tuple(fragments),
+            "layers": tuple(layers),
+            "owner": view.owner.value,
+            "roles": tuple(sorted(view.roles)),
         }
 
     @staticmethod

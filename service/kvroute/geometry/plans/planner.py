@@ -221,7 +221,7 @@ def _transfer(
         if geometry.reblocks
         else coalesce(pair_fragments(sender, theirs, receiver, view, geometry, source.assigned))
     )
-    dup, peer_dup = duplication(
+    dup = duplication(
         geometry.local_heads, sender.tp_per_dp, geometry.peer_heads, receiver.tp_per_dp
     )
     if geometry.mapper == "replicated":
@@ -231,17 +231,9 @@ def _transfer(
         r_heads = held_heads(receiver, geometry.total_heads)
         dst_heads = (max(src_heads[0], r_heads[0]), min(src_heads[1], r_heads[1]))
     return ViewTransfer(
-        src_view=theirs.view_id,
-        dst_view=view.view_id,
-        src_pool=theirs.pool_id,
-        dst_pool=view.pool_id,
-        mapper=geometry.mapper,
-        duplicate_head_factor=dup,
-        peer_duplicate_head_factor=peer_dup,
-        fragments=tuple(fragments),
-        layers=tuple(source.assigned),
-        owner=view.owner.value,
-        roles=tuple(sorted(view.roles)),
+        **ViewTransfer.members_between(
+            theirs, view, geometry.mapper, dup, fragments, source.assigned
+        ),
         total_heads=geometry.total_heads,
         src_heads=src_heads,
         dst_heads=dst_heads,

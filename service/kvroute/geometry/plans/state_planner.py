@@ -76,17 +76,9 @@ def _transfer(source: _StateSource, view: View, receiver: RankRegistration) -> S
         src, mine = shard(sender, total), shard(receiver, total)
         dst = (max(src[0], mine[0]), min(src[1], mine[1]))
     return StateTransfer(
-        src_view=theirs.view_id,
-        dst_view=view.view_id,
-        src_pool=theirs.pool_id,
-        dst_pool=view.pool_id,
-        mapper=geometry.mapper,
-        duplicate_head_factor=dup[0],
-        peer_duplicate_head_factor=dup[1],
-        fragments=tuple(coalesce(fragments)),
-        layers=tuple(source.assigned),
-        owner=view.owner.value,
-        roles=tuple(sorted(view.roles)),
+        **StateTransfer.members_between(
+            theirs, view, geometry.mapper, dup, coalesce(fragments), source.assigned
+        ),
         mamba_tp=tps,
         shard_unit=unit,
         shard_total=total,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-from kvroute.geometry.leaves.spread import IDENTITY, Spread, shared_runs
+from kvroute.geometry.leaves.spread import IDENTITY, Piece, Spread, shared_runs
 
 Row = tuple[int, int, int, int, int]  # src_base, dst_base, src_pitch, dst_pitch, width (bytes)
 # (src_block, src_offset, dst_block, dst_offset, length, first_token, tokens): blocks are indices
@@ -231,22 +231,11 @@ def period_spans(rows: Iterable[Row], src_tokens: int, dst_tokens: int) -> tuple
     """Fragments of one period: every row cut at every block boundary of either side."""
     period = math.lcm(src_tokens, dst_tokens)
     cuts = sorted({*range(0, period, src_tokens), *range(0, period, dst_tokens), period})
-    pieces = [(t0, t1, t0 // src_tokens, t0 // dst_tokens) for t0, t1 in pairwise(cuts)]
-    spans: list[Span] = []
-    for src_base, dst_base, src_pitch, dst_pitch, width in rows:
-        contiguous = src_pitch == width == dst_pitch
-        for t0, t1, sb, db in pieces:
-            src = src_base + (t0 - sb * src_tokens) * src_pitch
-            dst = dst_base + (t0 - db * dst_tokens) * dst_pitch
-            if contiguous:
-                spans.append((sb, src, db, dst, (t1 - t0) * width, t0, t1 - t0))
-            else:
-                spans += [
-                    (sb, src + k * src_pitch, db, dst + k * dst_pitch, width, t0 + k, 1)
-                    for k in range(t1 - t0)
-                ]
-    spans.sort(key=lambda span: (span[2], span[3]))
-    return tuple(spans)
+    pieces: list[Piece] = []
+    for t0, t1 in pairwise(cuts):
+        sb, db = t0 // src_tokens, t0 // dst_tokens
+        pieces.append((t0, t1, sb, t0 - sb * src_tokens, db, t0 - db * dst_tokens))
+    return _cut_rows(rows, pieces)
 
 
 def spread_spans(
@@ -254,7 +243,12 @@ def spread_spans(
 ) -> tuple[Span, ...]:
     """Fragments of one period between context-parallel placements: every row cut at the shared
     runs (``period_spans`` with local positions in place of prompt positions)."""
-    pieces = shared_runs(src_tokens, dst_tokens, src, dst)
+    return _cut_rows(rows, shared_runs(src_tokens, dst_tokens, src, dst))
+
+
+def _cut_rows(rows: Iterable[Row], pieces: Sequence[Piece]) -> tuple[Span, ...]:
+    """Every row cut at every piece (a run inside one block on both sides): one span per piece
+    where both sides' rows are contiguous, else one per token."""
     spans: list[Span] = []
     for src_base, dst_base, src_pitch, dst_pitch, width in rows:
         contiguous = src_pitch == width == dst_pitch
