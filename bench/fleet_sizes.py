@@ -90,7 +90,9 @@ def _one_size(bench: Any, args: Any, config: str, mode: str, layouts: str, size:
             result = SizeRun(size)
             started_load = os.getloadavg()[0]
             asyncio.run(_measure(bench, running[0].url, args, (config, mode, layouts), result))
-            result.fresh_matrix = _fresh_replica_matrix(bench, running[0], Path(workdir))
+            result.fresh_matrix = _fresh_replica_matrix(
+                bench, running[0], Path(workdir), (args.profile, f"{label}-fresh")
+            )
             result.rss_mib, result.peak_rss_mib = _rss_mib(running[0].process.pid)
             result.load = (started_load, os.getloadavg()[0])
     return result
@@ -175,8 +177,11 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _fresh_replica_matrix(bench: Any, serving: LiveServer, workdir: Path) -> float:
-    """A second server on the same database, started now: the time of its first matrix."""
+def _fresh_replica_matrix(
+    bench: Any, serving: LiveServer, workdir: Path, profile: tuple[Path | None, str]
+) -> float:
+    """A second server on the same database, started now: the time of its first matrix (under
+    ``--profile``, recorded from its start to its first matrix's end)."""
     directory = workdir / "fresh-replica"
     directory.mkdir()
     fresh = LiveServer(
@@ -187,7 +192,8 @@ def _fresh_replica_matrix(bench: Any, serving: LiveServer, workdir: Path) -> flo
     )
     fresh.start()
     try:
-        return asyncio.run(_time_matrix(bench, fresh.url))
+        with bench.profiled([fresh], *profile):
+            return asyncio.run(_time_matrix(bench, fresh.url))
     finally:
         fresh.stop()
 

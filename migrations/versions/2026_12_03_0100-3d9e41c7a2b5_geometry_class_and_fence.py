@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from kvroute.store.migrate import recompute_geometry_classes
+
 revision: str = "3d9e41c7a2b5"
 down_revision: str | Sequence[str] | None = "8c1f2e7a9b3d"
 branch_labels: str | Sequence[str] | None = None
@@ -22,39 +24,9 @@ def upgrade() -> None:
     with op.batch_alter_table("ranks") as batch:
         batch.add_column(sa.Column("geometry_class", sa.String(length=64), nullable=True))
         batch.add_column(sa.Column("fenced_at", sa.DateTime(timezone=True), nullable=True))
-    _backfill_classes()
+    recompute_geometry_classes(op.get_bind())
     with op.batch_alter_table("ranks") as batch:
         batch.alter_column("geometry_class", existing_type=sa.String(length=64), nullable=False)
-
-
-def _backfill_classes() -> None:
-    from kvroute.geometry import RankRegistration
-
-    ranks = sa.table(
-        "ranks",
-        sa.column("deployment", sa.String),
-        sa.column("instance", sa.String),
-        sa.column("rank", sa.Integer),
-        sa.column("document", sa.JSON),
-        sa.column("geometry_class", sa.String),
-    )
-    bind = op.get_bind()
-    rows = bind.execute(
-        sa.select(ranks.c.deployment, ranks.c.instance, ranks.c.rank, ranks.c.document)
-    )
-    for deployment, instance, rank, document in rows.all():
-        reg = RankRegistration.from_json(
-            document, deployment=deployment, instance=instance, rank=rank
-        )
-        bind.execute(
-            ranks.update()
-            .where(
-                ranks.c.deployment == deployment,
-                ranks.c.instance == instance,
-                ranks.c.rank == rank,
-            )
-            .values(geometry_class=reg.class_digest)
-        )
 
 
 def downgrade() -> None:

@@ -12,8 +12,9 @@ per old class until every rank registered again.
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
 from alembic import op
+
+from kvroute.store.migrate import recompute_geometry_classes
 
 revision: str = "69e7318eb7be"
 down_revision: str | Sequence[str] | None = "b7e2c4d1f9a0"
@@ -22,33 +23,7 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    from kvroute.geometry import RankRegistration
-
-    ranks = sa.table(
-        "ranks",
-        sa.column("deployment", sa.String),
-        sa.column("instance", sa.String),
-        sa.column("rank", sa.Integer),
-        sa.column("document", sa.JSON),
-        sa.column("geometry_class", sa.String),
-    )
-    bind = op.get_bind()
-    rows = bind.execute(
-        sa.select(ranks.c.deployment, ranks.c.instance, ranks.c.rank, ranks.c.document)
-    )
-    for deployment, instance, rank, document in rows.all():
-        reg = RankRegistration.from_json(
-            document, deployment=deployment, instance=instance, rank=rank
-        )
-        bind.execute(
-            ranks.update()
-            .where(
-                ranks.c.deployment == deployment,
-                ranks.c.instance == instance,
-                ranks.c.rank == rank,
-            )
-            .values(geometry_class=reg.class_digest)
-        )
+    recompute_geometry_classes(op.get_bind())
 
 
 def downgrade() -> None:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from kvroute.store.migrate import recompute_geometry_classes
+
 revision: str = "c5d8a1e3f702"
 down_revision: str | Sequence[str] | None = "69e7318eb7be"
 branch_labels: str | Sequence[str] | None = None
@@ -25,34 +27,7 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("instances") as batch:
         batch.add_column(sa.Column("cp_size", sa.Integer(), nullable=False, server_default="1"))
-    _recompute_classes()
-
-
-def _recompute_classes() -> None:
-    from kvroute.geometry import RankRegistration
-
-    ranks = sa.table(
-        "ranks",
-        sa.column("deployment", sa.String),
-        sa.column("instance", sa.String),
-        sa.column("rank", sa.Integer),
-        sa.column("document", sa.JSON),
-        sa.column("geometry_class", sa.String),
-    )
-    bind = op.get_bind()
-    rows = bind.execute(
-        sa.select(ranks.c.deployment, ranks.c.instance, ranks.c.rank, ranks.c.document)
-    )
-    for deployment, instance, rank, document in rows.all():
-        reg = RankRegistration.from_json(
-            document, deployment=deployment, instance=instance, rank=rank
-        )
-        where = (
-            (ranks.c.deployment == deployment)
-            & (ranks.c.instance == instance)
-            & (ranks.c.rank == rank)
-        )
-        bind.execute(ranks.update().where(where).values(geometry_class=reg.class_digest))
+    recompute_geometry_classes(op.get_bind())
 
 
 def downgrade() -> None:

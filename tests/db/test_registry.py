@@ -10,11 +10,11 @@ from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvroute.geometry import GeometryError
-from kvroute.store import registry, snapshots
+from kvroute.store import registrations, registry, snapshots
 from kvroute.store.engine import SessionMaker
 from kvroute.store.errors import LeaseExpired, NotFound
 from kvroute.store.models import PoolRow, ViewRow
-from kvroute.store.registrations import RegistrationCache
+from kvroute.store.registrations import RankClass, RegistrationCache, RegistrationMoved
 from tests.db.conftest import dump_tables
 from tests.db.documents import T0, register, registration
 
@@ -273,6 +273,26 @@ async def test_live_ranks_feed_plans_in_rank_order(sessionmaker: SessionMaker) -
     assert live[1] == registration("llama", "ctx0", 1, tp_size=2, lease_seconds=10)
     later = await snapshots.instance_state(sessionmaker, "llama", "ctx0", now=T0 + seconds(12))
     assert list(later.live) == [1]
+
+
+@pytest.mark.parametrize("read_chunk", [1, 512], ids=["scanning the deployment", "by keys"])
+async def test_ranks_are_read_at_exactly_their_generations(
+    sessionmaker: SessionMaker, monkeypatch: pytest.MonkeyPatch, read_chunk: int
+) -> None:
+    """More keys than ``READ_CHUNK`` are matched against a scan of the deployment, fewer by an IN
+    list: the same answer either way, another deployment's ranks and other generations left out."""
+    monkeypatch.setattr(registrations, "READ_CHUNK", read_chunk)
+    await register_context(sessionmaker, tp_size=2)
+    await register(sessionmaker, registration("mistral", "ctx0", 0, tp_size=2), now=T0)
+    wanted = [("ctx0", 0, 1), ("ctx0", 1, 1)]
+    parsed = await RegistrationCache(sessionmaker).at("llama", wanted)
+    assert parsed == [registration("llama", "ctx0", rank, tp_size=2) for rank in (0, 1)]
+    classes = await RegistrationCache(sessionmaker).classes_at("llama", wanted, topology=False)
+    digest = parsed[0].class_digest
+    assert classes == [RankClass("ctx0", rank, digest, None) for rank in (0, 1)]
+    moved = [("ctx0", 0, 1), ("ctx0", 1, 2)]
+    with pytest.raises(RegistrationMoved, match="ctx0 rank 1"):
+        await RegistrationCache(sessionmaker).classes_at("llama", moved, topology=False)
 
 
 async def test_pools_and_views_are_queryable_and_cascade(

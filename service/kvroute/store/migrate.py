@@ -6,6 +6,9 @@ tests. The functions are synchronous because Alembic is; they accept the app's a
 Called from inside a running event loop they run Alembic on a helper thread (its env starts its
 own loop); async code that must not block should use ``await asyncio.to_thread(upgrade, url)``.
 
+Revisions that change what a geometry class is call ``recompute_geometry_classes``, the one data
+step several of them share.
+
 The migration scripts ship inside the package as ``kvroute/migrations`` (in the source tree a link
 to ``migrations/`` at the repository root, where the ``alembic`` command finds them through
 ``alembic.ini``; in a wheel, copied files), so an installed kvroute migrates from any directory.
@@ -19,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
@@ -105,6 +109,38 @@ async def _current(url: str) -> str | None:
 
 def _revision_of(connection: Connection) -> str | None:
     return MigrationContext.configure(connection).get_current_revision()
+
+
+def recompute_geometry_classes(bind: Connection) -> None:
+    """Gives every stored rank the geometry class the running code computes from its document.
+
+    A revision that changes the class rule calls this from ``upgrade`` (three do). It reads the
+    rule from ``kvroute.geometry`` as the revision runs, not as it was written, and only columns
+    of ``ranks`` that every such revision has, so it must keep to those.
+    """
+    from kvroute.geometry import RankRegistration
+
+    ranks = sa.table(
+        "ranks",
+        sa.column("deployment", sa.String),
+        sa.column("instance", sa.String),
+        sa.column("rank", sa.Integer),
+        sa.column("document", sa.JSON),
+        sa.column("geometry_class", sa.String),
+    )
+    rows = bind.execute(
+        sa.select(ranks.c.deployment, ranks.c.instance, ranks.c.rank, ranks.c.document)
+    )
+    for deployment, instance, rank, document in rows.all():
+        reg = RankRegistration.from_json(
+            document, deployment=deployment, instance=instance, rank=rank
+        )
+        where = (
+            (ranks.c.deployment == deployment)
+            & (ranks.c.instance == instance)
+            & (ranks.c.rank == rank)
+        )
+        bind.execute(ranks.update().where(where).values(geometry_class=reg.class_digest))
 
 
 def _run(action: Callable[[], T]) -> T:

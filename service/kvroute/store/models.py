@@ -37,7 +37,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column, relationship
 
 from kvroute.job_state import JobState
 
@@ -178,17 +178,25 @@ class RankRow(Base):
     views: Mapped[list[ViewRow]] = relationship(lazy="raise", passive_deletes=True)
 
 
-_RANK_KEY = ["deployment", "instance", "rank"]
-_RANK_REF = ["ranks.deployment", "ranks.instance", "ranks.rank"]
+class _RankPart:
+    """A part of a rank's registration (a pool, a view): keyed under the rank's key, and deleted
+    with the rank by the database (``ON DELETE CASCADE``)."""
+
+    # sort_order: the rank's key leads the table's columns and its primary key.
+    deployment: Mapped[str] = mapped_column(primary_key=True, sort_order=-1)
+    instance: Mapped[str] = mapped_column(primary_key=True, sort_order=-1)
+    rank: Mapped[int] = mapped_column(primary_key=True, sort_order=-1)
+
+    @declared_attr.directive
+    @classmethod
+    def __table_args__(cls) -> tuple[ForeignKeyConstraint]:
+        key = ["deployment", "instance", "rank"]
+        return (ForeignKeyConstraint(key, [f"ranks.{c}" for c in key], ondelete="CASCADE"),)
 
 
-class PoolRow(Base):
+class PoolRow(_RankPart, Base):
     __tablename__ = "pools"
-    __table_args__ = (ForeignKeyConstraint(_RANK_KEY, _RANK_REF, ondelete="CASCADE"),)
 
-    deployment: Mapped[str] = mapped_column(primary_key=True)
-    instance: Mapped[str] = mapped_column(primary_key=True)
-    rank: Mapped[int] = mapped_column(primary_key=True)
     pool_id: Mapped[int] = mapped_column(primary_key=True)
     slot_bytes: Mapped[int] = mapped_column(BigInteger)
     slot_stride: Mapped[int] = mapped_column(BigInteger)
@@ -197,13 +205,9 @@ class PoolRow(Base):
     memory: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
 
 
-class ViewRow(Base):
+class ViewRow(_RankPart, Base):
     __tablename__ = "views"
-    __table_args__ = (ForeignKeyConstraint(_RANK_KEY, _RANK_REF, ondelete="CASCADE"),)
 
-    deployment: Mapped[str] = mapped_column(primary_key=True)
-    instance: Mapped[str] = mapped_column(primary_key=True)
-    rank: Mapped[int] = mapped_column(primary_key=True)
     view_id: Mapped[int] = mapped_column(primary_key=True)
     pool_id: Mapped[int]
     kind: Mapped[str] = mapped_column(String(16))

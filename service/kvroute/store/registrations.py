@@ -27,8 +27,8 @@ from kvroute.store.models import RankRow
 RankAt = tuple[str, int, int]  # instance, rank, generation
 Column = ColumnElement[Any] | QueryableAttribute[Any]
 DEFAULT_SIZE = 16_384  # a 1,024-rank fleet twice over, with room for re-registrations
-# Keys per documents query: PostgreSQL refuses a row-value IN list of a whole 8,192-rank
-# deployment ("stack depth limit exceeded"), which a cold replica's matrix would send.
+# Most keys read by a row-value IN list; more are read by scanning the deployment. PostgreSQL
+# refuses an IN list of a whole 8,192-rank deployment ("stack depth limit exceeded").
 READ_CHUNK = 512
 
 
@@ -135,19 +135,15 @@ class RegistrationCache:
         """``columns`` of the ranks at exactly these generations, by (instance, rank)."""
         if not wanted:
             return {}
-        queries = [
-            select(RankRow.instance, RankRow.rank, *columns).where(
-                RankRow.deployment == deployment,
-                tuple_(RankRow.instance, RankRow.rank, RankRow.generation).in_(
-                    wanted[start : start + READ_CHUNK]
-                ),
-            )
-            for start in range(0, len(wanted), READ_CHUNK)
-        ]
+        keyed = [RankRow.instance, RankRow.rank, RankRow.generation]
+        query = select(*keyed, *columns).where(RankRow.deployment == deployment)
+        if len(wanted) <= READ_CHUNK:
+            query = query.where(tuple_(*keyed).in_(wanted))
+        # Else (a cold replica's matrix wants the whole fleet) the deployment's rows are matched
+        # here: PostgreSQL does not hash a row-value IN list, so chunks of one cost keys x rows.
 
         async def read_on(on: AsyncConnection) -> Sequence[Row[*tuple[Any, ...]]]:
-            # Chunks may see different snapshots: harmless, every key names its generation.
-            return [row for query in queries for row in (await on.execute(query)).all()]
+            return (await on.execute(query)).all()
 
         if connection is not None:
             rows = await read_on(connection)
@@ -158,7 +154,8 @@ class RegistrationCache:
                     return await read_on(own)
 
             rows = await retry_disconnect(read)
-        return {(row[0], row[1]): tuple(row[2:]) for row in rows}
+        keys = set(wanted)
+        return {(row[0], row[1]): tuple(row[3:]) for row in rows if tuple(row[:3]) in keys}
 
 
 def _class_columns(topology: bool) -> list[Column]:
