@@ -167,6 +167,8 @@ async def test_expired_receiver_rank_is_named(client: Client, clock: ManualClock
     clock.advance(1)
     problem = await _conflict(client)
     assert problem["detail"] == "receiver instance gen0 rank 0 is expired"
+    # Its own code: a worker told this keeps the plan it holds (nothing said of the sender).
+    assert problem["code"] == "receiver_not_live"
 
 
 async def test_deleted_ranks_make_the_plan_unavailable(client: Client) -> None:
@@ -181,6 +183,7 @@ async def test_deleted_ranks_make_the_plan_unavailable(client: Client) -> None:
     assert (await client.delete(rank_path("gen0", 0), headers=ADMIN)).status == 204
     gone = await (await fetch(client, 0)).json()
     assert gone["detail"] == "receiver instance gen0 rank 0 is not registered"
+    assert gone["code"] == "receiver_not_live"
     assert (await fetch(client, 1)).status == 200
 
 

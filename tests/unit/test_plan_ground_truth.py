@@ -27,6 +27,18 @@ from tests.truth import Truth, assert_exact, background
 from tests.world import Side, ViewClass, admitted, instance
 
 EXAMPLES = int(os.environ.get("KVROUTE_PROPERTY_EXAMPLES", "2000"))
+
+
+def world_settings(examples: int) -> settings:
+    """A ground-truth property over generated worlds: no deadline (one example registers, admits
+    and plans a whole deployment), and its large, slow draws are the point, not a health issue."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
 HEAD_TOTALS = [1, 2, 3, 4, 6, 8, 12, 16]
 BLOCK_TOKENS = [1, 2, 3, 4, 6, 8]
 MAX_PROMPT = 16
@@ -228,11 +240,7 @@ def sender_groups(ctx: Side) -> st.SearchStrategy[int]:
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@world_settings(EXAMPLES)
 @given(world=worlds(), data=st.data())
 def test_every_destination_byte_written_once_with_the_right_content(world, data) -> None:
     assert_plans_exact(world, data)

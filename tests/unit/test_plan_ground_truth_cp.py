@@ -19,13 +19,19 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 import pytest
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import assume, event, given
 from hypothesis import strategies as st
 
 from kvroute.geometry import TokenGap, TokenRange, build_plan
 from tests.executor import Request, execute
 from tests.truth import Truth, assert_exact, background, window_starts
-from tests.unit.test_plan_ground_truth import BLOCK_TOKENS, classes, sender_groups, side
+from tests.unit.test_plan_ground_truth import (
+    BLOCK_TOKENS,
+    classes,
+    sender_groups,
+    side,
+    world_settings,
+)
 from tests.unit.test_plan_ground_truth_hybrid import REQUEST, _state_slot, hybrid_worlds
 from tests.world import Side, ViewClass, admitted
 
@@ -166,6 +172,17 @@ def covered(where: Placement, lists: Lists, token: int) -> bool:
     return token >= start and lists.first_block * tokens <= local < end
 
 
+def drawn_job(data: st.DataObject, ctx: Side) -> tuple[int, TokenRange, Side, int | None]:
+    """A job's sender DP group, token range and prompt length, and the context side holding the
+    prompt its chunks need (``with_prompt``)."""
+    sender_dp = data.draw(sender_groups(ctx))
+    start = data.draw(st.integers(0, MAX_PROMPT - 1))
+    span = TokenRange(start, data.draw(st.integers(start + 1, MAX_PROMPT)))
+    ctx, prompt = with_prompt(data.draw, ctx, span)
+    event(f"context {ctx.cp_layout}")
+    return sender_dp, span, ctx, prompt
+
+
 def missing(where: Placement, lists: Lists, span: TokenRange, cp_ranks: range) -> set[int]:
     return {
         t
@@ -175,22 +192,14 @@ def missing(where: Placement, lists: Lists, span: TokenRange, cp_ranks: range) -
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@world_settings(EXAMPLES)
 @given(world=cp_worlds(), data=st.data())
 def test_cp_plans_write_every_token_once_on_the_rank_holding_it(world, data) -> None:
     cls, ctx_side, gen_side = world
     event(f"cp {ctx_side.cp_size} -> {gen_side.cp_size}")
     ctx, ctx_layouts, gen, gen_layouts = admitted(cls, ctx_side, gen_side)
     truth = Truth(cls)
-    sender_dp = data.draw(sender_groups(ctx_side))
-    start = data.draw(st.integers(0, MAX_PROMPT - 1))
-    span = TokenRange(start, data.draw(st.integers(start + 1, MAX_PROMPT)))
-    ctx_side, prompt = with_prompt(data.draw, ctx_side, span)
-    event(f"context {ctx_side.cp_layout}")
+    sender_dp, span, ctx_side, prompt = drawn_job(data, ctx_side)
     senders, receivers = Placement(ctx_side), Placement(gen_side)
     src = data.draw(cp_list(senders, span))
     dst = data.draw(cp_list(receivers, span))
@@ -269,22 +278,14 @@ def hybrid_cp_worlds(draw: st.DrawFn) -> tuple[list[ViewClass], Side, Side]:
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=max(10, EXAMPLES // 3),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@world_settings(max(10, EXAMPLES // 3))
 @given(world=hybrid_cp_worlds(), data=st.data())
 def test_cp_hybrid_plans_move_tokens_and_state_shares_once(world, data) -> None:
     cls, ctx_side, gen_side = world
     event(f"cp {ctx_side.cp_size} -> {gen_side.cp_size}")
     ctx, ctx_layouts, gen, gen_layouts = admitted(cls, ctx_side, gen_side)
     truth = Truth(cls)
-    sender_dp = data.draw(sender_groups(ctx_side))
-    start = data.draw(st.integers(0, MAX_PROMPT - 1))
-    span = TokenRange(start, data.draw(st.integers(start + 1, MAX_PROMPT)))
-    ctx_side, prompt = with_prompt(data.draw, ctx_side, span)
-    event(f"context {ctx_side.cp_layout}")
+    sender_dp, span, ctx_side, prompt = drawn_job(data, ctx_side)
     # Block lists use every slot but the last, which a state slot sharing their pool takes.
     src = data.draw(cp_list(Placement(ctx_side), span, ctx_side.num_slots - 1, whole=True))
     dst = data.draw(cp_list(Placement(gen_side), span, gen_side.num_slots - 1, whole=True))
@@ -331,11 +332,7 @@ def prompt_list(draw: st.DrawFn, where: Placement, prompt: int) -> Lists:
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=max(10, EXAMPLES // 2),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@world_settings(max(10, EXAMPLES // 2))
 @given(world=cp_worlds(), data=st.data())
 def test_cp_prompt_only_jobs_move_the_tokens_both_lists_hold_up_to_the_prompt(world, data) -> None:
     """Issue 35: a job naming only the prompt length and suffix lists stops at the prompt's last

@@ -32,6 +32,7 @@ from tests.unit.test_plan_ground_truth import (
     sender_groups,
     splits,
     transfers,
+    world_settings,
 )
 from tests.world import Layout, Side, ViewClass, admitted, instance
 
@@ -217,11 +218,7 @@ def jobs(draw: st.DrawFn, ctx: Side, gen: Side) -> Job:
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@world_settings(EXAMPLES)
 @given(world=hybrid_worlds(), data=st.data())
 def test_hybrid_plans_write_the_window_s_tokens_and_state_once(world, data) -> None:
     cls, ctx_side, gen_side = world

@@ -17,11 +17,17 @@ import os
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvroute.geometry import GeometryError, check_registration
-from tests.unit.test_plan_ground_truth import BLOCK_TOKENS, HEAD_TOTALS, assert_plans_exact, side
+from tests.unit.test_plan_ground_truth import (
+    BLOCK_TOKENS,
+    HEAD_TOTALS,
+    assert_plans_exact,
+    side,
+    world_settings,
+)
 from tests.world import Side, ViewClass, instance
 
 EXAMPLES = max(50, int(os.environ.get("KVROUTE_PROPERTY_EXAMPLES", "2000")) // 4)
@@ -64,11 +70,7 @@ def quantized_worlds(draw: st.DrawFn) -> tuple[list[ViewClass], Side, Side]:
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@world_settings(EXAMPLES)
 @given(world=quantized_worlds(), data=st.data())
 def test_scale_views_move_byte_exactly_under_any_tp_pair(world, data) -> None:
     cls, ctx, gen = world

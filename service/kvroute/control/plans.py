@@ -30,6 +30,13 @@ class PlanUnavailable(Conflict):
     """A plan needs every sender rank and the receiver rank live; names the ones that are not."""
 
 
+class ReceiverNotLive(PlanUnavailable):
+    """The receiver rank asking is not live (its lease lapsed, or it never registered): says
+    nothing of the sender, so a worker keeps the plan it holds until it registers again."""
+
+    code = "receiver_not_live"
+
+
 @dataclass(frozen=True, slots=True)
 class PlanKey:
     deployment: str
@@ -138,6 +145,6 @@ def _require_live(sender: InstanceState, receiver: InstanceState, receiver_rank:
     require_complete("sender", sender)
     if receiver_rank not in receiver.live:
         status = "expired" if receiver_rank in receiver.expired else "not registered"
-        raise PlanUnavailable(
+        raise ReceiverNotLive(
             f"receiver instance {receiver.instance} rank {receiver_rank} is {status}"
         )

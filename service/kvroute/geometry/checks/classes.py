@@ -21,7 +21,7 @@ from collections.abc import Callable, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kvroute.geometry.checks.compat import PEER_STAGES, check_peers
-from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.errors import GeometryError, Ranked
 from kvroute.geometry.registration.faces import rank_face
 
 if TYPE_CHECKING:
@@ -74,13 +74,9 @@ def check_peers_by_class(
         raise AssertionError(f"verdict memo disagrees with check_peers for {first.label()}")
 
 
-class Classed(Protocol):
+class Classed(Ranked, Protocol):
     """A rank as far as its class goes: a registration, or the class its row records."""
 
-    @property
-    def instance(self) -> str: ...
-    @property
-    def rank(self) -> int: ...
     @property
     def class_digest(self) -> str: ...
 

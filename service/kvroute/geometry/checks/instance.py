@@ -77,15 +77,14 @@ def _compare_instance_ranks(reg: RankRegistration, other: RankRegistration) -> N
     for field, mine, theirs in pairs:
         if mine != theirs:
             mine, theirs = _jsonable(mine), _jsonable(theirs)
-            raise GeometryError(
+            raise GeometryError.against(
+                other,
                 "instance_layout_mismatch",
                 f"{field}={mine} disagrees with {other.label()} of the same instance ({field}={theirs})",
                 field=field,
                 local=mine,
-                peer=theirs,
+                theirs=theirs,
                 stage="instance",
-                peer_instance=other.instance,
-                peer_rank=other.rank,
             )
     _compare_instance_views(reg, other)
 
@@ -103,16 +102,15 @@ def _compare_instance_views(reg: RankRegistration, other: RankRegistration) -> N
                 continue
             for field, a, b in view_signature(reg, view, other, theirs):
                 if a != b:
-                    raise GeometryError(
+                    raise GeometryError.against(
+                        other,
                         "instance_view_mismatch",
                         f"{view.label()} has {field}={a}, but {other.label()} registers {field}={b} "
                         f"for the same layers",
                         field=f"views[{index}].{field}",
                         local=_jsonable(a),
-                        peer=_jsonable(b),
+                        theirs=_jsonable(b),
                         stage="instance",
-                        peer_instance=other.instance,
-                        peer_rank=other.rank,
                     )
 
 

@@ -355,7 +355,16 @@ def _check_state_view(field: str, view: View) -> None:
 def _check_no_overlap(reg: RankRegistration) -> None:
     """Views of one slot axis must not overlap. A block view and a state view may: a slot of a
     shared pool holds a KV block or one request's state, never both (the data plane refuses a job
-    naming one slot both ways where their regions overlap)."""
+    naming one slot both ways where their regions overlap). Views of different KV cache groups
+    (``kv_group``) may too: a block id belongs to one group's block table at a time. A view
+    without a group overlaps nothing, so each group is checked together with the ungrouped."""
+    named = sorted({view.kv_group for view in reg.views if view.kv_group is not None})
+    groups: list[int | None] = [*named] if named else [None]
+    for group in groups:
+        _check_disjoint([v for v in reg.views if v.kv_group in (group, None)], group)
+
+
+def _check_disjoint(views: list[View], group: int | None) -> None:
     regions = sorted(
         (
             (view.pool_id, view.axis.value),
@@ -364,7 +373,7 @@ def _check_no_overlap(reg: RankRegistration) -> None:
             view.view_id,
             slot.layer,
         )
-        for view in reg.views
+        for view in views
         for slot in view.layers
     )
     for before, after in itertools.pairwise(regions):
@@ -372,7 +381,8 @@ def _check_no_overlap(reg: RankRegistration) -> None:
             raise _self_error(
                 "views_overlap",
                 f"pool {before[0][0]}: view {before[3]} layer {before[4]} [{before[1]}, {before[2]}) overlaps "
-                f"view {after[3]} layer {after[4]} starting at {after[1]}",
+                f"view {after[3]} layer {after[4]} starting at {after[1]}"
+                + ("" if group is None else f" (KV cache group {group}, or no kv_group)"),
                 "views",
                 [before[3], before[4]],
                 [after[3], after[4]],

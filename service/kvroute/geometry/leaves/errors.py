@@ -21,7 +21,9 @@ _TITLES: dict[Stage, str] = {
 }
 
 
-class _Ranked(Protocol):
+class Ranked(Protocol):
+    """A rank as refusals and checks name it: its instance and its rank there."""
+
     @property
     def instance(self) -> str: ...
     @property
@@ -55,19 +57,21 @@ class GeometryError(ValueError):
 
     @classmethod
     def against(
-        cls, peer: _Ranked, code: str, detail: str, *, field: str, local: Any, theirs: Any
+        cls,
+        peer: Ranked,
+        code: str,
+        detail: str,
+        *,
+        field: str,
+        local: Any,
+        theirs: Any,
+        stage: Stage = "peer",
     ) -> GeometryError:
-        """A refusal found comparing with ``peer``: names it, and the value it holds."""
-        return cls(
-            code,
-            detail,
-            field=field,
-            local=local,
-            peer=theirs,
-            stage="peer",
-            peer_instance=peer.instance,
-            peer_rank=peer.rank,
-        )
+        """A refusal found comparing with ``peer`` (another instance's rank, or at ``stage``
+        "instance" one of the same instance): names it, and the value it holds."""
+        error = cls(code, detail, field=field, local=local, peer=theirs, stage=stage)
+        error.peer_instance, error.peer_rank = peer.instance, peer.rank
+        return error
 
     def to_problem(self) -> dict[str, Any]:
         """The RFC 9457 members of this refusal; the HTTP layer adds ``status``."""

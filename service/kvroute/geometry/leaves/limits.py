@@ -41,6 +41,7 @@ MAX_ENDPOINT_LENGTH = 512
 MAX_NIXL_METADATA_LENGTH = 1 << 20
 MAX_CONV_SECTIONS = 16
 MAX_SLIDING_WINDOW = 2**30
+MAX_KV_GROUP = 1023  # an engine's KV cache group ids (vLLM numbers a handful from 0)
 MAX_IDENTITY_LENGTH = 256  # model ids, revisions, "sha256:<64 hex>" digests
 MAX_FORMAT_LENGTH = 32  # KV and scale format names
 MAX_DOMAINS = 8  # topology domains per rank (zone, rack, NVLink domain, ...)
@@ -76,6 +77,7 @@ INTEGER_BOUNDS: dict[str, tuple[int, int]] = {
     "View.ssm_bytes_per_head": (1, MAX_BYTES),
     "View.conv_sections[]": (1, MAX_BYTES),
     "View.sliding_window": (1, MAX_SLIDING_WINDOW),
+    "View.kv_group": (0, MAX_KV_GROUP),
     "Tiling.planes": (1, MAX_HEAD_DIM),
     "Tiling.token_group": (1, MAX_TOKENS_PER_BLOCK),
     "View.layers[].layer": (0, MAX_LAYERS - 1),

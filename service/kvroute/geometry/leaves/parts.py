@@ -190,6 +190,9 @@ class View:
     conv_sections: tuple[int, ...] | None = None  # kind conv: per-rank bytes of each section
     sliding_window: int | None = None  # attention window in tokens; None is full attention
     interior: Interior | None = None  # kind hnd: a layout other than [buffers][heads][tokens][row]
+    # The engine's KV cache group (its own block table): views of different groups may overlap in
+    # a pool, since a block id belongs to one group at a time. None: overlaps nothing.
+    kv_group: int | None = None
 
     @cached_property
     def axis(self) -> Axis:

@@ -8,6 +8,7 @@ right under head replication where modulo-based formulas fetch the wrong head.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kvroute.geometry.checks.pairs import PairGeometry
 from kvroute.geometry.leaves.heads import head_range
@@ -37,21 +38,35 @@ def held_heads(reg: RankRegistration, total: int) -> tuple[int, int]:
     return head_range(total, reg.tp_per_dp, reg.tp_rank_in_group)
 
 
-def pair_fragments(
-    sender: RankRegistration,
-    src: View,
-    receiver: RankRegistration,
-    dst: View,
-    geometry: PairGeometry,
-    layers: Iterable[int],
-) -> list[Fragment]:
-    """Uncoalesced fragments moving ``layers`` of the pair from ``sender`` to ``receiver``."""
+HeadRange = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class MatchedPair:
+    """A receiver view (``dst`` of ``receiver``) and the sender view matched to it (``src`` of
+    ``sender``), with the pair's geometry: what the fragments and the token layout are built from."""
+
+    sender: RankRegistration
+    src: View
+    receiver: RankRegistration
+    dst: View
+    geometry: PairGeometry
+
+    def heads(self) -> tuple[HeadRange, HeadRange, HeadRange]:
+        """The heads the sender holds, those the receiver holds, and those both hold (``lo >=
+        hi``: none), under the pair's head total; for a sliced or intact mapper only."""
+        s_lo, s_hi = held_heads(self.sender, self.geometry.total_heads)
+        r_lo, r_hi = held_heads(self.receiver, self.geometry.total_heads)
+        return (s_lo, s_hi), (r_lo, r_hi), (max(s_lo, r_lo), min(s_hi, r_hi))
+
+
+def pair_fragments(pair: MatchedPair, layers: Iterable[int]) -> list[Fragment]:
+    """Uncoalesced fragments moving ``layers`` of the pair from its sender to its receiver."""
+    src, dst, geometry = pair.src, pair.dst, pair.geometry
     src_offsets, dst_offsets = src.offsets, dst.offsets
     if geometry.mapper == "replicated":
         return [(src_offsets[layer], dst_offsets[layer], geometry.unit) for layer in layers]
-    s_lo, s_hi = held_heads(sender, geometry.total_heads)
-    r_lo, r_hi = held_heads(receiver, geometry.total_heads)
-    lo, hi = max(s_lo, r_lo), min(s_hi, r_hi)
+    (s_lo, s_hi), (r_lo, r_hi), (lo, hi) = pair.heads()
     if lo >= hi:
         return []
     if geometry.mapper == "intact":

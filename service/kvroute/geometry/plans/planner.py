@@ -20,7 +20,7 @@ from kvroute.geometry.checks.matching import match_view
 from kvroute.geometry.checks.pairs import PairGeometry, duplication, pair_geometry
 from kvroute.geometry.leaves.errors import GeometryError
 from kvroute.geometry.plans.bounce import fanin_bounce_safe
-from kvroute.geometry.plans.mappers import coalesce, held_heads, pair_fragments
+from kvroute.geometry.plans.mappers import MatchedPair, coalesce, held_heads, pair_fragments
 from kvroute.geometry.plans.plan import PeerPlan, Plan, StateTransfer, ViewTransfer
 from kvroute.geometry.plans.rows import token_axis
 from kvroute.geometry.plans.state_planner import plan_state_view
@@ -215,21 +215,16 @@ def _transfer(
     source: _Source, view: View, receiver: RankRegistration, prompt_tokens: int | None
 ) -> ViewTransfer:
     sender, theirs, geometry = source.sender, source.view, source.geometry
-    axis = token_axis(sender, theirs, receiver, view, geometry, source.assigned, prompt_tokens)
-    fragments = (
-        []
-        if geometry.reblocks
-        else coalesce(pair_fragments(sender, theirs, receiver, view, geometry, source.assigned))
-    )
+    pair = MatchedPair(sender, theirs, receiver, view, geometry)
+    axis = token_axis(pair, source.assigned, prompt_tokens)
+    fragments = [] if geometry.reblocks else coalesce(pair_fragments(pair, source.assigned))
     dup = duplication(
         geometry.local_heads, sender.tp_per_dp, geometry.peer_heads, receiver.tp_per_dp
     )
     if geometry.mapper == "replicated":
         src_heads = dst_heads = (0, 1)
     else:
-        src_heads = held_heads(sender, geometry.total_heads)
-        r_heads = held_heads(receiver, geometry.total_heads)
-        dst_heads = (max(src_heads[0], r_heads[0]), min(src_heads[1], r_heads[1]))
+        src_heads, _, dst_heads = pair.heads()
     return ViewTransfer(
         **ViewTransfer.members_between(
             theirs, view, geometry.mapper, dup, fragments, source.assigned

@@ -14,11 +14,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvroute.geometry.checks.pairs import PairGeometry
 from kvroute.geometry.leaves.parts import Interior, Tiling
 from kvroute.geometry.leaves.spread import IDENTITY, Spread
-from kvroute.geometry.plans.mappers import held_heads
-from kvroute.geometry.registration.model import Kind, RankRegistration, View
+from kvroute.geometry.plans.mappers import MatchedPair
+from kvroute.geometry.registration.model import Kind
 from kvroute.geometry.tokens.periods import PeriodMap, Row, period_spans, spread_spans
 
 
@@ -157,22 +156,15 @@ def _plane_at(q: int, planes: int, tiling: Tiling, tokens: int, row: int) -> int
 
 
 def token_axis(
-    sender: RankRegistration,
-    src: View,
-    receiver: RankRegistration,
-    dst: View,
-    geometry: PairGeometry,
-    layers: Iterable[int],
-    prompt_tokens: int | None = None,
+    pair: MatchedPair, layers: Iterable[int], prompt_tokens: int | None = None
 ) -> TokenAxis:
     """The token layout of ``layers`` of a matched pair, sender to receiver (planner orientation),
     for a prompt of ``prompt_tokens`` where a side's CP chunks depend on it."""
+    src, dst, geometry = pair.src, pair.dst, pair.geometry
     if geometry.mapper == "replicated":
         held, first, moved, head_major = (1, 1), (0, 0), 1, True
     else:
-        s_lo, s_hi = held_heads(sender, geometry.total_heads)
-        r_lo, r_hi = held_heads(receiver, geometry.total_heads)
-        lo, hi = max(s_lo, r_lo), min(s_hi, r_hi)
+        (s_lo, s_hi), (r_lo, r_hi), (lo, hi) = pair.heads()
         held, first, moved = (s_hi - s_lo, r_hi - r_lo), (lo - s_lo, lo - r_lo), max(0, hi - lo)
         head_major = src.kind is not Kind.NHD
     return TokenAxis(
@@ -189,8 +181,8 @@ def token_axis(
         src_first=first[0],
         dst_first=first[1],
         moved=moved,
-        src_spread=sender.placement(prompt_tokens),
-        dst_spread=receiver.placement(prompt_tokens),
+        src_spread=pair.sender.placement(prompt_tokens),
+        dst_spread=pair.receiver.placement(prompt_tokens),
         src_interior=src.interior if head_major else None,
         dst_interior=dst.interior if head_major else None,
     )

@@ -40,6 +40,7 @@ class LayerSpec:
     conv_sections: tuple[int, ...] | None = None
     sliding_window: int | None = None
     interior: Interior | None = None  # hnd: the layout the kernels read, where not the classic one
+    kv_group: int | None = None  # the engine's KV cache group: a view never spans two
 
     @classmethod
     def from_buffers(
@@ -99,6 +100,7 @@ class LayerSpec:
             self.conv_sections,
             self.sliding_window,
             self.interior,
+            self.kv_group,
         )
 
 
@@ -146,4 +148,5 @@ def _view(view_id: int, group: list[LayerSpec]) -> View:
         conv_sections=first.conv_sections,
         sliding_window=first.sliding_window,
         interior=first.interior,
+        kv_group=first.kv_group,
     )

@@ -225,6 +225,7 @@ def _parse_view(r: _Reader) -> View:
         conv_sections=_conv_sections(r) if r.has("conv_sections") else None,
         sliding_window=r.opt_int("sliding_window"),
         interior=_interior(r.child("interior", "Interior")) if r.has("interior") else None,
+        kv_group=r.opt_int("kv_group"),
     )
 
 

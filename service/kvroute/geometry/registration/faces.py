@@ -73,6 +73,8 @@ class ViewFace:
     conv_sections: tuple[int, ...] | None
     sliding_window: int | None
     interior: Interior | None = field(metadata=OPTIONAL)  # absent from digests when classic
+    # Read by no peer check, but two ranks differing only here lay out memory differently.
+    kv_group: int | None = field(metadata=OPTIONAL)
     view_id: int = field(metadata=NAME)
 
     @property
@@ -155,6 +157,7 @@ def _view_face(reg: RankRegistration, view: View) -> ViewFace:
         conv_sections=view.conv_sections,
         sliding_window=view.sliding_window,
         interior=view.interior,
+        kv_group=view.kv_group,
         view_id=view.view_id,
     )
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvroute.geometry.leaves.errors import GeometryError
+from kvroute.geometry.leaves.errors import GeometryError, Ranked
 
 if TYPE_CHECKING:
     from kvroute.geometry.registration.document import _Reader
@@ -62,13 +62,9 @@ class KvQuantization:
     scale_dtype: str | None = None
 
 
-class _Identified(Protocol):
+class _Identified(Ranked, Protocol):
     """What the identity checks read: a registration or its face."""
 
-    @property
-    def instance(self) -> str: ...
-    @property
-    def rank(self) -> int: ...
     @property
     def model(self) -> ModelIdentity | None: ...
     @property

@@ -34,6 +34,7 @@ def render_view(view: View) -> dict[str, Any]:
         "dtype",
         "ssm_bytes_per_head",
         "sliding_window",
+        "kv_group",
     ):
         if getattr(view, key) is not None:
             doc[key] = getattr(view, key)
