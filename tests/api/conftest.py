@@ -1,8 +1,10 @@
-"""API test fixtures: the real app factory on each database of ``database_url``."""
+"""API test fixtures: the real app factory on each database of ``database_url``, and two live
+replicas on one PostgreSQL database."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ from aiohttp.test_utils import TestClient
 
 from kvroute.api import create_app
 from kvroute.api.clock import Clock, system_clock
+from kvroute.live import LiveServer
 from kvroute.settings import Settings
 from tests.clock import ManualClock
 
@@ -54,6 +57,16 @@ def make_client(
         return client
 
     return build
+
+
+@pytest.fixture
+def servers(postgres_test_url: str, tmp_path: Path) -> Iterator[list[str]]:
+    """The URLs of two ``kvroute serve`` processes sharing one PostgreSQL database."""
+    with (
+        LiveServer(tmp_path, database_url=postgres_test_url) as first,
+        LiveServer(tmp_path, database_url=postgres_test_url) as second,
+    ):
+        yield [first.url, second.url]
 
 
 @pytest.fixture

@@ -69,3 +69,24 @@ def test_public_operations_are_the_ones_the_spec_leaves_unsecured(tmp_path):
 
 def test_packaged_spec_is_the_repository_spec():
     assert spec_bytes() == SPEC_PATH.read_bytes()
+
+
+def test_every_operation_with_a_path_parameter_documents_the_422_its_validation_answers():
+    """A path parameter outside its pattern (a deployment name with a space) is answered 422 by
+    the request validator before any handler runs, so each such operation must say so."""
+    spec = yaml.safe_load(SPEC_PATH.read_bytes())
+    shared = spec["components"]["parameters"]
+    undocumented = []
+    for path, item in spec["paths"].items():
+        declared = [shared[p["$ref"].rsplit("/", 1)[1]] if "$ref" in p else p
+                    for p in item.get("parameters", [])]  # fmt: skip
+        for method, operation in item.items():
+            if method == "parameters":
+                continue
+            params = declared + [
+                shared[p["$ref"].rsplit("/", 1)[1]] if "$ref" in p else p
+                for p in operation.get("parameters", [])
+            ]
+            if any(p["in"] == "path" for p in params) and "422" not in operation["responses"]:
+                undocumented.append(f"{method.upper()} {path}")
+    assert not undocumented, undocumented

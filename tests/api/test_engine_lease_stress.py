@@ -28,9 +28,7 @@ import aiohttp
 import pytest
 
 from tests.api.documents import rank_document
-from tests.api.test_registry_stress import RUN_SECONDS, _matrix, _watch, servers
-
-__all__ = ["servers"]  # the fixture: two kvroute processes on one PostgreSQL
+from tests.api.test_registry_stress import RUN_SECONDS, _matrix, _watch
 
 pytestmark = pytest.mark.postgres
 

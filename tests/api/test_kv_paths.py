@@ -9,6 +9,10 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
+from kvroute.client.integrity import path_report
+from kvroute.client.kv_digest import KvDigest, Mismatch
+from kvroute.client.kv_rows import RowKey
+from kvroute.client.kv_state import StateKey
 from tests.api.conftest import WORKER, register
 from tests.api.test_pairs import by_instance, pairs, placed
 
@@ -132,3 +136,25 @@ async def test_producer_digests_are_stored_per_rank_and_read_by_request(client: 
     response = await client.get(digests, params={"producer": "ctx0"}, headers=WORKER)
     assert response.status == 422
     assert "request_id" in (await response.json())["detail"]
+
+
+async def test_state_elements_and_hybrid_digests_are_accepted(client: Client) -> None:
+    """What a hybrid worker sends: a failed state canary naming the conv part and byte, and a
+    digest with a windowed series' first token and state units (``client.kv_digest``'s JSON)."""
+    await two_pairs(client)
+    key = StateKey("target", "conv", "conv", 4, 1, 3)
+    element = path_report("ctx0", "gen0", 0, "canary", Mismatch(key, byte=7))["element"]
+    status, body = await report(client, state="failed", element=element)
+    assert status == 201, body
+    detail = "target conv layer 4 conv section 1 part 3, byte 7"
+    assert body["element"] == {
+        "layer": 4, "head": 3, "state": "conv", "section": 1, "byte": 7, "detail": detail,
+    }  # fmt: skip
+    row = RowKey("target", "key,value", 5, 0, 1)
+    digest = KvDigest((0, 40), 8, {row: [1, 2]}, {row: 30}, {key: 0xFF})
+    upload = {"producer": "ctx0", "request_id": "req-2", "rank": 0, "digest": digest.to_json()}
+    response = await client.post("/v1/deployments/llama/kv-digests", json=upload, headers=WORKER)
+    assert response.status == 204, await response.text()
+    query = {"producer": "ctx0", "request_id": "req-2"}
+    response = await client.get("/v1/deployments/llama/kv-digests", params=query, headers=WORKER)
+    assert KvDigest.from_json((await response.json())["ranks"][0]["digest"]) == digest

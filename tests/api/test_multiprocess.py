@@ -8,13 +8,10 @@ the same moment, one through each process: exactly one may be admitted, every ro
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-from kvroute.live import LiveServer
 from tests.api.documents import rank_document
 
 ROUNDS = 5
@@ -22,15 +19,6 @@ STARTUP_SECONDS = 30.0
 REQUEST_SECONDS = 15.0
 
 pytestmark = pytest.mark.postgres
-
-
-@pytest.fixture
-def servers(postgres_test_url: str, tmp_path: Path) -> Iterator[list[str]]:
-    with (
-        LiveServer(tmp_path, database_url=postgres_test_url) as first,
-        LiveServer(tmp_path, database_url=postgres_test_url) as second,
-    ):
-        yield [first.url, second.url]
 
 
 async def _put(session: aiohttp.ClientSession, url: str, document: dict) -> int:

@@ -20,16 +20,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from kvroute.live import LiveServer
 from tests.api.documents import rank_document
 
 pytestmark = pytest.mark.postgres
@@ -49,15 +46,6 @@ class RankLog:
     lease_expires_at: datetime | None = None
     refusals: list[dict[str, Any]] = field(default_factory=list)
     late_heartbeats: list[tuple[datetime | None, datetime]] = field(default_factory=list)
-
-
-@pytest.fixture
-def servers(postgres_test_url: str, tmp_path: Path) -> Iterator[list[str]]:
-    with (
-        LiveServer(tmp_path, database_url=postgres_test_url) as first,
-        LiveServer(tmp_path, database_url=postgres_test_url) as second,
-    ):
-        yield [first.url, second.url]
 
 
 def _document(instance: str, rank: int, lease: int, variant: int) -> dict[str, Any]:

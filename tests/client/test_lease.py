@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Callable
 
 import pytest
@@ -28,6 +29,34 @@ def test_interval_is_a_third_of_the_lease() -> None:
     client = AsyncKvrouteClient("http://127.0.0.1:1")
     keeper = LeaseKeeper(client, "d", "i", 0, rank_document(lease_seconds=9))
     assert keeper.interval == 3.0
+
+
+async def test_a_failed_renewal_is_retried_within_seconds_not_an_interval(
+    restartable_server: LiveServer,
+) -> None:
+    """kvroute really stopped (SIGSTOP: no answer at all) across one renewal, then resumed: the
+    keeper renews within seconds of kvroute's return, not one interval (8 s here) after its
+    failed renewal, so an outage shorter than the lease never ends it."""
+    process = restartable_server.process
+    assert process is not None
+    loop = asyncio.get_running_loop()
+    async with AsyncKvrouteClient(
+        restartable_server.url, token=WORKER_TOKEN, timeout=1.0, retry=RetryPolicy(attempts=1)
+    ) as client:
+        keeper = LeaseKeeper(
+            client, "lease", "ctx0", 0, rank_document(lease_seconds=60), interval=8
+        )
+        async with keeper:
+            process.send_signal(signal.SIGSTOP)
+            try:
+                await wait_for(lambda: keeper.last_error is not None, limit_s=20)
+            finally:
+                process.send_signal(signal.SIGCONT)
+            resumed = loop.time()
+            await wait_for(lambda: keeper.heartbeats >= 1, limit_s=6)
+            assert keeper.last_error is None
+            assert loop.time() - resumed < 4
+            assert keeper.reregistrations == 0  # the same lease, renewed in time
 
 
 async def test_keeper_heartbeats_and_reregisters_after_restart_on_fresh_db(

@@ -8,6 +8,12 @@ real plan and transport into its own reserved blocks and reads them through *its
 of its layout (not what it registered: a registration that lies about the layout is one of the
 faults a canary exists to catch), comparing every byte. The first wrong element, in order of
 layer, head, token and K/V, names the failure.
+
+A windowed view is checked over the tokens the pair moves (``kv_rows.window_firsts`` with the
+producer's ranks). Recurrent state has its own canary: a state slot each side keeps back
+(``reserved_state_slot``), every byte a function of (owner, roles, state kind, layer, section,
+global unit: SSM head or conv part, byte in the unit), moved with the plan's state transfers as a
+job's state slot pair and checked unit by unit (``kv_state``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import numpy as np
 
 from kvroute.client.kv_digest import Mismatch
 from kvroute.client.kv_rows import RowKey, covered_views, place_rows, read_rows
+from kvroute.client.kv_state import StateKey, place_state, read_state, state_views
 from kvroute.geometry import RankRegistration
 
 MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -35,7 +42,7 @@ def canary_tokens(producer: RankRegistration, consumer: RankRegistration) -> ran
 def reserved_blocks(reg: RankRegistration, tokens: range) -> list[int]:
     """The blocks a rank keeps for the canary: the last ones of its block pool (an engine gives
     them to no request), in order."""
-    views = covered_views(reg)
+    views = [view for view in reg.views if not view.is_state]
     if not views:
         return []
     tpb = reg.tokens(views[0])
@@ -46,6 +53,20 @@ def reserved_blocks(reg: RankRegistration, tokens: range) -> list[int]:
     return list(range(slots - count, slots))
 
 
+def reserved_state_slot(reg: RankRegistration, tokens: range) -> int | None:
+    """The state slot a rank keeps for the canary (None: it has no state): the slot just before
+    the canary's blocks at the rank's tokens per block (``reserved_blocks``), in a pool of its own
+    too, so every rank of an instance names the same slot whether its pools are shared or not."""
+    views = state_views(reg)
+    if not views:
+        return None
+    slots = min(reg.pools_by_id[view.pool_id].num_slots for view in views)
+    slot = slots - 1 - -(-len(tokens) // reg.tokens_per_block)
+    if slot < 0:
+        raise ValueError(f"{reg.label()}: no state slot is left for the canary")
+    return slot
+
+
 def pattern(key: RowKey, tokens: range, width: int) -> np.ndarray:
     """``[tokens, width]`` canary bytes of one row series: a multiplicative mix of the series,
     the prompt position and the byte, so a byte from another layer, head, token, K/V or offset
@@ -53,36 +74,79 @@ def pattern(key: RowKey, tokens: range, width: int) -> np.ndarray:
     name = zlib.crc32(f"{key.owner}/{key.roles}".encode())
     series = ((name * 4099 + key.layer) * 8191 + key.head + 1) * 3 + key.buffer
     token = np.arange(tokens.start, tokens.stop, dtype=np.uint64)[:, None]
-    byte = np.arange(width, dtype=np.uint64)[None, :]
+    return _mix(series, token, np.arange(width, dtype=np.uint64)[None, :])
+
+
+def state_pattern(key: StateKey, size: int) -> np.ndarray:
+    """``[size]`` canary bytes of one state unit: a mix of the unit (kind, layer, section, global
+    head or part) and the byte in it, the same on every side whatever its TP."""
+    name = zlib.crc32(f"{key.owner}/{key.roles}/{key.kind}".encode())
+    series = ((name * 4099 + key.layer) * 131 + key.section) * 1048583 + key.unit + 1
+    return _mix(series, np.zeros(1, dtype=np.uint64), np.arange(size, dtype=np.uint64))
+
+
+def _mix(series: int, token: np.ndarray, byte: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
-        mixed = ((np.uint64(series) * MIX + token) * MIX + byte) * MIX
+        mixed = ((np.uint64(series % 2**64) * MIX + token) * MIX + byte) * MIX
     return (mixed >> np.uint64(56)).astype(np.uint8)
 
 
 def write_canary(
-    reg: RankRegistration, pools: Mapping[int, np.ndarray], blocks: Sequence[int], tokens: range
+    reg: RankRegistration,
+    pools: Mapping[int, np.ndarray],
+    blocks: Sequence[int],
+    tokens: range,
+    state_slot: int | None = None,
 ) -> None:
-    """The producer's side: the pattern into ``blocks`` through the rank's layout."""
+    """The producer's side: the pattern into ``blocks`` (and the state canary into
+    ``state_slot``) through the rank's layout."""
     shapes = {key: rows.shape[1] for key, rows in read_rows(reg, pools, blocks, tokens)}
     place_rows(
         reg, pools, blocks, tokens, {key: pattern(key, tokens, w) for key, w in shapes.items()}
     )
+    if state_slot is not None:
+        sizes = {key: len(data) for key, data in read_state(reg, pools, state_slot)}
+        place_state(
+            reg, pools, state_slot, {key: state_pattern(key, n) for key, n in sizes.items()}
+        )
 
 
 def check_canary(
-    reg: RankRegistration, pools: Mapping[int, np.ndarray], blocks: Sequence[int], tokens: range
+    reg: RankRegistration,
+    pools: Mapping[int, np.ndarray],
+    blocks: Sequence[int],
+    tokens: range,
+    *,
+    firsts: Mapping[int, int] | None = None,
+    state_slot: int | None = None,
 ) -> Mismatch | None:
     """The consumer's side: the first wrong element of the canary it received in ``blocks``
-    (``reg``: the layout its kernels read), or None when every byte is where the pattern says."""
+    (``reg``: the layout its kernels read), then in ``state_slot``, or None when every byte is
+    where the pattern says. A windowed view is checked from ``firsts`` on (the tokens the pair
+    moved: ``kv_rows.window_firsts(reg, len(tokens), producer ranks)``)."""
     first: tuple[tuple[int, int, int, int], Mismatch] | None = None
-    for key, rows in read_rows(reg, pools, blocks, tokens):
-        wrong = np.flatnonzero((rows != pattern(key, tokens, rows.shape[1])).any(axis=1))
+    for key, rows in read_rows(reg, pools, blocks, tokens, firsts):
+        held = range(tokens.stop - rows.shape[0], tokens.stop)
+        wrong = np.flatnonzero((rows != pattern(key, held, rows.shape[1])).any(axis=1))
         if len(wrong):
-            token = tokens.start + int(wrong[0])
+            token = held.start + int(wrong[0])
             order = (key.layer, key.head, token, key.buffer)
             if first is None or order < first[0]:
                 first = (order, Mismatch(key, (token, token + 1)))
-    return None if first is None else first[1]
+    if first is not None:
+        return first[1]
+    return None if state_slot is None else _check_state(reg, pools, state_slot)
+
+
+def _check_state(
+    reg: RankRegistration, pools: Mapping[int, np.ndarray], slot: int
+) -> Mismatch | None:
+    found = sorted(
+        (key, int(wrong[0]))
+        for key, data in read_state(reg, pools, slot)
+        if len(wrong := np.flatnonzero(data != state_pattern(key, len(data))))
+    )
+    return Mismatch(found[0][0], byte=found[0][1]) if found else None
 
 
 def path_report(
@@ -103,7 +167,7 @@ def path_report(
     }
     if failure is not None:
         element = failure.to_json()
-        if element["token_end"] == element["token"] + 1:
+        if "token" in element and element["token_end"] == element["token"] + 1:
             del element["token_end"]
         report["element"] = element
     if cost_ms is not None:

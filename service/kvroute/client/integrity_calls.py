@@ -1,33 +1,18 @@
 """The client's KV integrity calls: path outcomes (``POST``/``GET .../kv-paths``) and sampled
-digests in transit (``.../kv-digests``), mixed into ``AsyncKvrouteClient``."""
+digests in transit (``.../kv-digests``); ``AsyncKvrouteClient`` builds on them."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from typing import Any
 
 from kvroute import wire
+from kvroute.client.http import ServiceCalls
+from kvroute.client.http import segment as _seg
 
 
-def _seg(value: str) -> str:
-    return quote(value, safe="")
-
-
-class KvIntegrityCalls:
-    """Needs the client's ``_call`` (status, JSON body of a 2xx answer; raises otherwise)."""
-
-    if TYPE_CHECKING:
-
-        async def _call(
-            self,
-            method: str,
-            path: str,
-            *,
-            body: Any = None,
-            params: Mapping[str, str | int] | None = None,
-            retry_sent: bool | None = None,
-        ) -> tuple[int, Any]: ...
+class KvIntegrityCalls(ServiceCalls):
+    """The integrity calls, over the client's one session and ``_call``."""
 
     async def report_kv_path(self, deployment: str, report: Mapping[str, Any]) -> wire.KvPath:
         """Reports one path's canary or digest outcome (``integrity.path_report`` builds it).

@@ -2,9 +2,14 @@
 
 Each side hashes what it holds of a token range through its own registered layout (``kv_rows``):
 per (view roles, layer, global head, K/V), xxh3-64 over the rows of each chunk of ``chunk`` tokens
-(chunks start at multiples of ``chunk`` prompt positions, so both sides cut them alike). A producer
-instance's ranks merge their digests; a consumer rank compares the keys it holds. A mismatch names
-the row series and the chunk's tokens, so an operator reads where the bytes went wrong.
+(chunks start at multiples of ``chunk`` prompt positions, so both sides cut them alike). A windowed
+view's series starts at the first token the side holds (``kv_rows.window_firsts``), and the two
+sides compare the chunks both cut alike: from the later of their starts when that is a chunk
+boundary (or both start there), else from the next boundary. A request's recurrent state
+(``kv_state``) has one xxh3-64 per logical unit (layer and SSM head, conv section part, or
+replicated state). A producer instance's ranks merge their digests; a consumer rank compares the
+keys it holds. A mismatch names the row series and the chunk's tokens (or the state unit), so an
+operator reads where the bytes went wrong.
 """
 
 from __future__ import annotations
@@ -18,28 +23,45 @@ import numpy as np
 import xxhash
 
 from kvroute.client.kv_rows import RowKey, read_rows
+from kvroute.client.kv_state import StateKey, state_index
 from kvroute.geometry import RankRegistration
 
 DEFAULT_CHUNK = 256  # tokens per digest: a 64-bit digest per chunk and row series on the wire
 
+Span = tuple[int, int]
+
 
 @dataclass(frozen=True)
 class Mismatch:
-    """The first row series whose digests differ, and the tokens of its first differing chunk."""
+    """The first series whose digests differ: a row series and the tokens of its first differing
+    chunk, or a state unit (``tokens`` None) and, where known (the canary), its first wrong byte."""
 
-    key: RowKey
-    tokens: tuple[int, int]
+    key: RowKey | StateKey
+    tokens: Span | None = None
+    byte: int | None = None
 
     def describe(self) -> str:
+        if self.tokens is None:
+            byte = "" if self.byte is None else f", byte {self.byte}"
+            return f"{self.key.label()}{byte}"
         first, stop = self.tokens
         span = f"token {first}" if stop == first + 1 else f"tokens {first}-{stop - 1}"
         return f"{self.key.label()}, {span}"
 
     def to_json(self) -> dict[str, Any]:
+        key = self.key
+        if isinstance(key, StateKey):
+            state: dict[str, Any] = {"layer": key.layer, "head": key.unit, "state": key.kind}
+            if key.kind == "conv":
+                state["section"] = key.section
+            if self.byte is not None:
+                state["byte"] = self.byte
+            return {**state, "detail": self.describe()}
+        assert self.tokens is not None
         return {
-            "layer": self.key.layer,
-            "head": self.key.head,
-            "kv": "K" if self.key.buffer == 0 else "V",
+            "layer": key.layer,
+            "head": key.head,
+            "kv": "K" if key.buffer == 0 else "V",
             "token": self.tokens[0],
             "token_end": self.tokens[1],
             "detail": self.describe(),
@@ -48,63 +70,107 @@ class Mismatch:
 
 @dataclass
 class KvDigest:
-    """Digests of one token range: row series -> one xxh3-64 per chunk."""
+    """Digests of one token range: row series -> one xxh3-64 per chunk (a windowed series from
+    its first held token, ``firsts``), state unit -> one xxh3-64."""
 
-    tokens: tuple[int, int]
+    tokens: Span
     chunk: int
     rows: dict[RowKey, list[int]] = field(default_factory=dict)
+    firsts: dict[RowKey, int] = field(default_factory=dict)  # series starting after tokens[0]
+    states: dict[StateKey, int] = field(default_factory=dict)
 
     def merge(self, other: KvDigest) -> None:
         """Adds another rank's digests of the same range (replicas of a head agree or mismatch)."""
         if (other.tokens, other.chunk) != (self.tokens, self.chunk):
             raise ValueError(f"digests of {other.tokens} by {other.chunk} and {self.tokens}")
         self.rows.update(other.rows)
+        self.firsts.update(other.firsts)
+        self.states.update(other.states)
+
+    def first(self, key: RowKey) -> int:
+        return self.firsts.get(key, self.tokens[0])
+
+    def spans(self, key: RowKey) -> dict[Span, int]:
+        """A row series' chunk spans (prompt positions) -> digest."""
+        first = self.first(key)
+        if first >= self.tokens[1]:
+            return {}
+        cuts = _cuts(range(first, self.tokens[1]), self.chunk)
+        return {(first + a, first + b): d for (a, b), d in zip(cuts, self.rows[key], strict=True)}
 
     def first_mismatch(self, received: KvDigest) -> Mismatch | None:
         """Compares ``received`` (a consumer's) against these (the producer's) on the series both
-        hold, in key order; a series the producer lacks is not compared."""
-        if (received.tokens, received.chunk) != (self.tokens, self.chunk):
-            raise ValueError(f"digests of {received.tokens} compared with {self.tokens}")
+        hold, in key order: a row series chunk by chunk over the chunks both cut alike (the same
+        tokens), then the state units. A series the producer lacks is not compared."""
+        if received.chunk != self.chunk:
+            raise ValueError(f"digests by {received.chunk} compared with {self.chunk}")
         for key in sorted(received.rows.keys() & self.rows.keys()):
-            for index, (want, got) in enumerate(
-                zip(self.rows[key], received.rows[key], strict=True)
-            ):
-                if want != got:
-                    return Mismatch(key, self._chunk_tokens(index))
+            sent = self.spans(key)
+            for span, got in received.spans(key).items():
+                if span in sent and sent[span] != got:
+                    return Mismatch(key, span)
+        for unit in sorted(received.states.keys() & self.states.keys()):
+            if received.states[unit] != self.states[unit]:
+                return Mismatch(unit)
         return None
+
+    def compared(self, received: KvDigest) -> int:
+        """How many digests ``first_mismatch`` compares (zero: nothing was)."""
+        chunks = sum(
+            len(self.spans(key).keys() & received.spans(key).keys())
+            for key in received.rows.keys() & self.rows.keys()
+        )
+        return chunks + len(received.states.keys() & self.states.keys())
 
     def window(self, first: int) -> KvDigest:
         """These digests from token ``first`` (a chunk boundary) on: what a consumer that moved
-        only a suffix compares with."""
+        only a suffix compares with (a series starting later keeps its start; state stays)."""
         if first % self.chunk and first != self.tokens[0]:
             raise ValueError(f"token {first} is not a boundary of {self.chunk}-token chunks")
-        skip = len(_cuts(range(self.tokens[0], first), self.chunk)) if first > self.tokens[0] else 0
-        rows = {key: digests[skip:] for key, digests in self.rows.items()}
-        return KvDigest((first, self.tokens[1]), self.chunk, rows)
+        cut = KvDigest((first, self.tokens[1]), self.chunk, states=dict(self.states))
+        for key in self.rows:
+            kept = [(span, d) for span, d in self.spans(key).items() if span[0] >= first]
+            cut.rows[key] = [d for _, d in kept]
+            start = kept[0][0][0] if kept else self.tokens[1]
+            if start != first:
+                cut.firsts[key] = start
+        return cut
 
     def shared(self, received: KvDigest) -> int:
-        """How many row series both digests hold (zero: nothing was compared)."""
-        return len(received.rows.keys() & self.rows.keys())
-
-    def _chunk_tokens(self, index: int) -> tuple[int, int]:
-        first = self.tokens[0] // self.chunk * self.chunk + index * self.chunk
-        return max(first, self.tokens[0]), min(first + self.chunk, self.tokens[1])
+        """How many series (row series and state units) both digests hold."""
+        rows = len(received.rows.keys() & self.rows.keys())
+        return rows + len(received.states.keys() & self.states.keys())
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "tokens": list(self.tokens),
             "chunk": self.chunk,
             "rows": [[*key, [f"{d:016x}" for d in digests]] for key, digests in self.rows.items()],
         }
+        if self.firsts:
+            doc["firsts"] = [[*key, first] for key, first in self.firsts.items()]
+        if self.states:
+            doc["states"] = [[*key, f"{d:016x}"] for key, d in self.states.items()]
+        return doc
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> KvDigest:
         first, stop = doc["tokens"]
         rows = {
-            RowKey(str(o), str(r), int(layer), int(h), int(b)): [int(d, 16) for d in digests]
+            _row_key(o, r, layer, h, b): [int(d, 16) for d in digests]
             for o, r, layer, h, b, digests in doc["rows"]
         }
-        return cls((int(first), int(stop)), int(doc["chunk"]), rows)
+        firsts = {_row_key(o, r, layer, h, b): int(t) for o, r, layer, h, b, t in doc.get(
+            "firsts", [])}  # fmt: skip
+        states = {
+            StateKey(str(o), str(r), str(k), int(layer), int(s), int(u)): int(d, 16)
+            for o, r, k, layer, s, u, d in doc.get("states", [])
+        }
+        return cls((int(first), int(stop)), int(doc["chunk"]), rows, firsts, states)
+
+
+def _row_key(owner: Any, roles: Any, layer: Any, head: Any, buffer: Any) -> RowKey:
+    return RowKey(str(owner), str(roles), int(layer), int(head), int(buffer))
 
 
 def kv_digest(
@@ -113,17 +179,31 @@ def kv_digest(
     blocks: Sequence[int],
     tokens: range,
     chunk: int = DEFAULT_CHUNK,
+    *,
+    firsts: Mapping[int, int] | None = None,
+    state_slot: int | None = None,
 ) -> KvDigest:
     """A rank's digests of ``tokens`` of one request (``blocks``: its block list, ``pools``: flat
-    uint8 arrays of the rank's pools)."""
+    uint8 arrays of the rank's pools): a windowed view from its first held token on (``firsts``:
+    ``kv_rows.window_firsts``), and the request's state in ``state_slot`` when given."""
     digest = KvDigest((tokens.start, tokens.stop), chunk)
-    cuts = _cuts(tokens, chunk)
-    for key, rows in read_rows(reg, pools, blocks, tokens):
+    for key, rows in read_rows(reg, pools, blocks, tokens, firsts):
+        first = tokens.stop - rows.shape[0]
+        if first != tokens.start:
+            digest.firsts[key] = first
         flat = rows.reshape(-1)
         width = rows.shape[1]
         digest.rows[key] = [
-            xxhash.xxh3_64_intdigest(flat[a * width : b * width].data) for a, b in cuts
+            xxhash.xxh3_64_intdigest(flat[a * width : b * width].data)
+            for a, b in _cuts(range(first, tokens.stop), chunk)
         ]
+    if state_slot is not None:
+        # Memoryview slices: most units are small, so the cost per unit is the Python around it.
+        views = {pool: array.data for pool, array in pools.items()}
+        digest.states = {
+            unit: xxhash.xxh3_64_intdigest(views[pool][first:end])
+            for pool, unit, first, end in state_index(reg, state_slot)
+        }
     return digest
 
 

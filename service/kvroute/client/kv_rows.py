@@ -7,8 +7,10 @@ shape: for each ``RowKey`` an array ``[tokens, row bytes]``. ``place_rows`` is t
 worker uses to write a known pattern (the canary) through the layout its kernels read.
 
 Covered: block views (hnd with or without a declared interior, nhd, replicated) of a rank without
-context parallelism. Recurrent state and sliding-window views are left out: their extent differs
-between the sides of one request, so a token range does not name the same bytes on both.
+context parallelism, sliding-window views included: the two sides of one request hold different
+extents of a windowed view, so ``window_firsts`` names each windowed view's first held token (by
+the geometry's own window rule) and ``read_rows`` reads such a view from there on. Recurrent
+state is read per request slot by ``kv_state``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvroute.geometry import Kind, RankRegistration, View
+from kvroute.geometry import Kind, RankRegistration, View, window_start
+from kvroute.geometry.checks.matching import match_view
+from kvroute.geometry.checks.pairs import pair_window
 from kvroute.geometry.leaves.heads import head_range
 
 REPLICATED_HEAD = -1  # the head a replicated view's rows are keyed by (identical on every rank)
@@ -49,9 +53,44 @@ def covered_views(reg: RankRegistration) -> list[View]:
             f"{reg.label()}: cp_size={reg.cp_size}; logical KV reads cover ranks without "
             "context parallelism"
         )
-    return [
-        v for v in reg.views if not v.is_state and v.sliding_window is None and _heads_known(reg, v)
-    ]
+    return [v for v in reg.views if not v.is_state and _heads_known(reg, v)]
+
+
+def window_firsts(
+    reg: RankRegistration, prompt_tokens: int, peers: Sequence[RankRegistration] = ()
+) -> dict[int, int]:
+    """View id -> the first prompt position a windowed view holds of a request whose prompt has
+    ``prompt_tokens`` tokens (``prompt_tokens`` itself: none), by the geometry's window rule.
+
+    With ``peers`` (the other side's ranks): what the pair moves, the receiver's tokens
+    (``pair_window``'s first token, from the first peer holding the view's layers), and none of a
+    view whose peer view the peer leaves out (its heads ambiguous there: it writes no canary and
+    sends no digest of it). Without a peer holding the layers: what the rank keeps of its own
+    window (its block holding the window's first token on)."""
+    firsts: dict[int, int] = {}
+    for view in covered_views(reg):
+        pair = next(
+            ((peer, theirs) for peer in peers if (theirs := match_view(view, reg, peer))), None
+        )
+        if pair is not None and not _heads_known(*pair):
+            firsts[view.view_id] = prompt_tokens
+            continue
+        window = None if pair is None else pair_window(reg, view, *pair)
+        if window is not None:
+            first = window.first_token(prompt_tokens)
+        elif pair is None and view.sliding_window is not None:
+            tpb = reg.tokens(view)
+            first = window_start(view.sliding_window, prompt_tokens, tpb, tpb)
+        else:
+            continue
+        firsts[view.view_id] = prompt_tokens if first is None else first
+    return firsts
+
+
+def held_tokens(view: View, tokens: range, firsts: Mapping[int, int] | None) -> range:
+    """The part of ``tokens`` a view holds: from its window's first token on (``firsts``)."""
+    first = (firsts or {}).get(view.view_id, tokens.start)
+    return range(min(max(first, tokens.start), tokens.stop), tokens.stop)
 
 
 def _heads_known(reg: RankRegistration, view: View) -> bool:
@@ -116,25 +155,30 @@ def read_rows(
     pools: Mapping[int, np.ndarray],
     blocks: Sequence[int],
     tokens: range,
+    firsts: Mapping[int, int] | None = None,
 ) -> Iterator[tuple[RowKey, np.ndarray]]:
     """Each covered row series of ``tokens`` (prompt positions; block ``blocks[i]`` holds positions
     ``[i x tpb, (i + 1) x tpb)``) as a C-contiguous ``[tokens, row]`` uint8 array, from the rank's
-    flat uint8 pools."""
+    flat uint8 pools. A windowed view in ``firsts`` (``window_firsts``) yields its rows from its
+    first held token on (``held_tokens``), none when it holds none of ``tokens``."""
     for view in covered_views(reg):
+        held = held_tokens(view, tokens, firsts)
+        if not held:
+            continue
         pool = reg.pools_by_id[view.pool_id]
-        first, count = _block_span(reg, view, tokens)
+        first, count = _block_span(reg, view, held)
         slots = np.asarray(blocks[first : first + count], dtype=np.int64)
-        skip = tokens.start - first * reg.tokens(view)
+        skip = held.start - first * reg.tokens(view)
         heads = global_heads(reg, view)
         for slot in view.layers:
             whole = _regions(
                 pools[view.pool_id], pool.slot_stride, slot.offset, view.bytes_per_layer,
                 pool.num_slots,
             )  # fmt: skip
-            rows = _to_rows(reg, view, whole[slots])[:, :, skip : skip + len(tokens)]
+            rows = _to_rows(reg, view, whole[slots])[:, :, skip : skip + len(held)]
             for j, head in enumerate(heads):
                 for buf in range(view.buffers_per_layer):
-                    key = RowKey(view.owner.value, _roles(view), slot.layer, head, buf)
+                    key = RowKey(view.owner.value, roles_of(view), slot.layer, head, buf)
                     yield key, np.ascontiguousarray(rows[j, buf])
 
 
@@ -161,7 +205,7 @@ def place_rows(
             region = np.zeros(count * view.bytes_per_layer, dtype=np.uint8)
             for j, head in enumerate(global_heads(reg, view)):
                 for buf in range(view.buffers_per_layer):
-                    key = RowKey(view.owner.value, _roles(view), slot.layer, head, buf)
+                    key = RowKey(view.owner.value, roles_of(view), slot.layer, head, buf)
                     region[where[j, buf]] = content[key]
             whole = _regions(
                 pools[view.pool_id], pool.slot_stride, slot.offset, view.bytes_per_layer,
@@ -170,5 +214,5 @@ def place_rows(
             whole[slots] = region.reshape(count, -1)
 
 
-def _roles(view: View) -> str:
+def roles_of(view: View) -> str:
     return ",".join(sorted(view.roles))

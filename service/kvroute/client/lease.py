@@ -1,7 +1,11 @@
 """Keeps ranks registered for as long as their worker lives.
 
 A background task renews at a third of the lease, so two renewals can be lost before the lease
-lapses. By default an engine lease keeps the ranks (``EngineLeaseKeeper``: one lease for all the
+lapses. A renewal that fails (kvroute out of reach, restarting, or refusing for now) is tried
+again after ``RETRY_FIRST_S``, then at doubling delays up to the interval, and always early enough
+for two more tries before the lease would lapse (by this process's clock, from its last renewal);
+once lapsed, every ``RETRY_LAPSED_S`` at most, so the ranks register again soon after kvroute is
+back. A short kvroute outage costs a second or two of renewals, never the lease. By default an engine lease keeps the ranks (``EngineLeaseKeeper``: one lease for all the
 ranks a process owns, one renewal for all of them); ``per_rank=True``, or a server without engine
 leases, heartbeats each rank on its own. When kvroute has forgotten a rank (its lease expired while
 the worker was stalled, an operator or the reaper removed it, or kvroute restarted on a fresh
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Self
@@ -30,6 +35,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_SECONDS = 30  # docs/geometry.md's default when a document names none
 RankKey = tuple[str, int]  # (instance, rank)
+RETRY_FIRST_S = 1.0  # the first retry of a failed renewal; later ones double up to the interval
+RETRY_LAPSED_S = 2.0  # the longest wait between tries once the lease has lapsed
 
 
 class EngineLeaseKeeper:
@@ -64,6 +71,7 @@ class EngineLeaseKeeper:
         self.last_error: KvrouteError | None = None
         self._task: asyncio.Task[None] | None = None
         self._reregistered = asyncio.Event()
+        self._renewed_at = float("-inf")  # time.monotonic() of the last renewal that took
 
     @property
     def running(self) -> bool:
@@ -136,18 +144,32 @@ class EngineLeaseKeeper:
         for key, answer in zip(keys, answers, strict=True):
             self.registered[key] = answer
             self.lease_expires_at = answer.lease_expires_at
+        self._renewed_at = time.monotonic()
 
     async def _run(self) -> None:
+        failures = 0
         while True:
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(self.retry_delay(failures))
             try:
                 await self._renew()
-                self.last_error = None
+                self.last_error, failures = None, 0
             except KvrouteError as error:
-                # Out of reach or refused: keep the worker running and try again next interval;
-                # the lease still has two intervals to go.
-                self.last_error = error
-                log.warning("lease of %s not renewed: %s", self._names(), error)
+                # Out of reach or refused: keep the worker running and try again soon; waiting a
+                # whole interval could let a short kvroute outage end the lease.
+                self.last_error, failures = error, failures + 1
+                log.warning("lease of %s not renewed (%d in a row): %s", self._names(),
+                            failures, error)  # fmt: skip
+
+    def retry_delay(self, failures: int) -> float:
+        """Seconds before the next renewal: the interval, or after ``failures`` failed renewals
+        in a row ``RETRY_FIRST_S`` doubling per failure, never above the interval."""
+        if failures == 0:
+            return self.interval
+        delay = min(self.interval, RETRY_FIRST_S * 2 ** (failures - 1))
+        left = self._renewed_at + self.lease_seconds - time.monotonic()
+        if left <= 0:
+            return min(delay, RETRY_LAPSED_S)
+        return min(delay, max(RETRY_FIRST_S, left / 3))
 
     async def _renew(self) -> None:
         if self.lease_id is None:
@@ -166,6 +188,7 @@ class EngineLeaseKeeper:
             return
         self.heartbeats += 1
         self.lease_expires_at = lease.lease_expires_at
+        self._renewed_at = time.monotonic()
         renewed = {(kept.instance, kept.rank) for kept in lease.ranks}
         gone = [key for key in self.documents if key not in renewed]
         if gone:
@@ -186,6 +209,7 @@ class EngineLeaseKeeper:
                 continue
             self.lease_expires_at = lease.lease_expires_at
         self.heartbeats += 1
+        self._renewed_at = time.monotonic()
         if gone:
             await self._register(gone)
             self._note_reregistered()

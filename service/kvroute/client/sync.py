@@ -15,7 +15,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, Protocol, Self, TypeVar
 
-from kvroute.client.aio import DEFAULT_TIMEOUT_S, AsyncKvrouteClient
+from kvroute.client.aio import AsyncKvrouteClient
+from kvroute.client.http import DEFAULT_TIMEOUT_S
 from kvroute.client.lease import EngineLeaseKeeper, LeaseKeeper
 from kvroute.client.retry import RetryPolicy
 
