@@ -25,6 +25,13 @@ def add_proxy(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument(
         "--cooldown", type=float, default=10.0, help="seconds an unreachable engine is skipped"
     )
+    parser.add_argument(
+        "--hold",
+        type=float,
+        default=120.0,
+        help="seconds the proxy keeps routing from kvroute's last answer while kvroute is out "
+        "of reach (and routes the pairs it knew while their engines register again after)",
+    )
     parser.set_defaults(run=_proxy)
 
 
@@ -34,6 +41,7 @@ def _proxy(args: argparse.Namespace) -> int:
         args.deployment,
         token=os.environ.get("KVROUTE_WORKER_TOKEN"),
         cooldown_s=args.cooldown,
+        hold_s=args.hold,
     )
     web.run_app(app, host=args.host, port=args.port, print=None)
     return 0

@@ -19,6 +19,7 @@ def make_app(
     token: str | None = None,
     refresh_s: float = 1.0,
     cooldown_s: float = 10.0,
+    hold_s: float = 120.0,
     engine_timeout_s: float = 600.0,
 ) -> web.Application:
     app = web.Application()
@@ -28,7 +29,9 @@ def make_app(
         # connect and first-byte bounds: a dead engine fails fast, a long generation does not
         timeout = aiohttp.ClientTimeout(total=engine_timeout_s, sock_connect=5.0, sock_read=120.0)
         session = aiohttp.ClientSession(timeout=timeout)
-        directory = Directory(client, deployment, refresh_s=refresh_s, cooldown_s=cooldown_s)
+        directory = Directory(
+            client, deployment, refresh_s=refresh_s, cooldown_s=cooldown_s, hold_s=hold_s
+        )
         app[handoff_key] = Handoff(directory, session)
         yield
         await session.close()
@@ -55,4 +58,11 @@ async def _health(request: web.Request) -> web.Response:
         producer, consumer = await directory.choose()
     except NoRoute as reason:
         return _problem(503, "no P/D pair available", str(reason))
-    return web.json_response({"producer": producer.instance, "consumer": consumer.instance})
+    return web.json_response(
+        {
+            "producer": producer.instance,
+            "consumer": consumer.instance,
+            "producer_url": producer.url,
+            "consumer_url": consumer.url,
+        }
+    )
