@@ -7,6 +7,7 @@ ids, so a consumer checks what it pulled against the function, whatever blocks e
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,10 +71,12 @@ class Engine:
         )
         specs = {layer_name(i): spec for i in range(LAYERS)}
         workers, caches = [], []
+        engine_id = str(uuid.uuid4())  # one per engine start, shared by its ranks, as in vLLM
         for rank in range(tp):
             config = world.vllm_config(
-                model, role=role, extra=extra, tp_size=tp, rank=rank, block_size=block_size
-            )
+                model, role=role, extra=extra, tp_size=tp, rank=rank, block_size=block_size,
+                engine_id=engine_id,
+            )  # fmt: skip
             kv_cache_config = world.cache_config(config, specs, NUM_BLOCKS)
             connector = KVConnectorFactory.create_connector(
                 config, KVConnectorRole.WORKER, kv_cache_config

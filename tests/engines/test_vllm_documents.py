@@ -190,6 +190,42 @@ def test_mla_latent_is_one_replicated_view(world: ModuleType, tmp_path: Path) ->
     assert "num_kv_heads" not in view
 
 
+@pytest.mark.parametrize(
+    ("tp", "tokens", "peer_tp", "peer_tokens"), [(4, 16, 1, 64), (1, 64, 2, 16)]
+)
+def test_mla_latents_pair_across_tp_and_block_sizes(
+    world: ModuleType, tmp_path: Path, tp: int, tokens: int, peer_tp: int, peer_tokens: int
+) -> None:
+    """vLLM's MLA caches at any TP (every rank the same latent row) and block size pair as one
+    replicated view: one row per token, re-cut by tokens, never split by heads."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from kvroute.geometry.checks.compat import matched_geometries
+
+    model = world.model_dir(tmp_path, "mla", num_key_value_heads=1, num_hidden_layers=2)
+    regs = []
+    for size, block, rank, role in ((tp, tokens, tp - 1, "kv_producer"),
+                                    (peer_tp, peer_tokens, 0, "kv_consumer")):  # fmt: skip
+        config = world.vllm_config(model, tp_size=size, rank=rank, block_size=block, extra=EXTRA)
+        spec = MLAAttentionSpec(
+            block_size=block, num_kv_heads=1, head_size=576, dtype=torch.float16
+        )
+        cache, _ = derive(config, {attn(i): spec for i in range(2)})
+        document = {**cache.document, "role": "context" if role == "kv_producer" else "generation"}
+        regs.append(
+            RankRegistration.from_json(document, deployment="mla", instance=role, rank=rank)
+        )
+    [pair] = matched_geometries(regs[0], regs[1])
+    assert (pair.mapper, pair.total_heads, pair.local_heads, pair.peer_heads) == (
+        "replicated",
+        1,
+        1,
+        1,
+    )
+    assert (pair.tokens, pair.peer_tokens) == (tokens, peer_tokens)
+    assert pair.token_unit == 576 * 2  # one float16 latent row per token
+
+
 def test_a_draft_layer_lives_in_the_draft_namespace(world: ModuleType, llama: Path) -> None:
     """An Eagle draft layer (vLLM numbers it after the target's) registers as draft layer 0."""
     from vllm.v1.kv_cache_interface import (

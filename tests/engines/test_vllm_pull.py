@@ -5,7 +5,8 @@ with the pattern (``engine.pattern``); the handover travels in ``kv_transfer_par
 carries it; the consumer's scheduler asks its connector, the connector's workers pull through
 kvroute's plan over NIXL (UCX on loopback, host memory), and every pulled byte is checked against
 the pattern: TP2 -> TP1 with 16- and 32-token blocks, TP3 -> TP2 with 6 KV heads, a prefix-cache
-hit that moves only the suffix, and a pull from a producer whose NIXL agent is gone.
+hit that moves only the suffix, a pull from a producer whose NIXL agent is gone, and a pull from a
+producer restarted under the same name.
 
 vLLM (and the connector and ``tests.engines.engine``, which import it) is imported by the tests and
 helpers that use it, not at module level: only the pytest-xdist worker running these tests pays for
@@ -43,6 +44,7 @@ PRODUCERS = [
     {"deployment": "llama4", "instance": "p-tp2", "model": LLAMA4, "tp": 2, "heads": 4, "block_size": 16},
     {"deployment": "llama4", "instance": "p-gone", "model": LLAMA4, "tp": 1, "heads": 4, "block_size": 16},
     {"deployment": "llama6", "instance": "p-tp3", "model": LLAMA6, "tp": 3, "heads": 6, "block_size": 16},
+    {"deployment": "llama4", "instance": "p-again", "model": LLAMA4, "tp": 2, "heads": 4, "block_size": 16},
     {"deployment": "llama4", "instance": "p-digest", "model": LLAMA4, "tp": 2, "heads": 4, "block_size": 16,
      "extra": {"kv_digest_rate": 1.0}},
 ]  # fmt: skip
@@ -73,7 +75,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer
     process.start()
     try:
         ready = replies.get(timeout=REPLY_S)
-        assert ready == ("ready", ["p-digest", "p-gone", "p-tp2", "p-tp3"]), ready
+        assert ready == ("ready", ["p-again", "p-digest", "p-gone", "p-tp2", "p-tp3"]), ready
         yield server, Producers(commands, replies), root
     finally:
         commands.put(("stop",))
@@ -102,13 +104,17 @@ def llama4_consumer(world: Any) -> Iterator[Engine]:
     engine.close()
 
 
-def pull(engine: Engine, request_id: str, tokens: list[int], params: dict) -> tuple[Any, set[int]]:
-    """Schedules the handed-over request and polls every worker until its load ended."""
+def pull(
+    engine: Engine, request_id: str, tokens: list[int], params: dict, pause_s: float = 0.0
+) -> tuple[Any, set[int]]:
+    """Schedules the handed-over request and polls every worker until its load ended (after
+    ``pause_s``: no worker looks at the pull before then)."""
     from vllm.v1.request import RequestStatus
 
     request = engine.request(request_id, tokens, params)
     output = engine.step()
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    time.sleep(pause_s)
     ended, errors = set(), set()
     deadline = time.monotonic() + 30
     while len(ended) < len(engine.workers) and time.monotonic() < deadline:
@@ -145,6 +151,7 @@ def test_tp2_producer_to_tp1_consumer_with_larger_blocks(
     assert params["remote_instance"] == "p-tp2"
     assert params["prompt_tokens"] == 40
     assert params["remote_first_token"] == 0
+    assert 0 < params["kvroute_expires_at"] - time.time() <= vllm_producer.WAIT_S  # its hold
     assert [len(group) for group in params["remote_block_ids"]] == [3]  # 40 tokens, 16 per block
     output, errors = pull(llama4_consumer, "decode-1", tokens, params)
     assert errors == set()
@@ -161,13 +168,15 @@ def test_tp2_producer_to_tp1_consumer_with_larger_blocks(
     assert resumed.num_scheduled_tokens == {"decode-1": 1}
     llama4_consumer.finish_prefill(resumed, "decode-1")
     # The first pairing pulled the producer's canary (vLLM's null block) and attested the path.
-    path = canary_path(world, "p-tp2", "d-tp1")
+    path = reported_path(world, "p-tp2", "d-tp1")
     assert (path.state, path.source, path.element) == ("attested", "canary", None)
     assert path.cost_ms is not None
 
 
-def canary_path(world: Any, producer: str, consumer: str) -> Any:
-    """The path's outcome once the consumer's canary check (off the step) has reported it."""
+def reported_path(world: Any, producer: str, consumer: str, state: str | None = None) -> Any:
+    """The path's outcome once the consumer has reported it (in ``state``, when given): the
+    consumer checks a canary off the step and reports a path after it answered vLLM, on a thread
+    of its own, so a report may land after the pull the test waited for."""
     from kvroute.client import KvrouteClient
 
     server, _, _ = world
@@ -176,10 +185,10 @@ def canary_path(world: Any, producer: str, consumer: str) -> Any:
         while time.monotonic() < deadline:
             paths = client.kv_paths("llama4").paths
             found = [p for p in paths if (p.producer, p.consumer) == (producer, consumer)]
-            if found:
+            if found and state in (None, found[0].state):
                 return found[0]
             time.sleep(0.05)
-    raise AssertionError(f"no canary outcome of {producer} -> {consumer}")
+    raise AssertionError(f"no {state or ''} outcome of {producer} -> {consumer}")
 
 
 def test_a_prefix_cache_hit_on_the_consumer_moves_only_the_suffix(
@@ -229,6 +238,22 @@ def test_a_pull_from_a_producer_that_is_gone_is_a_load_error(
     assert len(errors) == 2
 
 
+def test_a_pull_seen_done_only_after_the_producer_s_hold_ended_is_a_load_error(
+    world: Any, llama4_consumer: Engine
+) -> None:
+    """The hand-over is still held when the consumer schedules it, but its pull is seen done only
+    after the producer's stated end of hold: a read may have landed after the producer freed the
+    block, so the blocks are recomputed, not trusted (``clock_skew_s`` 1 s by default)."""
+    _, producers, _ = world
+    tokens = list(range(400, 440))
+    _, _, params = producers.ask("prefill", "p-tp2", "prefill-10", tokens)
+    brief = {**params, "kvroute_expires_at": time.time() + 1.0 + 0.4}
+    # Past the hold before any worker looks at its pull.
+    _, errors = pull(llama4_consumer, "decode-10", tokens, brief, pause_s=0.6)
+    assert errors == set(llama4_consumer.block_ids("decode-10"))
+    assert len(errors) == 2
+
+
 def test_a_refused_pairing_stops_start_up_with_the_refusal(world: Any) -> None:
     """A consumer whose KV heads are 64 wide (the producers' are 32) never starts."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -270,11 +295,9 @@ def test_sampled_digests_agree_and_a_byte_flipped_after_the_write_is_recomputed(
     _, errors = pull(llama4_consumer, "decode-5", tokens, params)
     assert errors == set()
     expect(llama4_consumer, "decode-5", range(40))
-    with KvrouteClient(server.url, token=WORKER_TOKEN) as client:
-        [path] = [p for p in client.kv_paths("llama4").paths if p.producer == "p-digest"]
-        # The canary of the first pairing and this request's digest both attest the path.
-        assert (path.state, path.consumer) == ("attested", "d-tp1")
-        assert path.source in ("canary", "digest")
+    # The canary of the first pairing and this request's digest both attest the path.
+    path = reported_path(world, "p-digest", "d-tp1", "attested")
+    assert path.source in ("canary", "digest")
     _, _, params = producers.ask("prefill", "p-digest", "prefill-6", tokens)
     # Rank 1 holds global heads 2 and 3; token 20, layer 1, its head 0 (global 2), K element 5.
     assert producers.ask("flip", "p-digest", "prefill-6", (1, 1, 0, 20, 5)) == (
@@ -283,11 +306,11 @@ def test_sampled_digests_agree_and_a_byte_flipped_after_the_write_is_recomputed(
     )
     _, errors = pull(llama4_consumer, "decode-6", tokens, params)
     assert errors == set(llama4_consumer.block_ids("decode-6"))  # recomputed, not decoded from
+    path = reported_path(world, "p-digest", "d-tp1", "failed")
+    assert path.source == "digest"
+    assert path.element is not None
+    assert (path.element["layer"], path.element["head"], path.element["kv"]) == (1, 2, "K")
     with KvrouteClient(server.url, token=WORKER_TOKEN) as client:
-        [path] = [p for p in client.kv_paths("llama4").paths if p.producer == "p-digest"]
-        assert (path.state, path.source) == ("failed", "digest")
-        assert path.element is not None
-        assert (path.element["layer"], path.element["head"], path.element["kv"]) == (1, 2, "K")
         pairs = client.pairs("llama4", generation="d-tp1").generation[0]
         assert {e.context: e.code for e in pairs.excluded}.get("p-digest") == "kv_path_failed"
 
@@ -318,3 +341,24 @@ def test_a_request_aborted_before_its_load_frees_the_producer_s_blocks_at_once(
         time.sleep(0.01)
     assert producers.ask("await_sent", "p-tp2", "prefill-7") == ("sent", "prefill-7", [0, 1])
     assert time.monotonic() - started < 60
+
+
+def test_a_producer_restarted_under_its_name_is_pulled_from_as_the_new_engine(
+    world: Any, llama4_consumer: Engine
+) -> None:
+    """p-again (TP2) is pulled from, then killed and started again under the same name: a new
+    vLLM engine id, new NIXL agents and memory, a new generation. Its hand-over names the new
+    engine, and the consumer pulls the new engine's bytes, never the old agents'."""
+    _, producers, _ = world
+    tokens = list(range(900, 940))
+    _, _, before = producers.ask("prefill", "p-again", "prefill-8", tokens)
+    _, errors = pull(llama4_consumer, "decode-8", tokens, before)
+    assert errors == set()
+    assert producers.ask("await_sent", "p-again", "prefill-8") == ("sent", "prefill-8", [0, 1])
+    assert producers.ask("restart", "p-again") == ("restarted", "p-again")
+    _, _, after = producers.ask("prefill", "p-again", "prefill-9", tokens)
+    assert after["remote_engine_id"] != before["remote_engine_id"]
+    _, errors = pull(llama4_consumer, "decode-9", tokens, after)
+    assert errors == set()
+    expect(llama4_consumer, "decode-9", range(40))
+    assert producers.ask("await_sent", "p-again", "prefill-9") == ("sent", "prefill-9", [0, 1])

@@ -82,3 +82,74 @@ def test_the_connector_backs_off_exactly_when_a_group_keeps_state() -> None:
     assert has_state(KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
                                    kv_cache_groups=[attention, state]))  # fmt: skip
     assert not has_state(None)
+
+
+def consumer_side(**extra: float):  # type: ignore[no-untyped-def]
+    from kvroute.engines.vllm.params import Settings
+    from kvroute.engines.vllm.scheduler import SchedulerSide
+
+    settings = Settings.from_config("kv_consumer", {**EXTRA, "instance": "decode0", **extra})
+    return SchedulerSide(settings, 32, (0,))
+
+
+def test_a_producer_states_until_when_it_holds_the_blocks() -> None:
+    """The hand-over carries the producer's end of hold (its wall clock), never later than the
+    worker's own timeout, which starts at its next step."""
+    import time
+
+    from vllm.v1.request import RequestStatus
+
+    from kvroute.engines.vllm.params import Handover, Settings
+    from kvroute.engines.vllm.scheduler import SchedulerSide
+
+    settings = Settings.from_config("kv_producer", {**EXTRA, "send_timeout_s": 45})
+    producer = SchedulerSide(settings, 32, (0,))
+    found = request(list(range(10, 50)), {"do_remote_decode": True})
+    found.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    before = time.time()
+    hold, params = producer.finished(found, ([3, 4],))
+    assert hold
+    assert before + 45 - 0.01 <= params["kvroute_expires_at"] <= time.time() + 45
+    assert Handover.from_params(params).expires_at == params["kvroute_expires_at"]
+
+
+def test_a_consumer_computes_the_prompt_of_an_expired_hand_over_itself() -> None:
+    """Past the producer's end of hold (less the clock skew allowed), its blocks may hold another
+    request's KV: nothing is loaded, and the request is not offered the hand-over again."""
+    import time
+
+    params = {"do_remote_prefill": True, "remote_instance": "prefill0", "remote_request_id": "p1",
+              "remote_block_ids": [[3, 4]], "prompt_tokens": 40}  # fmt: skip
+    for expires_in, loads in ((30.0, True), (1.5, True), (0.5, False), (-10.0, False)):
+        found = request(
+            list(range(10, 50)), {**params, "kvroute_expires_at": time.time() + expires_in}
+        )
+        count, asynchronous = consumer_side(clock_skew_s=1.0).matched_tokens(found, 0)
+        assert (count, asynchronous) == ((40, True) if loads else (0, False)), expires_in
+        assert found.kv_transfer_params["do_remote_prefill"] is loads
+    older = request(list(range(10, 50)), params)  # a producer that states no end: loaded
+    assert consumer_side().matched_tokens(older, 0) == (40, True)
+
+
+def test_block_lists_are_indexed_by_vllm_s_group_id_whichever_groups_transfer() -> None:
+    """Group 0 does not transfer, group 1 does: the hand-over and the load name group 1's list at
+    index 1, where the pulls and digests look it up (``RankCache.group_views``), never at 0."""
+    from vllm.v1.request import RequestStatus
+
+    from kvroute.engines.vllm.params import Handover, Settings
+    from kvroute.engines.vllm.scheduler import SchedulerSide
+
+    producer = SchedulerSide(Settings.from_config("kv_producer", EXTRA), 32, (1,))
+    found = request(list(range(10, 50)), {"do_remote_decode": True})
+    found.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    hold, params = producer.finished(found, ([7, 8], [3, 4]))
+    assert hold
+    assert Handover.from_params(params).block_ids == ((), (3, 4))
+    settings = Settings.from_config("kv_consumer", {**EXTRA, "instance": "decode0"})
+    consumer = SchedulerSide(settings, 32, (1,))
+    taken = request(list(range(10, 50)), params)
+    assert consumer.matched_tokens(taken, 0) == (40, True)
+    consumer.after_alloc(taken, ([5, 6], [9, 10]), 40)
+    (load,) = consumer.take_step().loads
+    assert load.block_ids == ((), (9, 10))
+    assert load.blocks_to_write() == {9, 10}

@@ -4,7 +4,8 @@ Each instance is an ``engine.Engine`` with role kv_producer: its ranks register 
 start-up, a request is prefilled by vLLM's scheduler (the model's output is one sampled token),
 its blocks are filled with the pattern, and the handover (``kv_transfer_params``) goes back to the
 test. The process then reports when every rank has been told the consumer pulled (the blocks are
-freed), or drops an instance's NIXL agents as a crashed engine would lose them.
+freed), drops an instance's NIXL agents as a crashed engine would lose them, or restarts an
+instance as a new engine under the same name.
 """
 
 from __future__ import annotations
@@ -16,19 +17,29 @@ from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any
 
-WAIT_S = 120.0
+WAIT_S = 300.0  # the test process may take minutes (a consumer start) between commands
 
 
 def serve(url: str, token: str, root: str, instances: list[dict[str, Any]], commands: Queue,
           replies: Queue) -> None:  # fmt: skip
     engines: dict[str, Any] = {}
     try:
-        _start(url, token, root, instances, engines)
+        specs = {spec["instance"]: spec for spec in instances}
+        for spec in instances:
+            engines[spec["instance"]] = _engine(url, token, root, spec)
         replies.put(("ready", sorted(engines)))
         while True:
             command, *args = commands.get(timeout=WAIT_S)
             if command == "stop":
                 break
+            if command == "restart":
+                # Killed, then started again under the same name: a new engine id and generation.
+                _crash(engines[args[0]])
+                for worker in engines[args[0]].workers:
+                    worker.worker.lease.stop()  # a dead process renews nothing
+                engines[args[0]] = _engine(url, token, root, specs[args[0]])
+                replies.put(("restarted", args[0]))
+                continue
             replies.put(_handle(engines, command, *args))
     except Exception:  # the test reads the failure instead of waiting out its bound
         replies.put(("error", traceback.format_exc()))
@@ -38,20 +49,18 @@ def serve(url: str, token: str, root: str, instances: list[dict[str, Any]], comm
             engine.close()
 
 
-def _start(url: str, token: str, root: str, instances: list[dict[str, Any]],
-           engines: dict[str, Any]) -> None:  # fmt: skip
+def _engine(url: str, token: str, root: str, spec: dict[str, Any]) -> Any:
     from tests.engines.engine import Engine
     from tests.engines.vllm_world import model_dir
 
-    for spec in instances:
-        model = model_dir(Path(root), spec["deployment"], **spec["model"])
-        extra = {"url": url, "token": token, "deployment": spec["deployment"],
-                 "instance": spec["instance"], "send_timeout_s": WAIT_S,
-                 **spec.get("extra", {})}  # fmt: skip
-        engines[spec["instance"]] = Engine.start(
-            model, role="kv_producer", extra=extra, tp=spec["tp"],
-            total_heads=spec["heads"], block_size=spec["block_size"],
-        )  # fmt: skip
+    model = model_dir(Path(root), spec["deployment"], **spec["model"])
+    extra = {"url": url, "token": token, "deployment": spec["deployment"],
+             "instance": spec["instance"], "send_timeout_s": WAIT_S,
+             **spec.get("extra", {})}  # fmt: skip
+    return Engine.start(
+        model, role="kv_producer", extra=extra, tp=spec["tp"],
+        total_heads=spec["heads"], block_size=spec["block_size"],
+    )  # fmt: skip
 
 
 def _handle(engines: dict[str, Any], command: str, *args: Any) -> tuple[Any, ...]:
@@ -66,15 +75,19 @@ def _handle(engines: dict[str, Any], command: str, *args: Any) -> tuple[Any, ...
         _flip(engines[instance], request_id, where)
         return ("flipped", request_id)
     if command == "drop":
-        for worker in engines[args[0]].workers:
-            # As a crashed engine: the agent and its UCX worker go away with their memory
-            # registrations; kvroute still holds the rank (its lease has not lapsed).
-            endpoint, worker.worker.endpoint = worker.worker.endpoint, None
-            endpoint.close()
-            del endpoint._agent
-        gc.collect()
+        _crash(engines[args[0]])
         return ("dropped", args[0])
     raise ValueError(command)
+
+
+def _crash(engine: Any) -> None:
+    for worker in engine.workers:
+        # As a crashed engine: the agent and its UCX worker go away with their memory
+        # registrations; kvroute still holds the rank (its lease has not lapsed).
+        endpoint, worker.worker.endpoint = worker.worker.endpoint, None
+        endpoint.close()
+        del endpoint._agent
+    gc.collect()
 
 
 def _prefill(engine: Any, request_id: str, tokens: list[int]) -> dict[str, Any]:

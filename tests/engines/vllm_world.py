@@ -57,6 +57,7 @@ def vllm_config(
     block_size: int = 16,
     layout: str = "BLHNC",
     max_model_len: int = 128,
+    engine_id: str | None = None,
 ) -> VllmConfig:
     model_config = ModelConfig(
         model=str(model), dtype="float16", skip_tokenizer_init=True, max_model_len=max_model_len
@@ -81,6 +82,7 @@ def vllm_config(
             kv_connector_module_path="kvroute.engines.vllm",
             kv_role=role,
             kv_connector_extra_config=extra or {},
+            engine_id=engine_id,  # vLLM's workers share their engine's (None: a new one)
         ),
     )
     return config
@@ -106,7 +108,7 @@ def flash_layouts(vllm_config: Any, layers: list[Any]) -> dict[str, Any]:
     not here: the probe and the contract are kvroute's own, the write is FlashAttention's
     ``reshape_and_cache_flash`` indexing (token ``slot`` of block 0 at ``[0, slot, head, :]``) on
     the backend's own split of the layer tensor (``transpose(1, 2).split(head_size, -1)``)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     from kvroute.engines.vllm.backends import contract, probe_spec
     from kvroute.engines.vllm.layout import attention_layout
@@ -114,6 +116,9 @@ def flash_layouts(vllm_config: Any, layers: list[Any]) -> dict[str, Any]:
     layouts = {}
     for layer in layers:
         spec, tensor = layer.spec, layer.tensor
+        if type(spec) is MLAAttentionSpec:
+            layouts[layer.name] = latent_layout(spec, tensor)
+            continue
         if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
             continue
 
@@ -127,6 +132,27 @@ def flash_layouts(vllm_config: Any, layers: list[Any]) -> dict[str, Any]:
         assert found.layout == contract("FLASH_ATTN", None, spec.head_size, order), found.layout
         layouts[layer.name] = found.layout
     return layouts
+
+
+def concat_and_cache_mla(kv_c: Any, k_pe: Any, cache: Any, slots: Any) -> None:
+    """The GPU MLA backends' ``concat_and_cache_mla`` indexing: token ``slot`` at block
+    ``slot // tokens``, row ``slot % tokens``, its kv_c then its k_pe (any block stride)."""
+    rows = cache.flatten(1, -2) if cache.dim() == 4 else cache
+    tokens, lora = rows.shape[1], kv_c.shape[-1]
+    rows[slots // tokens, slots % tokens, :lora] = kv_c
+    rows[slots // tokens, slots % tokens, lora:] = k_pe.squeeze(1)
+
+
+def latent_layout(spec: Any, tensor: Any) -> Any:
+    """An MLA layer's layout as the connector's probe finds it through ``concat_and_cache_mla``
+    (DeepSeek's 512 + 64 latent row)."""
+    from kvroute.engines.vllm.latent import ROW, latent_contract, probe_latent
+
+    found, _ = probe_latent(concat_and_cache_mla, tokens=spec.block_size, lora=512, rope=64,
+                                 dtype=tensor.dtype, device=tensor.device,
+                                 strides=tuple(tensor.stride()))  # fmt: skip
+    assert found == ROW, found
+    return latent_contract("FLASHMLA", "auto", spec.head_size, 512, 64)
 
 
 def _install_flash_probe() -> None:

@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from kvroute.engines.vllm.latent import check_latent
 from kvroute.engines.vllm.layout import attention_layout
 from kvroute.engines.vllm.probe import Layout, LayoutProbeError, Probed, probe
 from kvroute.geometry import HeadOrder, Interior, Kind, Tiling
@@ -94,9 +95,14 @@ def check_layer(layer: Any, name: str, tensor: Any, spec: Any) -> Checked:
     return Checked(backend, expected, found.seconds)
 
 
-def attention_layers(vllm_config: Any, names: list[str]) -> dict[str, Any]:
-    """The model's attention layer objects by name (their backend, impl and ISA)."""
+def attention_layers(vllm_config: Any, names: list[str], latent: bool = False) -> dict[str, Any]:
+    """The model's attention (or MLA) layer objects by name (their backend, impl and ISA)."""
     from vllm.config import get_layers_from_vllm_config
+
+    if latent:
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+        return dict(get_layers_from_vllm_config(vllm_config, MLAAttention, names))
     from vllm.model_executor.layers.attention import Attention
 
     return dict(get_layers_from_vllm_config(vllm_config, Attention, names))
@@ -104,25 +110,42 @@ def attention_layers(vllm_config: Any, names: list[str]) -> dict[str, Any]:
 
 def checked_layouts(vllm_config: Any, layers: list[Any]) -> dict[str, Layout]:
     """Each attention layer's probed layout, one probe per distinct (backend, ISA, shape)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    attention = [
-        layer for layer in layers if type(layer.spec) in (FullAttentionSpec, SlidingWindowSpec)
-    ]
-    objects = attention_layers(vllm_config, [layer.name for layer in attention])
     found: dict[tuple[object, ...], Checked] = {}
     layouts = {}
-    for layer in attention:
-        engine_layer = objects.get(layer.name)
-        if engine_layer is None:
-            raise LayoutProbeError(f"layer {layer.name}: vLLM has no attention layer to probe")
-        spec, tensor = layer.spec, layer.tensor
-        key = (engine_layer.attn_backend.get_name(), getattr(engine_layer, "isa", None),
-               spec.num_kv_heads, spec.block_size, spec.head_size, tensor.dtype, tensor.stride()[1:])  # fmt: skip
-        if key not in found:
-            found[key] = check_layer(engine_layer, layer.name, tensor, spec)
-            checked = found[key]
-            log.info("kvroute layout probe: %s (%s): %s in %.0f ms", layer.name, checked.backend,
-                     checked.layout.describe(), checked.probe_seconds * 1000)  # fmt: skip
-        layouts[layer.name] = found[key].layout
+    for latent, types in (
+        (False, (FullAttentionSpec, SlidingWindowSpec)),
+        (True, (MLAAttentionSpec,)),
+    ):
+        chosen = [layer for layer in layers if type(layer.spec) in types]
+        objects = (
+            attention_layers(vllm_config, [layer.name for layer in chosen], latent)
+            if chosen
+            else {}
+        )
+        for layer in chosen:
+            engine_layer = objects.get(layer.name)
+            if engine_layer is None:
+                raise LayoutProbeError(f"layer {layer.name}: vLLM has no attention layer to probe")
+            layouts[layer.name] = _checked(found, engine_layer, layer, latent).layout
     return layouts
+
+
+def _checked(
+    found: dict[tuple[object, ...], Checked], engine_layer: Any, layer: Any, latent: bool
+) -> Checked:
+    """The layer's check, probed once per distinct (backend, ISA or cache dtype, shape)."""
+    spec, tensor = layer.spec, layer.tensor
+    key = (latent, engine_layer.attn_backend.get_name(), getattr(engine_layer, "isa", None),
+           getattr(engine_layer, "kv_cache_dtype", None), spec.num_kv_heads, spec.block_size,
+           spec.head_size, tensor.dtype, tensor.stride()[1:])  # fmt: skip
+    if key not in found:
+        if latent:
+            found[key] = Checked(*check_latent(engine_layer, layer.name, tensor, spec))
+        else:
+            found[key] = check_layer(engine_layer, layer.name, tensor, spec)
+        checked = found[key]
+        log.info("kvroute layout probe: %s (%s): %s in %.0f ms", layer.name, checked.backend,
+                 checked.layout.describe(), checked.probe_seconds * 1000)  # fmt: skip
+    return found[key]

@@ -55,7 +55,11 @@ class KvrouteConnector(KVConnectorBase_V1, SupportsHMA):
             if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
                 block_size = kv_cache_config.kv_cache_groups[groups[0]].kv_cache_spec.block_size
             self.scheduler = SchedulerSide(
-                self.settings, block_size, groups, backoff=1 if has_state(kv_cache_config) else 0
+                self.settings,
+                block_size,
+                groups,
+                backoff=1 if has_state(kv_cache_config) else 0,
+                engine_id=transfer.engine_id or "",
             )
         else:
             self.worker = Worker(self.settings, vllm_config, kv_cache_config)
@@ -132,6 +136,18 @@ class KvrouteConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         return self.worker.finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """``get_finished`` and, for a hybrid model, the failed loads by request id."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        assert self.worker is not None
+        sending, recving = self.worker.finished()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self.worker.failed_requests(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None

@@ -16,76 +16,41 @@ the request's blocks load errors (vLLM recomputes them rather than decoding from
 reported to kvroute as a failed path (the pairs answer then leaves the pair out, an event and
 ``kvroute_kv_digest_mismatch_total`` follow) and logged with the first wrong element.
 
-Digests read host memory (a CPU engine's cache, ``mem_type`` DRAM) and one KV cache group of
-attention (hybrid state groups are not digested); elsewhere a marked request is pulled unchecked,
+Digests cover every KV cache group that transfers (``memory``: full attention, sliding windows
+over the tokens each side holds, recurrent state as one request state per group) and read host
+memory (a CPU engine's cache, ``mem_type`` DRAM); elsewhere a marked request is pulled unchecked,
 and said so once in the log.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kvroute.client import KvrouteClient, KvrouteError
-from kvroute.client.integrity import check_canary, path_report, write_canary
-from kvroute.client.kv_digest import KvDigest, Mismatch, kv_digest
-from kvroute.client.nixl_descs import PoolAddress
+from kvroute.client.integrity import path_report
+from kvroute.client.kv_digest import KvDigest, Mismatch
+from kvroute.engines.vllm.memory import Canary, RankMemory
 from kvroute.geometry import RankRegistration
 
 log = logging.getLogger(f"vllm.{__name__}")
-POLL_S = 0.05
-NULL_BLOCK = 0  # vLLM's BlockPool hands it to no request: the canary's block on both sides  # between reads of the producer's digests while its ranks are still storing them
+Blocks = tuple[tuple[int, ...], ...]  # a request's block list per KV cache group, by group id
+CHECKERS = 4  # sampled requests a consumer rank compares at once
+POLL_S = 0.05  # between reads of the producer's digests while its ranks are still storing them
+# A path report kvroute could not take is sent again after these pauses (s): a lease that lapsed
+# on a loaded machine (404 until the keeper registers again) or kvroute restarting must not lose
+# a canary, which is pulled once per pairing.
+REPORT_RETRIES_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 
 
-def host_pools(addresses: Mapping[int, PoolAddress]) -> dict[int, np.ndarray]:
-    """Flat uint8 arrays over a rank's registered pools (host memory)."""
-    return {
-        pool: np.ctypeslib.as_array(
-            (ctypes.c_uint8 * (at.slot_stride * at.num_slots)).from_address(at.base)
-        )
-        for pool, at in addresses.items()
-    }
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """What a rank digests: its registration and its pools; None where digests cannot read."""
-
-    reg: RankRegistration
-    pools: dict[int, np.ndarray]
-
-    @classmethod
-    def of(
-        cls,
-        document: Mapping[str, Any],
-        where: tuple[str, str, int],
-        addresses: Mapping[int, PoolAddress],
-        mem_type: str,
-        groups: int,
-    ) -> RankMemory | None:
-        deployment, instance, rank = where
-        if mem_type != "DRAM" or groups != 1:
-            log.warning("kvroute: KV digests read host memory of one KV cache group; %s rank %d "
-                        "(%s, %d groups) pulls sampled requests unchecked", instance, rank,
-                        mem_type, groups)  # fmt: skip
-            return None
-        reg = RankRegistration.from_json(
-            document, deployment=deployment, instance=instance, rank=rank
-        )
-        return cls(reg, host_pools(addresses))
-
-    def digest(self, blocks: tuple[int, ...], tokens: range, chunk: int) -> KvDigest:
-        return kv_digest(self.reg, self.pools, blocks, tokens, chunk)
-
-    def write_canary(self) -> None:
-        write_canary(self.reg, self.pools, [NULL_BLOCK], range(self.reg.tokens_per_block))
+def _transient(error: KvrouteError) -> bool:
+    """Unreachable, a side not live (yet: a lease being renewed), or kvroute overloaded."""
+    return error.status is None or error.status in (404, 429) or error.status >= 500
 
 
 class ProducerDigests:
@@ -95,13 +60,13 @@ class ProducerDigests:
         self.client, self.memory, self.chunk = client, memory, chunk
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-digest")
 
-    def submit(self, request_id: str, blocks: tuple[int, ...], prompt_tokens: int) -> None:
+    def submit(self, request_id: str, blocks: Blocks, prompt_tokens: int) -> None:
         self.pool.submit(self._store, request_id, blocks, prompt_tokens)
 
-    def _store(self, request_id: str, blocks: tuple[int, ...], prompt_tokens: int) -> None:
+    def _store(self, request_id: str, blocks: Blocks, prompt_tokens: int) -> None:
         reg = self.memory.reg
         try:
-            digest = self.memory.digest(blocks, range(prompt_tokens), self.chunk)
+            digest = self.memory.digest(blocks, range(prompt_tokens), self.chunk, prompt_tokens)
             self.client.put_kv_digest(
                 reg.deployment, reg.instance, request_id, reg.rank, digest.to_json()
             )
@@ -114,24 +79,34 @@ class ProducerDigests:
 
 @dataclass(frozen=True)
 class Check:
-    """One received request to compare: who produced it, its blocks here, the tokens moved."""
+    """One received request to compare: who produced it (its ranks' registrations), its blocks
+    here (a list per KV cache group), the tokens moved of its prompt."""
 
     request_id: str
     producer: str
     producer_request: str
     senders: frozenset[int]
-    blocks: tuple[int, ...]
+    blocks: Blocks
     tokens: tuple[int, int]
+    prompt_tokens: int
+    documents: Mapping[int, Mapping[str, Any]]
 
 
 class ConsumerChecks:
-    """A consumer rank's comparisons, off the step; ``finished`` answers (check, failure)."""
+    """A consumer rank's comparisons, off the step; ``finished`` answers (check, failure).
+
+    Several at once: a check mostly waits, for the producer's digest to reach kvroute, and one
+    waiting must not hold back the next request's. A path's outcome is reported after the
+    request is answered, on a thread of its own: the report is a kvroute write, no part of
+    whether the request's KV can be trusted."""
 
     def __init__(
         self, client: KvrouteClient, memory: RankMemory, chunk: int, timeout_s: float
     ) -> None:
         self.client, self.memory, self.chunk, self.timeout_s = client, memory, chunk, timeout_s
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-digest-check")
+        self.pool = ThreadPoolExecutor(CHECKERS, thread_name_prefix="kvroute-digest-check")
+        self.reports = ThreadPoolExecutor(1, thread_name_prefix="kvroute-path-report")
+        self.closing = threading.Event()  # ends a report's pause between tries
         self.running: dict[str, tuple[Check, Future[str | None]]] = {}
 
     def submit(self, check: Check) -> None:
@@ -147,24 +122,21 @@ class ConsumerChecks:
                 ended.append((check, f"digest check failed: {error}" if error else future.result()))
         return ended
 
-    def canary(self, producer: str, tokens: int, cost_s: float) -> None:
+    def canary(self, producer: str, canary: Canary, tokens: int, cost_s: float) -> None:
         """Checks the canary pulled from ``producer`` into the null block and reports the path."""
-        self.pool.submit(self._canary, producer, tokens, cost_s)
+        self.pool.submit(self._canary, producer, canary, tokens, cost_s)
 
-    def _canary(self, producer: str, tokens: int, cost_s: float) -> None:
+    def _canary(self, producer: str, canary: Canary, tokens: int, cost_s: float) -> None:
         reg = self.memory.reg
         started = time.perf_counter()
-        failure = check_canary(reg, self.memory.pools, [NULL_BLOCK], range(tokens))
+        failure = self.memory.check_canary(canary, tokens)
         cost_ms = (cost_s + time.perf_counter() - started) * 1e3
         if failure is not None:
             log.error("kvroute: the canary from %s to %s rank %d failed at %s; kvroute routes no "
                       "request over this path", producer, reg.instance, reg.rank,
                       failure.describe())  # fmt: skip
         report = path_report(producer, reg.instance, reg.rank, "canary", failure, cost_ms)
-        try:
-            self.client.report_kv_path(reg.deployment, report)
-        except KvrouteError:
-            log.warning("kvroute: could not report the canary from %s", producer, exc_info=True)
+        self.reports.submit(self._send, report, f"the canary from {producer}")
 
     def _compare(self, check: Check) -> str | None:
         sent = self._producer_digest(check)
@@ -174,9 +146,16 @@ class ConsumerChecks:
         first = -(-start // self.chunk) * self.chunk  # whole chunks only: the producer's cuts
         if first >= end:
             return None
-        got = self.memory.digest(check.blocks, range(first, end), self.chunk)
+        peers = [
+            RankRegistration.from_json(doc, deployment=self.memory.reg.deployment,
+                                       instance=check.producer, rank=rank)
+            for rank, doc in sorted(check.documents.items())
+        ]  # fmt: skip
+        got = self.memory.digest(
+            check.blocks, range(first, end), self.chunk, check.prompt_tokens, peers
+        )
         failure = sent.window(first).first_mismatch(got)
-        self._report(check, failure)
+        self.reports.submit(self._report, check, failure)
         return None if failure is None else f"KV digest mismatch: {failure.describe()}"
 
     def _producer_digest(self, check: Check) -> KvDigest | None:
@@ -199,11 +178,23 @@ class ConsumerChecks:
     def _report(self, check: Check, failure: Mismatch | None) -> None:
         reg = self.memory.reg
         report = path_report(check.producer, reg.instance, reg.rank, "digest", failure)
-        try:
-            self.client.report_kv_path(reg.deployment, report)
-        except KvrouteError:
-            log.warning("kvroute: could not report the digest of %s", check.request_id,
-                        exc_info=True)  # fmt: skip
+        self._send(report, f"the digest of {check.request_id}")
+
+    def _send(self, report: Mapping[str, Any], what: str) -> None:
+        """Reports a path's outcome, again after a pause while kvroute cannot take it."""
+        deployment = self.memory.reg.deployment
+        for pause_s in (*REPORT_RETRIES_S, None):
+            try:
+                self.client.report_kv_path(deployment, report)
+                return
+            except KvrouteError as error:
+                if pause_s is None or not _transient(error):
+                    log.warning("kvroute: could not report %s: %s", what, error)
+                    return
+            if self.closing.wait(pause_s):
+                return
 
     def close(self) -> None:
+        self.closing.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.reports.shutdown(wait=False, cancel_futures=True)

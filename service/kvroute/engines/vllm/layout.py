@@ -98,9 +98,16 @@ def describe(
         for offset_in_page, spec in _layer_specs(layer, layouts, total_kv_heads, conv_dim_first):
             address = layer.tensor.data_ptr() + offset_in_page
             _place_spec(pools, layer, spec, address)
-    descriptions, addresses, groups = [], {}, {}
+    # With several KV cache groups (vLLM's hybrid allocator) each layer's spec names its group:
+    # views are then split so that none spans two groups, and pages of different groups may
+    # share bytes (a block id belongs to one group at a time). One group keeps the old document.
+    named = len({layer.group for layer in layers}) > 1
+    descriptions, addresses = [], {}
     for pool_id, pool in enumerate(pools):
-        specs = [_with_pool(spec, pool_id, address - pool.base) for spec, address, _ in pool.specs]
+        specs = [
+            _with_pool(spec, pool_id, address - pool.base, group if named else None)
+            for spec, address, group in pool.specs
+        ]
         descriptions.append(
             PoolDescription(
                 pool_id,
@@ -115,17 +122,15 @@ def describe(
             )
         )
         addresses[pool_id] = PoolAddress(pool.base, pool.stride, pool.slots, pool.device)
-        for spec, (_, _, group) in zip(specs, pool.specs, strict=True):
-            groups[(spec.owner, spec.layer, spec.kind.recurrent, spec.roles)] = group
     views = build_views(spec for pool in descriptions for spec in pool.specs)
     cache = RankCache(
         _document(place, layers, descriptions, views, num_draft_layers, lease_seconds),
         addresses,
         _mem_type(layers),
     )
+    only_group = min((layer.group for layer in layers), default=0)
     for view in views:
-        first = view.layers[0].layer
-        group = groups[(view.owner, first, view.kind.recurrent, view.roles)]
+        group = only_group if view.kv_group is None else view.kv_group
         cache.group_views.setdefault(group, set()).add(view.view_id)
         if view.kind.recurrent:
             cache.state_groups.add(group)
@@ -136,10 +141,10 @@ def _mem_type(layers: list[Layer]) -> str:
     return "VRAM" if layers and layers[0].tensor.device.type == "cuda" else "DRAM"
 
 
-def _with_pool(spec: LayerSpec, pool_id: int, offset: int) -> LayerSpec:
+def _with_pool(spec: LayerSpec, pool_id: int, offset: int, group: int | None) -> LayerSpec:
     from dataclasses import replace
 
-    return replace(spec, pool_id=pool_id, offset=offset)
+    return replace(spec, pool_id=pool_id, offset=offset, kv_group=group)
 
 
 def _place_spec(pools: list[_Pool], layer: Layer, spec: LayerSpec, address: int) -> None:
@@ -177,6 +182,10 @@ def _layer_specs(
     if isinstance(spec, MambaSpec):
         return state_specs(layer, conv_dim_first)
     if isinstance(spec, MLAAttentionSpec):
+        if layer.name not in layouts:
+            raise ValueError(
+                f"layer {layer.name}: its latent layout was not probed; nothing is guessed"
+            )
         return [(0, _mla_spec(layer))]
     if not isinstance(spec, FullAttentionSpec | SlidingWindowSpec) or type(spec) not in (
         FullAttentionSpec,

@@ -29,6 +29,9 @@ class Settings:
     lease_seconds: int = 30
     pull_timeout_s: float = 30.0  # a pull still running after this is a load error
     send_timeout_s: float = 120.0  # a producer frees blocks no consumer pulled after this
+    # How far a consumer's wall clock may run behind its producers': a hand-over is treated as
+    # expired this long before the producer's stated end of hold (``Handover.expires_at``).
+    clock_skew_s: float = 1.0
     kv_cache_layout: str | None = "BLHNC"  # asked of vLLM: one pool, all layers of a block together
     # Registration members passed through as given (kvroute checks them): the model's identity
     # ("model": {"name", "revision", ...}), its KV quantization and the engine's topology domains.
@@ -62,6 +65,7 @@ class Settings:
             lease_seconds=int(extra.get("lease_seconds", 30)),
             pull_timeout_s=float(extra.get("pull_timeout_s", 30.0)),
             send_timeout_s=float(extra.get("send_timeout_s", 120.0)),
+            clock_skew_s=float(extra.get("clock_skew_s", 1.0)),
             kv_cache_layout=extra.get("kv_cache_layout", "BLHNC"),
             members=tuple((key, extra[key]) for key in PASSED_MEMBERS if extra.get(key)),
             kv_digest_rate=_rate(extra.get("kv_digest_rate", 0.0)),
@@ -95,6 +99,19 @@ class Handover:
     first_token: int  # token held by the first block of each list
     prompt_tokens: int
     kv_digest: bool = False  # sampled: the producer's ranks store digests the consumer checks
+    # vLLM's engine id of the producer that holds the blocks (its agents' names carry it); empty
+    # from a producer that predates it.
+    engine_id: str = ""
+    # The producer's wall clock (Unix seconds) until which it holds the blocks; after it they may
+    # hold another request's KV. None from a producer that predates it.
+    expires_at: float | None = None
+
+    def remaining_s(self, now: float, clock_skew_s: float) -> float:
+        """Seconds of the producer's hold left at ``now`` (this engine's wall clock), less the
+        clock skew allowed; infinite when the producer stated no end."""
+        if self.expires_at is None:
+            return float("inf")
+        return self.expires_at - clock_skew_s - now
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -105,7 +122,9 @@ class Handover:
             "remote_block_ids": [list(group) for group in self.block_ids],
             "remote_first_token": self.first_token,
             "prompt_tokens": self.prompt_tokens,
+            **({"remote_engine_id": self.engine_id} if self.engine_id else {}),
             **({"kvroute_digest": True} if self.kv_digest else {}),
+            **({"kvroute_expires_at": self.expires_at} if self.expires_at is not None else {}),
         }
 
     @classmethod
@@ -124,9 +143,21 @@ class Handover:
                 first_token=int(params.get("remote_first_token", 0)),
                 prompt_tokens=int(params["prompt_tokens"]),
                 kv_digest=bool(params.get("kvroute_digest", False)),
+                engine_id=str(params.get("remote_engine_id") or ""),
+                expires_at=_seconds(params.get("kvroute_expires_at")),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"kv_transfer_params lack a kvroute handover: {error}") from error
+
+
+def _seconds(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def agent_name(instance: str, engine_id: str, rank: int) -> str:
+    """A rank's NIXL agent: named by vLLM's engine id, new at every engine start, so a consumer
+    never takes a restarted producer (same instance, same address) for its old self."""
+    return f"{instance}-{engine_id}-rank{rank}" if engine_id else f"{instance}-rank{rank}"
 
 
 def done_message(request_id: str, notifiers: int) -> bytes:

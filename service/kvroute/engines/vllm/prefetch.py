@@ -6,6 +6,13 @@ every producer rank's document (NIXL metadata, pool addresses), at start-up for 
 instance of the deployment and later for any instance a request names. It follows the deployment's
 event stream: when a producer instance re-registers, expires or is deleted its entry is dropped
 and fetched again, so a plan of an old generation is never used after kvroute announced the new.
+
+A plan stays valid until its producer's generation changes, so a kvroute outage drops nothing:
+while kvroute is out of reach the entries fetched keep serving (a fetch that finds kvroute
+unreachable keeps the entry it would replace), and once the event stream is back every entry is
+fetched again, since a change may have happened unseen; kvroute's answer replaces it, unless it
+only says this rank's own lease lapsed (``receiver_not_live``: a kvroute back from an outage
+longer than the lease), which its lease keeper mends by registering again.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from kvroute.geometry import Plan
 
 # Under vLLM's logger, whose handlers an engine configures: the lines land in its log.
 log = logging.getLogger(f"vllm.{__name__}")
+RECEIVER_NOT_LIVE = "receiver_not_live"  # kvroute's 409 code when this rank's lease lapsed
 CHANGES = frozenset({"rank_registered", "rank_expired", "rank_deleted", "plans_invalidated"})
 
 
@@ -36,6 +44,16 @@ class Fetched:
     error: str | None = None
 
 
+def _no_news_of_the_producer(error: Exception) -> bool:
+    """kvroute out of reach, or refusing because this rank's own lease lapsed (kvroute restarted
+    longer ago than the lease, or a renewal came late): neither says the producer changed."""
+    if isinstance(error, TimeoutError | OSError):
+        return True
+    return isinstance(error, KvrouteError) and (
+        error.status is None or error.code == RECEIVER_NOT_LIVE
+    )
+
+
 class Prefetcher:
     def __init__(
         self, url: str, token: str | None, deployment: str, instance: str, rank: int
@@ -43,6 +61,7 @@ class Prefetcher:
         self.url, self.token = url, token
         self.deployment, self.instance, self.rank = deployment, instance, rank
         self._ready: dict[str, Fetched] = {}
+        self.streams_lost = 0  # times the event stream ended (kvroute out of reach)
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="kvroute-prefetch", daemon=True)
@@ -112,29 +131,57 @@ class Prefetcher:
                 ).document
             fetched = Fetched(answer.plan, documents)
         except (TimeoutError, KvrouteError, OSError, ValueError) as error:
+            no_news = _no_news_of_the_producer(error)
             fetched = Fetched(None, {}, f"no plan from {producer}: {error}")
+        else:
+            no_news = False
         finally:
             self._fetching.discard(producer)
         with self._lock:
+            known = self._ready.get(producer)
+            if no_news and known is not None and known.plan is not None:
+                log.warning("kvroute: %s; keeping the plan fetched before", fetched.error)
+                return  # the generation planned for still holds
             self._ready[producer] = fetched
 
     def _changed(self, instance: str) -> None:
-        """A producer's change stales its entry; this instance's own stales every entry."""
+        """A producer's change stales its entry (dropped at once); this instance's own has every
+        entry fetched again, each kept until kvroute's answer replaces it: this rank's lease
+        lapsing (``rank_expired``) says nothing of any producer."""
         with self._lock:
-            names = list(self._ready) if instance == self.instance else [instance]
-            stale = [name for name in names if self._ready.pop(name, None) is not None]
+            if instance == self.instance:
+                stale = list(self._ready)
+            else:
+                stale = [instance] if self._ready.pop(instance, None) is not None else []
         for name in stale:
             self._want(name)
 
     async def _watch(self) -> None:
         """Drops and refetches a producer whenever kvroute reports a change of its ranks."""
+        recheck: asyncio.Task[None] | None = None
         while True:
+            watcher = EventWatcher(self._client, self.deployment)
+            if self.streams_lost:  # changes while the stream was down went unseen
+                recheck = self._loop.create_task(self._recheck(watcher))
             try:
-                async for event in EventWatcher(self._client, self.deployment):
+                async for event in watcher:
                     if event.kind in CHANGES and event.instance:
                         self._changed(event.instance)
             except (TimeoutError, KvrouteError, OSError) as error:
-                log.warning("kvroute event stream ended (%s); watching again", error)
-                with self._lock:  # a missed change must not leave a stale plan in use
-                    self._ready.clear()
+                self.streams_lost += 1
+                log.warning("kvroute event stream ended (%s); serving the plans fetched, "
+                            "watching again", error)  # fmt: skip
+                if recheck is not None:
+                    recheck.cancel()
                 await asyncio.sleep(2.0)
+
+    async def _recheck(self, watcher: EventWatcher) -> None:
+        """Once the stream is back (it announced its revision), fetches every entry again: any
+        later change comes as an event, any earlier one shows in the new answers."""
+        # The watcher tells its connect only by its revision: polled.
+        while watcher.revision is None:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        with self._lock:
+            names = list(self._ready)
+        for name in names:
+            self._want(name)

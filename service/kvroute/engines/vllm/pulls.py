@@ -1,13 +1,12 @@
 """The consumer's pulls: a handed-over request's tokens read from the producer's ranks over NIXL.
 
-A plan (fetched per producer instance off the step by ``prefetch``, with ``period=True`` so any
-block-size pair cuts token ranges) says which producer rank holds which bytes; ``kvroute.client.nixl_descs`` turns it and the
-request's block lists into descriptors, per KV cache group (a group has its own block table). When
-every read is done, this rank tells every producer rank, so each frees the request's blocks once
-all consumer ranks have said so. A pull that fails or outlives its bound is a load error: its
-destination blocks are reported to vLLM, which recomputes them, and the producer is told all the
-same. A request that ends before its load was asked (aborted while it waited) is released the
-same way, so no producer holds blocks for a consumer that will never read them.
+A plan (fetched per producer by ``prefetch``, ``period=True``: any block-size pair cuts token
+ranges) says which producer rank holds which bytes; ``kvroute.client.nixl_descs`` turns it and
+the block lists into descriptors per KV cache group (its views, its own block table). Once all
+reads are done this rank tells every producer rank (each frees the blocks once all consumer ranks
+have). A pull that fails or outlives its bound is a load error: its blocks are reported to vLLM,
+which recomputes them, and the producer is told. A request that ends before its load was asked
+is released the same way: no producer holds blocks for a consumer that will never read them.
 """
 
 from __future__ import annotations
@@ -19,13 +18,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvroute.client.nixl_descs import NixlTransfer, PeerDescriptors, PoolAddress, plan_descriptors
-from kvroute.client.nixl_transport import (
-    NixlEndpoint,
-    PendingPull,
-    pool_addresses,
-)
-from kvroute.engines.vllm.digests import NULL_BLOCK, Check, ConsumerChecks
-from kvroute.engines.vllm.params import Handover, done_message
+from kvroute.client.nixl_transport import NixlEndpoint, PendingPull, pool_addresses
+from kvroute.engines.vllm.digests import Check, ConsumerChecks
+from kvroute.engines.vllm.memory import NULL_BLOCK, Canary
+from kvroute.engines.vllm.params import Handover, agent_name, done_message
 from kvroute.engines.vllm.prefetch import Fetched, Prefetcher
 from kvroute.geometry import Plan, TokenRange, TokenWindow
 
@@ -43,6 +39,7 @@ class Load:
     block_ids: tuple[tuple[int, ...], ...]  # per KV cache group, from token 0
     tokens: tuple[int, int]  # [start, end): a local prefix-cache hit is not moved again
     block_size: int
+    canary: Canary | None = None  # a canary pull: only its views move
 
     def blocks_to_write(self) -> set[int]:
         """The local blocks this load writes (reported when it fails)."""
@@ -59,6 +56,10 @@ class _Producer:
     documents: Mapping[int, Mapping[str, Any]]
     agents: dict[int, str]
     fetched: Fetched  # what the prefetcher answered (a new answer replaces this producer)
+
+    def started_as(self, instance: str, engine_id: str) -> bool:
+        """Whether these are the agents of the engine that started as ``engine_id``."""
+        return all(agent == agent_name(instance, engine_id, r) for r, agent in self.agents.items())
 
 
 @dataclass
@@ -88,13 +89,15 @@ class Pulls:
     timeout_s: float
     mem_type: str = "DRAM"
     checks: ConsumerChecks | None = None  # sampled requests' digests (``digests``)
+    clock_skew_s: float = 1.0  # ``Settings.clock_skew_s``: how a hand-over's expiry is read
     producers: dict[str, _Producer] = field(default_factory=dict)
     waiting: dict[str, tuple[Load, float]] = field(default_factory=dict)  # id -> load, deadline
     releasing: list[tuple[Handover, float]] = field(default_factory=list)  # not to pull; deadline
     running: dict[str, _Running] = field(default_factory=dict)
-    errors: set[int] = field(default_factory=set)
+    errors: dict[str, set[int]] = field(default_factory=dict)  # failed request -> its blocks
     done: set[str] = field(default_factory=set)
     checking: dict[str, _Running] = field(default_factory=dict)  # pulled, digests compared
+    refetched: dict[str, str] = field(default_factory=dict)  # instance -> engine id fetched for
 
     def start(self, load: Load) -> None:
         """Posts the load's reads, or parks it until its producer's plan is fetched."""
@@ -112,7 +115,7 @@ class Pulls:
         waiting = []
         for handover, deadline in self.releasing:
             try:
-                producer = self._producer(handover.instance)
+                producer = self._producer(handover.instance, handover.engine_id)
             except Exception:  # kvroute cannot name the producer: its timeout frees the blocks
                 continue
             if producer is not None:
@@ -125,7 +128,7 @@ class Pulls:
         for request_id, (load, deadline) in list(self.waiting.items()):
             instance = load.handover.instance
             try:
-                producer = self._producer(instance)
+                producer = self._producer(instance, load.handover.engine_id)
             except Exception as error:  # no plan from kvroute, or NIXL's own errors (a gone peer)
                 del self.waiting[request_id]
                 self._fail(load, str(error))
@@ -133,7 +136,10 @@ class Pulls:
                 continue
             if producer is not None:
                 del self.waiting[request_id]
-                self._post(load, producer)
+                if self._left_s(load) <= 0:
+                    self._fail(load, "the producer's hold ended before the reads could start")
+                else:
+                    self._post(load, producer)
             elif time.monotonic() > deadline:
                 del self.waiting[request_id]
                 self._fail(load, f"no plan from {instance} after {self.timeout_s} s")
@@ -148,8 +154,12 @@ class Pulls:
             self._fail(load, f"could not start: {error}")
             self._forget(load.handover.instance)
             return
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + min(self.timeout_s, self._left_s(load))
         self.running[load.request_id] = _Running(load, pending, producer, deadline)
+
+    def _left_s(self, load: Load) -> float:
+        """Seconds until the producer may free the load's blocks (and reuse them)."""
+        return load.handover.remaining_s(time.time(), self.clock_skew_s)
 
     def poll(self) -> set[str]:
         """Request ids whose pull ended since the last call, failed ones included."""
@@ -164,7 +174,14 @@ class Pulls:
             else:
                 detail = "a NIXL read failed"
             if state == "PROC" and time.monotonic() > running.deadline:
-                state, detail = "ERR", f"still running after {self.timeout_s} s"
+                state, detail = (
+                    "ERR",
+                    "still running at the pull timeout or the producer's hold end",
+                )
+            elif state == "DONE" and self._left_s(running.load) <= 0:
+                # Seen done only after the producer's hold ended: a read may have landed after
+                # the producer freed (and reused) the block. Not trusted.
+                state, detail = "ERR", "the reads were seen done after the producer's hold ended"
             if state == "PROC":
                 continue
             del self.running[request_id]
@@ -197,8 +214,8 @@ class Pulls:
             else:
                 self._fail(running.load, failure)
 
-    def take_errors(self) -> set[int]:
-        errors, self.errors = self.errors, set()
+    def take_errors(self) -> dict[str, set[int]]:
+        errors, self.errors = self.errors, {}
         return errors
 
     def _canary_pulled(self, running: _Running, state: str) -> None:
@@ -208,18 +225,24 @@ class Pulls:
                         load.handover.instance, state)  # fmt: skip
             return
         cost_s = time.monotonic() - (running.deadline - self.timeout_s)
-        self.checks.canary(load.handover.instance, load.tokens[1], cost_s)
+        assert load.canary is not None
+        self.checks.canary(load.handover.instance, load.canary, load.tokens[1], cost_s)
 
     def _canary_load(self, instance: str, documents: Mapping[int, Mapping[str, Any]]) -> None:
-        """Pulls the producer's canary (its null block) into this rank's: at first pairing, and
-        whenever the producer's plan was fetched again (it registered again)."""
+        """Pulls the producer's canary (every group's null block) into this rank's at first
+        pairing and whenever its plan was fetched again (it registered again): the views the
+        canary covers only (``memory.canary_views``: other views' null-block bytes are theirs)."""
         if self.checks is None or not documents:
             return
+        canary = self.checks.memory.canary_for(documents, instance)
+        if not canary.views:
+            log.warning("kvroute: the canary from %s covers none of this rank's views", instance)
+            return
         mine = self.checks.memory.reg.tokens_per_block
-        theirs = min(int(document["tokens_per_block"]) for document in documents.values())
-        tokens, blocks = min(mine, theirs), ((NULL_BLOCK,),)
+        tokens = min(mine, *(int(document["tokens_per_block"]) for document in documents.values()))
+        blocks = ((NULL_BLOCK,),) * (max(self.group_views, default=0) + 1)
         handover = Handover(instance, CANARY + instance, blocks, 0, tokens)
-        load = Load(CANARY + instance, handover, blocks, (0, tokens), mine)
+        load = Load(CANARY + instance, handover, blocks, (0, tokens), mine, canary)
         self.waiting[load.request_id] = (load, time.monotonic() + self.timeout_s)
 
     def _fail(self, load: Load, detail: str) -> None:
@@ -229,7 +252,7 @@ class Pulls:
             return
         log.warning("kvroute pull of %s from %s failed: %s", load.request_id,
                     load.handover.instance, detail)  # fmt: skip
-        self.errors |= load.blocks_to_write()
+        self.errors[load.request_id] = load.blocks_to_write()
         self.done.add(load.request_id)
 
     @staticmethod
@@ -247,9 +270,27 @@ class Pulls:
             except Exception:  # the producer frees the blocks on its timeout
                 log.warning("could not tell %s that it may free %s", agent, handover.request_id)
 
-    def _producer(self, instance: str) -> _Producer | None:
+    def _producer(self, instance: str, engine_id: str = "") -> _Producer | None:
         """The producer's plan and agents; None while the prefetcher fetches them; LookupError
-        when kvroute could not answer (the load fails and vLLM recomputes it)."""
+        when kvroute could not answer (the load fails and vLLM recomputes it). A hand-over that
+        names another engine (``engine_id``) than the one planned for means the producer
+        restarted: its plan and agents are fetched again, once; if kvroute still knows another
+        engine, the hand-over's blocks are gone with it (LookupError)."""
+        producer = self._known(instance)
+        if producer is None or not engine_id or producer.started_as(instance, engine_id):
+            return producer
+        if self.refetched.get(instance) == engine_id:
+            raise LookupError(
+                f"the hand-over names engine {engine_id} of {instance}, which kvroute no longer "
+                "knows (it restarted): its blocks are gone"
+            )
+        log.info("kvroute: %s restarted as engine %s; fetching its plan again", instance,
+                 engine_id)  # fmt: skip
+        self.refetched[instance] = engine_id
+        self._forget(instance)
+        return None
+
+    def _known(self, instance: str) -> _Producer | None:
         fetched = self.prefetcher.get(instance)
         known = self.producers.get(instance)
         if fetched is None:
@@ -283,9 +324,15 @@ class Pulls:
         sender_pools = {rank: pool_addresses(producer.documents[rank]) for rank in senders}
         parts = []
         for group, views in sorted(self.group_views.items()):
+            if load.canary is not None:
+                views = views & load.canary.views
+                if not views:
+                    continue
             if group >= len(load.block_ids) or group >= len(load.handover.block_ids):
                 raise ValueError(f"the handover has no block list for KV cache group {group}")
             src, dst = load.handover.block_ids[group], load.block_ids[group]
+            if not src and not dst:  # a group that does not transfer (``SchedulerSide``)
+                continue
             kwargs: dict[str, Any] = {}
             if group in self.state_groups:
                 kwargs = {"src_state_slot": src[-1], "dst_state_slot": dst[-1]}
@@ -315,8 +362,10 @@ def _check(running: _Running) -> Check:
         producer=load.handover.instance,
         producer_request=load.handover.request_id,
         senders=frozenset(peer.rank for peer in running.producer.plan.peers if peer.sends),
-        blocks=load.block_ids[0],
+        blocks=load.block_ids,
         tokens=load.tokens,
+        prompt_tokens=load.handover.prompt_tokens,
+        documents=running.producer.documents,
     )
 
 

@@ -8,13 +8,16 @@ consumer ranks have pulled them, and answers the handover for the proxy to pass 
 
 from __future__ import annotations
 
+import logging
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvroute.engines.vllm.params import Handover, Settings
 from kvroute.engines.vllm.pulls import Load
 
+log = logging.getLogger(f"vllm.{__name__}")
 HELD_BACK = "kvroute_held_back"  # set on a producer's request once its prompt was shortened
 
 
@@ -40,6 +43,7 @@ class SchedulerSide:
     # holds h(N) after N tokens and cannot be rewound, while vLLM always recomputes a loaded
     # prompt's last token; so the producer stops at h(N-1) and the consumer computes token N.
     backoff: int = 0
+    engine_id: str = ""  # vLLM's, new at every start: the hand-over names it (``Handover``)
     matched: dict[str, int] = field(default_factory=dict)  # request id -> local prefix hit
     step: StepPlan = field(default_factory=StepPlan)
     rng: random.Random = field(default_factory=random.Random)
@@ -55,6 +59,15 @@ class SchedulerSide:
         if count <= 0:
             self._release(request, handover)
             return 0, False
+        left_s = handover.remaining_s(time.time(), self.settings.clock_skew_s)
+        if left_s <= 0:
+            # The producer has freed (or is about to free) the blocks: they may hold another
+            # request's KV by now. Nothing to release; the prompt is computed here.
+            log.warning("kvroute: the hand-over of %s from %s expired %.1f s ago (its producer "
+                        "holds blocks for send_timeout_s); computing its prompt here",
+                        request.request_id, handover.instance, -left_s)  # fmt: skip
+            request.kv_transfer_params = {**request.kv_transfer_params, "do_remote_prefill": False}
+            return 0, False
         self.matched[request.request_id] = num_computed_tokens
         return count, True
 
@@ -63,7 +76,7 @@ class SchedulerSide:
         handover = Handover.from_params(request.kv_transfer_params)
         if start is None or handover is None or external <= 0:
             return
-        groups = tuple(tuple(block_ids[g]) for g in self.group_ids)
+        groups = self._by_group(block_ids)
         load = Load(
             request.request_id, handover, groups, (start, start + external), self.block_size
         )
@@ -85,10 +98,13 @@ class SchedulerSide:
             return False, None
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None  # aborted or stopped: nothing for a consumer to continue
-        groups = tuple(tuple(block_ids[g]) for g in self.group_ids)
+        groups = self._by_group(block_ids)
         if not any(groups):
             return False, None
         self.step.sends[request.request_id] = self.settings.send_timeout_s
+        # Stated from before the hold starts (the worker starts it at its next step): a consumer
+        # that believes it never reads past the real end.
+        expires_at = time.time() + self.settings.send_timeout_s
         sampled = self.sample()
         handover = Handover(
             self.settings.instance,
@@ -97,10 +113,20 @@ class SchedulerSide:
             first_token=0,
             prompt_tokens=len(request.prompt_token_ids),
             kv_digest=sampled,
+            engine_id=self.engine_id,
+            expires_at=int(expires_at * 1000) / 1000,  # rounded down
         )
         if sampled:
             self.step.digests[request.request_id] = (groups, handover.prompt_tokens)
         return True, handover.to_params()
+
+    def _by_group(self, block_ids: tuple[list[int], ...]) -> tuple[tuple[int, ...], ...]:
+        """The block lists indexed by vLLM's group id, as the pulls, digests and hand-over read
+        them (``RankCache.group_views``); a group that does not transfer gets an empty list."""
+        return tuple(
+            tuple(blocks) if group in self.group_ids else ()
+            for group, blocks in enumerate(block_ids)
+        )
 
     def _hold_back(self, request: Any) -> None:
         """Drops the prompt's last ``backoff`` tokens from a request to prefill for a consumer

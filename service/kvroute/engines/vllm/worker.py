@@ -9,6 +9,7 @@ consumers' "done" notifications for the requests whose blocks it holds; a consum
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Mapping
@@ -17,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 from kvroute.client import KvrouteClient, KvrouteError, SyncLease
 from kvroute.client.nixl_transport import NixlEndpoint
 from kvroute.engines.vllm.backends import checked_layouts
-from kvroute.engines.vllm.digests import ConsumerChecks, ProducerDigests, RankMemory
+from kvroute.engines.vllm.digests import ConsumerChecks, ProducerDigests
 from kvroute.engines.vllm.layout import Layer, Place, RankCache, describe
-from kvroute.engines.vllm.params import Settings, parse_done
+from kvroute.engines.vllm.memory import NULL_BLOCK, RankMemory
+from kvroute.engines.vllm.params import Settings, agent_name, parse_done
 from kvroute.engines.vllm.prefetch import Prefetcher
 from kvroute.engines.vllm.probe import Layout
-from kvroute.engines.vllm.pulls import Pulls
+from kvroute.engines.vllm.pulls import Load, Pulls
 from kvroute.geometry import Owner
 
 if TYPE_CHECKING:
@@ -157,6 +159,7 @@ class Worker:
         self.holding: dict[str, float] = {}  # request id -> when its blocks are freed regardless
         self.heard: dict[str, int] = {}  # request id -> done notifications so far
         self.expected: dict[str, int] = {}
+        self.heard_at: dict[str, float] = {}  # request id -> when its first done message came
         self.digest_client: KvrouteClient | None = None  # its own: used off the step's thread
         self.digests: ProducerDigests | None = None
 
@@ -172,7 +175,8 @@ class Worker:
             self.vllm_config, self.kv_cache_config, kv_caches, settings.lease_seconds
         )
         rank = engine_place(self.vllm_config).rank
-        self.endpoint = NixlEndpoint(f"{settings.instance}-rank{rank}")
+        engine_id = self.vllm_config.kv_transfer_config.engine_id or ""
+        self.endpoint = NixlEndpoint(agent_name(settings.instance, engine_id, rank))
         for storage in _storages(kv_caches):  # a layer-outermost cache has one per layer
             backing = torch.empty(0, dtype=torch.int8, device=storage.device)
             backing.set_(storage, 0, (storage.nbytes(),), (1,))
@@ -226,13 +230,14 @@ class Worker:
             else ConsumerChecks(
                 self._digest_client(), memory, settings.kv_digest_chunk, settings.pull_timeout_s
             ),
+            clock_skew_s=settings.clock_skew_s,
         )
         return cache
 
     def _memory(self, cache: RankCache, rank: int) -> RankMemory | None:
         where = (self.settings.deployment, self.settings.instance, rank)
-        groups = len(cache.group_views)
-        return RankMemory.of(cache.document, where, cache.addresses, cache.mem_type, groups)
+        return RankMemory.of(cache.document, where, cache.addresses, cache.mem_type,
+                             cache.group_views, cache.state_groups)  # fmt: skip
 
     def _digest_client(self) -> KvrouteClient:
         if self.digest_client is None:
@@ -245,22 +250,57 @@ class Worker:
             self.holding[request_id] = now + timeout_s
         for request_id, (groups, prompt_tokens) in step.digests.items():
             if self.digests is not None:  # the blocks are held until every consumer pulled
-                self.digests.submit(request_id, groups[0], prompt_tokens)
+                self.digests.submit(request_id, groups, prompt_tokens)
         if (step.loads or step.releases) and self.pulls is None:
             raise RuntimeError("register_kv_caches was never called on this worker")
         for load in step.loads:
             assert self.pulls is not None
+            self._zero_fresh(load)
             self.pulls.start(load)
         for handover in step.releases:
             assert self.pulls is not None
             self.pulls.release(handover)
+
+    def _zero_fresh(self, load: Load) -> None:
+        """Zeroes the block-group slots a load's tokens land in before the reads, where several
+        KV cache groups share memory. vLLM zeroes an attention block it allocates (its CPU
+        kernels read a partly written block's stale rows: NaN where another group's state lay),
+        but not one allocated for a connector's load, which writes only the moved tokens' rows.
+        A block id belongs to one group at a time: the whole slot is this request's."""
+        if self.cache is None or not self._grouped or self.cache.mem_type != "DRAM":
+            return
+        first = load.tokens[0] // load.block_size  # before it, a local prefix hit: kept
+        fresh = {
+            block
+            for group, blocks in enumerate(load.block_ids)
+            if group not in self.cache.state_groups
+            for block in blocks[first:]
+            if block != NULL_BLOCK  # the canary's, and the window's placeholder
+        }
+        for at in self.cache.addresses.values():
+            for block in fresh:
+                ctypes.memset(at.base + block * at.slot_stride, 0, at.slot_stride)
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         received = self.pulls.poll() if self.pulls is not None else set()
         return (self._sent() or None), (received or None)
 
     def load_errors(self) -> set[int]:
-        return self.pulls.take_errors() if self.pulls is not None else set()
+        """The blocks of failed loads, with one KV cache group; with several, none: block ids are
+        per group there, and vLLM stops on block-level failures (``failed_requests`` says)."""
+        if self.pulls is None or self._grouped:
+            return set()
+        return set().union(*self.pulls.take_errors().values())
+
+    def failed_requests(self) -> set[str]:
+        """The failed loads by request id, with several KV cache groups (vLLM recomputes them)."""
+        if self.pulls is None or not self._grouped:
+            return set()
+        return set(self.pulls.take_errors())
+
+    @property
+    def _grouped(self) -> bool:
+        return self.cache is not None and len(self.cache.group_views) > 1
 
     def _sent(self) -> set[str]:
         """Held requests every consumer rank has pulled, or whose time is up."""
@@ -272,6 +312,7 @@ class Worker:
                 request_id, notifiers = parsed
                 self.heard[request_id] = self.heard.get(request_id, 0) + 1
                 self.expected[request_id] = notifiers
+                self.heard_at.setdefault(request_id, time.monotonic())
         now, sent = time.monotonic(), set()
         for request_id, deadline in list(self.holding.items()):
             pulled = self.heard.get(request_id, 0) >= self.expected.get(request_id, 1 << 30)
@@ -279,10 +320,23 @@ class Worker:
                 if not pulled:
                     log.warning("no consumer pulled %s in time; freeing its blocks", request_id)
                 del self.holding[request_id]
-                self.heard.pop(request_id, None)
-                self.expected.pop(request_id, None)
+                self._forget_heard(request_id)
                 sent.add(request_id)
+        self._forget_strays(now)
         return sent
+
+    def _forget_heard(self, request_id: str) -> None:
+        self.heard.pop(request_id, None)
+        self.expected.pop(request_id, None)
+        self.heard_at.pop(request_id, None)
+
+    def _forget_strays(self, now: float) -> None:
+        """Done messages for requests this rank does not hold: a consumer that read (or gave up on)
+        blocks already freed on timeout. One may come before its hold starts (the hold starts at
+        the next step), so each is kept for one ``send_timeout_s`` before it is dropped."""
+        for request_id, heard_at in list(self.heard_at.items()):
+            if request_id not in self.holding and now - heard_at > self.settings.send_timeout_s:
+                self._forget_heard(request_id)
 
     def close(self) -> None:
         for pool in (self.digests, self.pulls.checks if self.pulls is not None else None):
