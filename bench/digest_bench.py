@@ -8,7 +8,13 @@ order); the baseline is ``numpy.copyto`` of the same number of contiguous bytes 
 Last, a canary's CPU cost per path on each layout: writing the pattern into one reserved block
 through the layout and checking every byte of it (the pull itself is one block of the real plan).
 
-    .venv/bin/python bench/digest_bench.py [--tokens 8192] [--repeat 3]
+Then recurrent state: one request's state slot of a Mamba2 model like Nemotron-H 8B (48 Mamba2
+layers, 128 SSM heads x 64 dims x 128 states bf16 = 16 KiB per head, conv sections [x | B | C] of
+8192, 1024 and 1024 channels x 3 taps bf16) per rank at ``--state-tp`` 1 and 2: digested per
+logical unit (``kv_state``: one xxh3-64 per SSM head and per conv section part), and the state
+canary's write and check, against ``numpy.copyto`` of the slot's bytes.
+
+    .venv/bin/python bench/digest_bench.py [--tokens 8192] [--repeat 3] [--state-tp 1,2]
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import numpy as np
 
 from kvroute.client.integrity import check_canary, write_canary
 from kvroute.client.kv_digest import kv_digest
+from kvroute.client.kv_state import read_state
 from kvroute.geometry import RankRegistration
 from plan_bench import timings
 
@@ -67,6 +74,61 @@ def registration(layout: str, slots: int) -> RankRegistration:
     return RankRegistration.from_json(doc, deployment="bench", instance="ctx", rank=0)
 
 
+MAMBA_LAYERS, SSM_HEADS, SSM_HEAD_BYTES = 48, 128, 64 * 128 * ELEMENT
+CONV_SECTIONS = tuple(channels * 3 * ELEMENT for channels in (8192, 1024, 1024))
+
+
+def state_registration(tp: int, tp_rank: int) -> RankRegistration:
+    """One Mamba2 rank at mamba TP ``tp``: an ssm and a conv view in one state pool of 2 slots."""
+    ssm_bytes = SSM_HEADS // tp * SSM_HEAD_BYTES
+    conv = [size // tp for size in CONV_SECTIONS]
+    layer = ssm_bytes + sum(conv)
+    ssm = {
+        "view_id": 0,
+        "pool_id": 0,
+        "kind": "ssm",
+        "roles": ["ssm"],
+        "owner": "target",
+        "buffers_per_layer": 1,
+        "bytes_per_layer": ssm_bytes,
+        "ssm_bytes_per_head": SSM_HEAD_BYTES,
+        "layers": [{"layer": i, "offset": i * layer} for i in range(MAMBA_LAYERS)],
+    }
+    conv_view = {"view_id": 1, "pool_id": 0, "kind": "conv", "roles": ["conv"], "owner": "target",
+                 "buffers_per_layer": 1, "bytes_per_layer": sum(conv), "conv_sections": conv,
+                 "layers": [{"layer": i, "offset": i * layer + ssm_bytes}
+                            for i in range(MAMBA_LAYERS)]}  # fmt: skip
+    slot = MAMBA_LAYERS * layer
+    doc = {
+        "role": "context", "tp_size": tp, "tp_rank": tp_rank, "pp_size": 1, "pp_rank": 0,
+        "layers_per_stage": [MAMBA_LAYERS], "tokens_per_block": TPB,
+        "attention": {"num_kv_heads": 1, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
+        "pools": [{"pool_id": 0, "slot_bytes": slot, "slot_stride": slot, "num_slots": 2}],
+        "views": [ssm, conv_view],
+    }  # fmt: skip
+    return RankRegistration.from_json(doc, deployment="bench", instance="ctx", rank=tp_rank)
+
+
+def state_bench(tp: int, repeat: int) -> None:
+    reg = state_registration(tp, 0)
+    size = reg.pools[0].slot_bytes
+    rng = np.random.default_rng(1)
+    pool = rng.integers(0, 256, size=2 * size, dtype=np.uint8)
+    target = np.empty(size, dtype=np.uint8)
+    copy = best(lambda: np.copyto(target, pool[:size]), repeat)
+    units = sum(1 for _ in read_state(reg, {0: pool}, 0))
+    took = best(lambda: kv_digest(reg, {0: pool}, [], range(0), state_slot=0), repeat)
+    written = best(lambda: write_canary(reg, {0: pool}, [], range(0), 1), repeat)
+    checked = best(lambda: check_canary(reg, {0: pool}, [], range(0), state_slot=1), repeat)
+    assert check_canary(reg, {0: pool}, [], range(0), state_slot=1) is None
+    print(
+        f"state TP{tp} rank 0 {size / 2**20:5.1f} MiB {units:5d} units  memcpy "
+        f"{size / copy / 1e9:5.2f} GB/s  digest {size / took / 1e9:5.2f} GB/s "
+        f"({took * 1e3:6.1f} ms)  canary write {written * 1e3:6.1f} ms  check "
+        f"{checked * 1e3:6.1f} ms"
+    )
+
+
 def best(run: Callable[[], object], repeat: int) -> float:
     return min(timings(run, repeat))
 
@@ -75,6 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--state-tp", default="1,2", help="mamba TPs of the state bench")
     args = parser.parse_args()
     blocks_needed = -(-args.tokens // TPB)
     slots = blocks_needed + 8
@@ -103,6 +166,8 @@ def main() -> None:
             f"canary {layout:<18} write {written * 1e3:6.1f} ms  check {checked * 1e3:6.1f} ms  "
             f"({LAYERS * LAYER_BYTES / 2**20:.0f} MiB block)"
         )
+    for tp in (int(t) for t in args.state_tp.split(",") if t):
+        state_bench(tp, args.repeat)
 
 
 if __name__ == "__main__":

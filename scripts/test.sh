@@ -13,6 +13,7 @@ export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
 # module-scoped fixtures are set up once; loadgroup cannot group under pytest 9.2, where xdist's
 # group suffix no longer reaches the node id); --no-loadscope-reorder keeps the collection order,
 # in which modules with slow tests come first (tests/conftest.py). KVROUTE_TEST_WORKERS overrides
-# the count (0 runs in this process); arguments in "$@" override any of it.
+# the count (0 runs in this process); arguments in "$@" override any of it. --durations lists the
+# slowest tests, so a CI log shows where the suite's time goes.
 exec .venv/bin/python -m pytest -n "${KVROUTE_TEST_WORKERS:-3}" --dist loadfile \
-    --no-loadscope-reorder "$@"
+    --no-loadscope-reorder --durations=25 "$@"

@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -56,14 +57,35 @@ POSTGRES_URL = _worker_url(
 )
 
 
+REAL_ENGINES = "tests/realpd/"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, except that every real-engine module is one unit of work: their engines
+    run one cluster at a time (``tests/realpd/conftest.py``'s lock), so two workers each holding
+    one would leave one of them waiting on the lock instead of running other modules."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class RealEnginesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return REAL_ENGINES if scope.startswith(REAL_ENGINES) else scope
+
+    return RealEnginesTogether(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under xdist (only workers collect), modules with slow tests first, each in its own order: with
     ``--dist loadfile`` and ``--no-loadscope-reorder`` they start first and the short ones fill in
-    around them."""
+    around them. The real-engine modules come last, as one unit: their engines take both cores,
+    and tests that time a server's start or a copy (faults, leases, live servers) missed their
+    bounds beside them (seen in CI: kvroute not ready in 90 s)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)
+    items.sort(key=lambda item: (REAL_ENGINES in item.nodeid, item.path not in slow))
 
 
 def _asyncpg_dsn(url: str, database: str | None = None) -> str:

