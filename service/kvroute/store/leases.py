@@ -5,8 +5,8 @@ and the rank is not fenced (``kvroute.store.admission`` fences the ranks an admi
 expired). A rank kept by an engine lease is renewed only through it (``engine_leases``), so its
 expiry stays the lease's. On PostgreSQL that is one conditional UPDATE in autocommit mode, without the deployment
 lock: a heartbeat never waits for an admission elsewhere in the deployment (only for one fencing
-this very rank, which is then expired anyway). SQLite has a single writer: there the same check and
-write run in one short write transaction.
+this very rank, which is then expired anyway). SQLite has a single writer: there the same checks
+run in Python between one read and one write of the wave, in one short write transaction.
 
 Heartbeats arriving together are renewed together (``kvroute.control.renewals``): one UPDATE over
 the wave's (instance, rank, clock reading) rows and one commit, each row judged exactly as a
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Integer, String, and_, bindparam, column, func, select, update
+from sqlalchemy import Integer, String, bindparam, column, func, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -105,31 +105,69 @@ async def _renew_in_one_statement(
 async def _renew_in_a_transaction(
     engine: AsyncEngine, deployment: str, renewals: Sequence[Renewal]
 ) -> dict[RankKey, datetime]:
-    renewed: dict[RankKey, datetime] = {}
+    """SQLite: the wave's rows read in one statement and written in one ``executemany``, each
+    judged at its own clock reading as alone (a wave's ranks are distinct). Two statements a wave,
+    not two a heartbeat: each statement is a hop to aiosqlite's thread and back."""
     async with engine.begin() as connection:
+        keys = [(instance, rank) for instance, rank, _ in renewals]
+        found = await _live_leases(connection, deployment, keys)
+        renewed: dict[RankKey, datetime] = {}
         for instance, rank, now in renewals:
-            expires = await _renew_row(connection, deployment, instance, rank, now)
-            if expires is not None:
-                renewed[instance, rank] = expires
+            if (row := found.get((instance, rank))) is None:
+                continue
+            seconds, expires, checked_at = row
+            judged = max(now, checked_at)
+            if expires > judged:
+                renewed[instance, rank] = judged + timedelta(seconds=seconds)
+        if renewed:
+            rows = [
+                {"key_instance": instance, "key_rank": rank, "expires": expires}
+                for (instance, rank), expires in renewed.items()
+            ]
+            await connection.execute(_renewed(deployment), rows)
     return renewed
 
 
-async def _renew_row(
-    connection: AsyncConnection, deployment: str, instance: str, rank: int, now: datetime
-) -> datetime | None:
-    key = and_(RANKS.c.deployment == deployment, RANKS.c.instance == instance, RANKS.c.rank == rank)
-    row = (
-        await connection.execute(
-            select(RANKS.c.lease_seconds, RANKS.c.lease_expires_at, DeploymentRow.checked_at)
-            .join(DeploymentRow.__table__, DeploymentRow.name == RANKS.c.deployment)
-            .where(key, RANKS.c.fenced_at.is_(None), RANKS.c.engine_lease.is_(None))
+async def _live_leases(
+    connection: AsyncConnection, deployment: str, keys: Sequence[tuple[str, int]]
+) -> dict[RankKey, tuple[int, datetime, datetime]]:
+    """(lease seconds, expiry, the deployment's ``checked_at``) of each of ``keys`` a heartbeat
+    may renew: known, not fenced, not kept by an engine lease.
+
+    Read by primary key (instance IN (...) AND rank IN (...)) and judged here: with the fence and
+    the engine lease in the WHERE clause as well, SQLite's planner chose the index on (deployment,
+    engine_lease) and walked every rank of the deployment that has no engine lease."""
+    wanted = set(keys)
+    rows = await connection.execute(
+        select(
+            RANKS.c.instance,
+            RANKS.c.rank,
+            RANKS.c.lease_seconds,
+            RANKS.c.lease_expires_at,
+            DeploymentRow.checked_at,
+            RANKS.c.fenced_at.is_(None) & RANKS.c.engine_lease.is_(None),
         )
-    ).first()
-    if row is None:
-        return None
-    judged = max(now, row.checked_at)
-    if row.lease_expires_at <= judged:
-        return None
-    renewed = judged + timedelta(seconds=row.lease_seconds)
-    await connection.execute(update(RANKS).where(key).values(lease_expires_at=renewed))
-    return renewed
+        .join(DeploymentRow.__table__, DeploymentRow.name == RANKS.c.deployment)
+        .where(
+            RANKS.c.deployment == deployment,
+            RANKS.c.instance.in_({instance for instance, _ in wanted}),
+            RANKS.c.rank.in_({rank for _, rank in wanted}),
+        )
+    )
+    return {
+        (instance, rank): (seconds, expires, at)
+        for instance, rank, seconds, expires, at, own in rows
+        if own and (instance, rank) in wanted
+    }
+
+
+def _renewed(deployment: str) -> Any:
+    return (
+        update(RANKS)
+        .where(
+            RANKS.c.deployment == deployment,
+            RANKS.c.instance == bindparam("key_instance"),
+            RANKS.c.rank == bindparam("key_rank"),
+        )
+        .values(lease_expires_at=bindparam("expires"))
+    )
