@@ -65,13 +65,10 @@ def test_a_sealed_pool_cannot_shrink_under_long_copies_and_they_complete(
     world = register_world(server.url, owners, sealed=True, **LONG_COPY)
     receiver = int(world.memories["gen0"]["fd"])
     blocks = list(range(LONG_COPY["num_slots"]))
-    accepted = []
-    for _ in range(JOBS):
-        status, job = submit(server.url, blocks)
-        assert status == 202, job
-        accepted.append(job["id"])
 
-    # The worker keeps trying to shrink its pool, as fast as it can, until every job has ended.
+    # The worker keeps trying to shrink its pool, as fast as it can, from before the first job is
+    # submitted until every job has ended. Started after the submissions (as it once was), the
+    # attempts began after the last copy on a quiet machine, and nothing was shown.
     attempts: list[tuple[float, float, int | None]] = []
     ended = threading.Event()
 
@@ -84,6 +81,15 @@ def test_a_sealed_pool_cannot_shrink_under_long_copies_and_they_complete(
     worker = threading.Thread(target=shrink)
     worker.start()
     try:
+        deadline = time.monotonic() + JOB_WAIT_S
+        while not attempts:  # refused already: the seal holds with no copy running, too
+            assert time.monotonic() < deadline, "the worker never answered a truncate"
+            time.sleep(0.01)
+        accepted = []
+        for _ in range(JOBS):
+            status, job = submit(server.url, blocks)
+            assert status == 202, job
+            accepted.append(job["id"])
         finals = {job_id: wait_final(server.url, job_id) for job_id in accepted}
     finally:
         ended.set()
