@@ -20,7 +20,7 @@ from tests.faults.transfers import register_world, submit, wait_final
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
-JOBS = 12  # per replica; each copies 16 blocks of 4 MiB, so most are still queued at the kill
+JOBS = 12  # per replica; each copies 16 blocks of 16 MiB, so most are still queued at the kill
 BLOCKS = list(range(16))
 IN_FLIGHT = ("queued", "running")
 ROWS = "SELECT id, replica, state, error FROM transfer_jobs"
@@ -47,8 +47,9 @@ def test_a_killed_replica_fails_only_its_own_jobs_on_restart(
     one_worker = {"KVROUTE_TRANSFER_WORKERS": "1"}
     with ThreadPoolExecutor(max_workers=2) as pool:  # two starts at once: half the wait
         a, b = pool.map(lambda name: servers(postgres_test_url, name=name, **one_worker), "ab")
-    # 32 layers of 128 KiB: 4 MiB slots, 64 MiB per 16-block job.
-    register_world(a.url, owners, num_layers=32, head_dim=1024, num_slots=16)
+    # 32 layers of 512 KiB: 16 MiB slots, 256 MiB per 16-block job. With 64 MiB jobs a quiet
+    # machine copied them about as fast as they were submitted: 2-4 of 12 were left in flight.
+    register_world(a.url, owners, num_layers=32, head_dim=4096, num_slots=16)
 
     b_jobs = _flood(b.url)
     assert b.process is not None
