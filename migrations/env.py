@@ -78,6 +78,12 @@ async def run_async_migrations() -> None:
     # NullPool: a migration run is one connection, and the engine must not outlive the event loop.
     engine = create_async_engine(database_url(), poolclass=pool.NullPool)
     try:
+        if engine.dialect.name == "sqlite":
+            # WAL is a property of the file: set here, where nothing else is connected. A server's
+            # connection switching a file into WAL while another connection reads it fails with
+            # "database is locked" once the busy timeout runs out (CI, once, two engines racing).
+            async with engine.connect() as connection:
+                await connection.exec_driver_sql("PRAGMA journal_mode=WAL")
         async with engine.connect() as connection:
             await connection.run_sync(do_run_migrations)
     finally:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from sqlalchemy import event, func, select, text
+from sqlalchemy import event, func, make_url, select, text
 from sqlalchemy.exc import InvalidRequestError, StatementError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -40,6 +42,31 @@ async def test_sqlite_connections_enforce_foreign_keys_and_use_wal(sqlite_url: s
     finally:
         await engine.dispose()
     assert pragmas == [1, "wal", 1500]
+
+
+def test_the_migrations_leave_a_sqlite_file_in_wal_mode(sqlite_url: str) -> None:
+    path = make_url(sqlite_url).database
+    assert path is not None
+    with contextlib.closing(sqlite3.connect(path)) as plain:
+        assert plain.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+async def test_a_sqlite_connection_opens_beside_a_reader(sqlite_url: str) -> None:
+    """A connection that switched the file into WAL needed it to itself: beside a reader it
+    failed with "database is locked" once its busy timeout ran out (CI, once). The file is WAL
+    from its migrations on, so a connection opening beside a reader only reads the mode."""
+    path = make_url(sqlite_url).database
+    assert path is not None
+    engine = create_engine(sqlite_url, DatabaseTimeouts(sqlite_busy_seconds=0.5))
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as reader:
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM ranks").fetchone()  # holds its read lock
+        try:
+            async with engine.connect() as connection:
+                assert await connection.scalar(text("PRAGMA journal_mode")) == "wal"
+        finally:
+            reader.execute("COMMIT")
+            await engine.dispose()
 
 
 @pytest.mark.postgres

@@ -251,10 +251,15 @@ def _configure_sqlite(engine: AsyncEngine, *, busy_ms: int, autocommit: bool) ->
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         try:
-            cursor.execute("PRAGMA foreign_keys=ON")
-            cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
+            cursor.execute("PRAGMA foreign_keys=ON")
             cursor.execute(f"PRAGMA cache_size={-SQLITE_CACHE_KIB}")  # negative: KiB, not pages
+            cursor.execute("PRAGMA journal_mode")
+            if cursor.fetchone()[0] != "wal":
+                # The migrations make every file WAL while nothing else is connected; a file
+                # they did not make is switched here. Switching needs the file to itself, so it is
+                # never asked for where the file is WAL already.
+                cursor.execute("PRAGMA journal_mode=WAL")
         finally:
             cursor.close()
 
