@@ -28,7 +28,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from kvroute.geometry import RankRegistration
-from kvroute.store import events
+from kvroute.store import events, leases
 from kvroute.store import ranks as repo
 from kvroute.store.dialect import dialect_of
 from kvroute.store.engine import (
@@ -245,22 +245,12 @@ async def _renew_attached(
     for lease_id, instance, rank, expires in attached:
         if expires > terms[lease_id][0]:
             renewed[lease_id].append((instance, rank))
-    keys = [
-        {"i": instance, "r": rank, "expires": terms[lease_id][1]}
+    expiries = {
+        (instance, rank): terms[lease_id][1]
         for lease_id, ranks in renewed.items()
         for instance, rank in ranks
-    ]
-    if keys:
-        await connection.execute(
-            update(RANKS)
-            .where(
-                RANKS.c.deployment == deployment,
-                RANKS.c.instance == bindparam("i"),
-                RANKS.c.rank == bindparam("r"),
-            )
-            .values(lease_expires_at=bindparam("expires")),
-            keys,
-        )
+    }
+    await leases.write_expiries(connection, deployment, expiries)
     rows: list[Any] = []
     for lease_id, ranks in renewed.items():
         _, expires, seconds = terms[lease_id]

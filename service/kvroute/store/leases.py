@@ -15,7 +15,7 @@ statement of its own would judge it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -119,12 +119,7 @@ async def _renew_in_a_transaction(
             judged = max(now, checked_at)
             if expires > judged:
                 renewed[instance, rank] = judged + timedelta(seconds=seconds)
-        if renewed:
-            rows = [
-                {"key_instance": instance, "key_rank": rank, "expires": expires}
-                for (instance, rank), expires in renewed.items()
-            ]
-            await connection.execute(_renewed(deployment), rows)
+        await write_expiries(connection, deployment, renewed)
     return renewed
 
 
@@ -161,8 +156,14 @@ async def _live_leases(
     }
 
 
-def _renewed(deployment: str) -> Any:
-    return (
+async def write_expiries(
+    connection: AsyncConnection, deployment: str, expiries: Mapping[RankKey, datetime]
+) -> None:
+    """SQLite: the new lease expiry of each rank, in one ``executemany`` (a rank's own lease and
+    the ranks an engine lease keeps alike)."""
+    if not expiries:
+        return
+    statement = (
         update(RANKS)
         .where(
             RANKS.c.deployment == deployment,
@@ -171,3 +172,8 @@ def _renewed(deployment: str) -> Any:
         )
         .values(lease_expires_at=bindparam("expires"))
     )
+    rows = [
+        {"key_instance": instance, "key_rank": rank, "expires": expires}
+        for (instance, rank), expires in expiries.items()
+    ]
+    await connection.execute(statement, rows)
