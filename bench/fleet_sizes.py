@@ -81,19 +81,42 @@ def run(bench: Any, args: Any) -> None:
     for config in configs:
         for mode in args.lease_modes.split(","):
             for layouts in args.layouts.split(","):
+                title = f"{config}, {mode} leases, {layouts} layouts"
+                if args.baseline and config == "postgres":
+                    _against_baseline(bench, args, (mode, layouts), sizes, title)
+                    continue
                 runs = [_one_size(bench, args, config, mode, layouts, size) for size in sizes]
-                report(f"{config}, {mode} leases, {layouts} layouts", runs)
+                report(title, runs)
+
+
+def _against_baseline(
+    bench: Any, args: Any, run_: tuple[str, str], sizes: list[int], title: str
+) -> None:
+    """``--baseline``: at each size the baseline tree, then this one, back to back (the machine's
+    load drifts over minutes); a table per tree, then this tree's figures over the baseline's."""
+    baseline, current = [], []
+    for size in sizes:
+        baseline.append(_one_size(bench, args, "baseline", *run_, size))
+        current.append(_one_size(bench, args, "postgres", *run_, size))
+    report(f"baseline ({args.baseline}), {title}", baseline)
+    report(title, current)
+    for old, new in zip(baseline, current, strict=True):
+        report_pair(f"{new.ranks:,} ranks: this tree over the baseline", old, new)
 
 
 def _one_size(bench: Any, args: Any, config: str, mode: str, layouts: str, size: int) -> SizeRun:
-    with tempfile.TemporaryDirectory() as workdir, bench.servers(config, Path(workdir)) as running:
+    tree = args.baseline if config == "baseline" else bench.SERVICE
+    with (
+        tempfile.TemporaryDirectory() as workdir,
+        bench.servers(config, Path(workdir), args.baseline) as running,
+    ):
         label = f"{config}-{mode}-{layouts}-{size}"
         with bench.profiled(running, args.profile, label):
             result = SizeRun(size)
             started_load = os.getloadavg()[0]
             asyncio.run(_measure(bench, running[0].url, args, (config, mode, layouts), result))
             result.fresh_matrix = _fresh_replica_matrix(
-                bench, running[0], Path(workdir), (args.profile, f"{label}-fresh")
+                bench, running[0], (Path(workdir), tree), (args.profile, f"{label}-fresh")
             )
             result.rss_mib, result.peak_rss_mib = _rss_mib(running[0].process.pid)
             result.load = (started_load, os.getloadavg()[0])
@@ -146,7 +169,8 @@ async def _measure(
 
 def _database(bench: Any, config: str) -> str | None:
     """The bench database's name where this run is on PostgreSQL."""
-    return make_url(bench.POSTGRES_URL).database if config == "postgres" else None
+    on_postgres = config in ("postgres", "baseline")
+    return make_url(bench.POSTGRES_URL).database if on_postgres else None
 
 
 async def _db_cpu(database: str | None) -> dict[int, float] | None:
@@ -181,17 +205,18 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _fresh_replica_matrix(
-    bench: Any, serving: LiveServer, workdir: Path, profile: tuple[Path | None, str]
+    bench: Any, serving: LiveServer, where: tuple[Path, Path], profile: tuple[Path | None, str]
 ) -> float:
-    """A second server on the same database, started now: the time of its first matrix (under
-    ``--profile``, recorded from its start to its first matrix's end)."""
+    """A second server of the ``tree`` that serves, on the same database, started now: the time
+    of its first matrix (under ``--profile``, recorded from its start to its first matrix's end)."""
+    workdir, tree = where
     directory = workdir / "fresh-replica"
     directory.mkdir()
     fresh = LiveServer(
         directory,
         database_url=serving.database_url,
         tokens=(bench.WORKER_TOKEN, bench.ADMIN_TOKEN),
-        env={"KVROUTE_REPLICA_ID": "bench-fresh", "PYTHONPATH": str(bench.SERVICE)},
+        env={"KVROUTE_REPLICA_ID": "bench-fresh", "PYTHONPATH": str(tree)},
     )
     fresh.start()
     try:
@@ -321,6 +346,18 @@ def report(title: str, runs: list[SizeRun]) -> None:
             cells = [f"{r.load[0]:.1f} / {r.load[1]:.1f}" for r in runs]
         ratios = [_ratio(value, values[0], kind) for value in values[1:]]
         table.add_row(name, *cells, *ratios)
+    Console(width=160).print(table)
+
+
+def report_pair(title: str, old: SizeRun, new: SizeRun) -> None:
+    """One size, the baseline tree's figures beside this one's and their ratio."""
+    table = Table(title=title)
+    for column in ("measure", "baseline", "this tree", "this / baseline"):
+        table.add_column(column, justify="left" if column == "measure" else "right")
+    for name, values, kind, spec in _measures([old, new]):
+        if name.startswith(("server RSS", "load average")):
+            continue
+        table.add_row(name, *(format(value, spec) for value in values), _ratio(*values[::-1], kind))
     Console(width=160).print(table)
 
 
