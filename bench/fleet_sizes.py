@@ -82,22 +82,24 @@ def run(bench: Any, args: Any) -> None:
         for mode in args.lease_modes.split(","):
             for layouts in args.layouts.split(","):
                 title = f"{config}, {mode} leases, {layouts} layouts"
-                if args.baseline and config == "postgres":
-                    _against_baseline(bench, args, (mode, layouts), sizes, title)
+                if args.baseline:
+                    _against_baseline(bench, args, (config, mode, layouts), sizes, title)
                     continue
                 runs = [_one_size(bench, args, config, mode, layouts, size) for size in sizes]
                 report(title, runs)
 
 
 def _against_baseline(
-    bench: Any, args: Any, run_: tuple[str, str], sizes: list[int], title: str
+    bench: Any, args: Any, run_: tuple[str, str, str], sizes: list[int], title: str
 ) -> None:
     """``--baseline``: at each size the baseline tree, then this one, back to back (the machine's
     load drifts over minutes); a table per tree, then this tree's figures over the baseline's."""
+    config, mode, layouts = run_
+    old_config = "baseline" if config == "postgres" else f"baseline-{config}"
     baseline, current = [], []
     for size in sizes:
-        baseline.append(_one_size(bench, args, "baseline", *run_, size))
-        current.append(_one_size(bench, args, "postgres", *run_, size))
+        baseline.append(_one_size(bench, args, old_config, mode, layouts, size))
+        current.append(_one_size(bench, args, config, mode, layouts, size))
     report(f"baseline ({args.baseline}), {title}", baseline)
     report(title, current)
     for old, new in zip(baseline, current, strict=True):
@@ -105,7 +107,7 @@ def _against_baseline(
 
 
 def _one_size(bench: Any, args: Any, config: str, mode: str, layouts: str, size: int) -> SizeRun:
-    tree = args.baseline if config == "baseline" else bench.SERVICE
+    tree = args.baseline if config.startswith("baseline") else bench.SERVICE
     with (
         tempfile.TemporaryDirectory() as workdir,
         bench.servers(config, Path(workdir), args.baseline) as running,

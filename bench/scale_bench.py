@@ -246,15 +246,16 @@ async def fresh_postgres(url: str) -> None:
 @contextlib.contextmanager
 def servers(config: str, workdir: Path, baseline: Path | None = None) -> Iterator[list[LiveServer]]:
     """``config``'s servers on a fresh database; ``baseline`` runs another checkout's kvroute
-    (its ``service`` directory) as the ``baseline`` configuration, on PostgreSQL."""
+    (its ``service`` directory) as the ``baseline`` configuration, on PostgreSQL (``baseline-sqlite``:
+    on SQLite)."""
     count = 2 if config.endswith("-2") else 1
     url = None
     # Each server imports kvroute from the tree it measures, never from whatever the environment
     # has installed (an editable install of another checkout made two runs compare a tree with
     # itself).
-    tree = baseline if config == "baseline" and baseline else SERVICE
+    tree = baseline if config.startswith("baseline") and baseline else SERVICE
     source = {"PYTHONPATH": str(tree)}
-    if config.startswith(("postgres", "baseline")):
+    if config.startswith("postgres") or config == "baseline":
         url = POSTGRES_URL
         asyncio.run(fresh_postgres(url))
         upgrade = [sys.executable, "-m", "kvroute", "db", "upgrade"]  # that tree's migrations

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 import asyncpg
+import pytest
 from sqlalchemy.engine import make_url
 
 from kvroute.api import create_app
@@ -82,6 +83,27 @@ async def test_a_registration_starved_of_its_lock_is_503_database_busy(
     # The lock is free again: the same request goes through on the same process.
     status, _ = await register(client, "ctx0", 0, rank_document())
     assert status == 201
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_a_sqlite_heartbeat_starved_of_the_write_lock_is_503_database_busy(
+    make_client, database_url, caplog
+):
+    """The heartbeat wave runs on the driver's own calls (``store.sqlite_driver``): its lock wait
+    still answers 503 ``database_busy``, and the lease is renewed once the lock is free."""
+    client = await make_client(**SHORT_WAITS)
+    assert (await register(client, "ctx0", 0, rank_document()))[0] == 201
+    heartbeat = rank_path("ctx0", 0) + "/heartbeat"
+    with sqlite_write_lock(database_url):
+        with caplog.at_level(logging.WARNING, logger="kvroute.api.errors"):
+            response = await client.post(heartbeat, headers=WORKER)
+        assert response.status == 503
+        assert response.headers["Retry-After"] == "1"
+        assert (await response.json(content_type=None))["code"] == "database_busy"
+    cause = "database busy: SQLite lock wait exceeded the busy timeout"
+    assert any(cause in record.getMessage() for record in caplog.records)
+    renewed = await client.post(heartbeat, headers=WORKER)
+    assert renewed.status == 200, await renewed.text()
 
 
 async def test_an_unreachable_database_is_503_unavailable_with_retry_after(aiohttp_client, caplog):

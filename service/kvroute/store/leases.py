@@ -23,6 +23,7 @@ from sqlalchemy import Integer, String, bindparam, column, func, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from kvroute.store import sqlite_driver
 from kvroute.store.dialect import dialect_of
 from kvroute.store.engine import autocommit_connection, retry_disconnect
 from kvroute.store.models import DeploymentRow, RankRow, UTCDateTime
@@ -106,11 +107,13 @@ async def _renew_in_a_transaction(
     engine: AsyncEngine, deployment: str, renewals: Sequence[Renewal]
 ) -> dict[RankKey, datetime]:
     """SQLite: the wave's rows read in one statement and written in one ``executemany``, each
-    judged at its own clock reading as alone (a wave's ranks are distinct). Two statements a wave,
-    not two a heartbeat: each statement is a hop to aiosqlite's thread and back."""
-    async with engine.begin() as connection:
-        keys = [(instance, rank) for instance, rank, _ in renewals]
-        found = await _live_leases(connection, deployment, keys)
+    judged at its own clock reading as alone (a wave's ranks are distinct), in one write
+    transaction on the driver's own calls (``store.sqlite_driver``: four hops to aiosqlite's
+    thread a wave)."""
+    async with sqlite_driver.write_wave(engine) as wave:
+        found = await wave.live_leases(
+            deployment, [(instance, rank) for instance, rank, _ in renewals]
+        )
         renewed: dict[RankKey, datetime] = {}
         for instance, rank, now in renewals:
             if (row := found.get((instance, rank))) is None:
@@ -119,41 +122,8 @@ async def _renew_in_a_transaction(
             judged = max(now, checked_at)
             if expires > judged:
                 renewed[instance, rank] = judged + timedelta(seconds=seconds)
-        await write_expiries(connection, deployment, renewed)
+        await wave.write_expiries(deployment, renewed)
     return renewed
-
-
-async def _live_leases(
-    connection: AsyncConnection, deployment: str, keys: Sequence[tuple[str, int]]
-) -> dict[RankKey, tuple[int, datetime, datetime]]:
-    """(lease seconds, expiry, the deployment's ``checked_at``) of each of ``keys`` a heartbeat
-    may renew: known, not fenced, not kept by an engine lease.
-
-    Read by primary key (instance IN (...) AND rank IN (...)) and judged here: with the fence and
-    the engine lease in the WHERE clause as well, SQLite's planner chose the index on (deployment,
-    engine_lease) and walked every rank of the deployment that has no engine lease."""
-    wanted = set(keys)
-    rows = await connection.execute(
-        select(
-            RANKS.c.instance,
-            RANKS.c.rank,
-            RANKS.c.lease_seconds,
-            RANKS.c.lease_expires_at,
-            DeploymentRow.checked_at,
-            RANKS.c.fenced_at.is_(None) & RANKS.c.engine_lease.is_(None),
-        )
-        .join(DeploymentRow.__table__, DeploymentRow.name == RANKS.c.deployment)
-        .where(
-            RANKS.c.deployment == deployment,
-            RANKS.c.instance.in_({instance for instance, _ in wanted}),
-            RANKS.c.rank.in_({rank for _, rank in wanted}),
-        )
-    )
-    return {
-        (instance, rank): (seconds, expires, at)
-        for instance, rank, seconds, expires, at, own in rows
-        if own and (instance, rank) in wanted
-    }
 
 
 async def write_expiries(
