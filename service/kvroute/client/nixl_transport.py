@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvroute.client.nixl_descs import NixlTransfer, PoolAddress, plan_descriptors
-from kvroute.geometry import Plan
+from kvroute.geometry import BLOCK_PAIRS, Plan, TokenWindow
 
 if TYPE_CHECKING:
     import torch
@@ -208,9 +208,14 @@ def pull_plan(
     src_blocks: Sequence[int],
     dst_blocks: Sequence[int],
     limit_s: float = 30.0,
+    window: TokenWindow = BLOCK_PAIRS,
+    src_state_slot: int | None = None,
+    dst_state_slot: int | None = None,
 ) -> PullReport:
     """Pulls one plan's blocks (``PlanDocument.plan``): sender documents are the sending ranks'
-    registrations (GET rank)."""
+    registrations (GET rank). ``window`` and the state slots are ``plan_descriptors``': a plan
+    with sliding-window views needs the prompt's length, one that moves recurrent state the
+    request's state slot on each side."""
     sending = [peer.rank for peer in plan.peers if peer.sends]
     missing = [
         rank for rank in sending if "nixl_agent_metadata" not in sender_documents.get(rank, {})
@@ -226,6 +231,9 @@ def pull_plan(
         sender_pools={rank: pool_addresses(sender_documents[rank]) for rank in sending},
         src_blocks=src_blocks,
         dst_blocks=dst_blocks,
+        window=window,
+        src_state_slot=src_state_slot,
+        dst_state_slot=dst_state_slot,
     )
     receiver = f"{plan.receiver_instance}:{plan.receiver_rank}"
     notification = f"kvroute:{receiver}:{plan.fingerprint}".encode()
