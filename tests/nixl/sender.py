@@ -13,7 +13,6 @@ from typing import Any
 from kvroute.client import KvrouteClient
 from kvroute.client.memory import ShmPool
 from kvroute.client.nixl_transport import NixlEndpoint, nixl_memory
-from kvroute.client.pools import SharedKvPool, rank_document
 from tests.nixl import world
 
 WAIT_S = 60.0
@@ -21,38 +20,36 @@ WAIT_S = 60.0
 
 @dataclass
 class SenderRank:
-    """A context rank's pool (filled from the logical tensor), NIXL agent and registration."""
+    """A context rank's pools (filled by ``world.fill_sender``), NIXL agent and registration."""
 
     memory: ShmPool
-    pool: SharedKvPool
+    carved: world.Carved
     endpoint: NixlEndpoint
     flat: Any
     document: dict[str, Any]
 
     @classmethod
-    def open(cls, tp_size: int, tp_rank: int, shm_name: str) -> SenderRank:
-        target, draft = world.layouts(tp_size)
-        probe = SharedKvPool.carve([target, draft], world.BLOCKS)
-        memory = ShmPool(shm_name, probe.slot_stride * world.BLOCKS)
-        pool = SharedKvPool.carve([target, draft], world.BLOCKS, buffer=memory.tensor)
-        world.fill_sender(pool, tp_size, tp_rank)
+    def open(cls, tp_size: int, tp_rank: int, shm_name: str, *, hybrid: bool = False) -> SenderRank:
+        memory = ShmPool(shm_name, world.carve(tp_size, hybrid=hybrid).nbytes)
+        carved = world.carve(tp_size, hybrid=hybrid, buffer=memory.tensor)
+        world.fill_sender(carved, tp_size, tp_rank)
         endpoint = NixlEndpoint(f"ctx0-rank{tp_rank}")
-        flat = pool.buffer.reshape(-1)
+        flat = memory.tensor
         endpoint.register(flat)
-        descriptor = {**memory.descriptor(), "nixl": nixl_memory(flat.data_ptr())}
-        document = rank_document(
-            role="context",
-            target=target,
-            pools=[pool.describe(memory=descriptor)],
-            num_draft_layers=1,
-            parallel=world.parallel(tp_size, tp_rank),
+        document = carved.document(
+            "context",
+            world.parallel(tp_size, tp_rank),
+            lambda offset: {
+                **memory.descriptor(offset),
+                "nixl": nixl_memory(flat.data_ptr() + offset),
+            },
             nixl_agent_metadata=endpoint.metadata,
         )
-        return cls(memory, pool, endpoint, flat, document)
+        return cls(memory, carved, endpoint, flat, document)
 
     def close(self) -> None:
         self.endpoint.close()
-        del self.pool, self.flat
+        del self.carved, self.flat
         self.memory.close()
 
 
