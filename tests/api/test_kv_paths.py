@@ -10,7 +10,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from kvroute.client.integrity import path_report
-from kvroute.client.kv_digest import KvDigest, Mismatch
+from kvroute.client.kv_digest import Grid, KvDigest, Mismatch
 from kvroute.client.kv_rows import RowKey
 from kvroute.client.kv_state import StateKey
 from tests.api.conftest import WORKER, register
@@ -158,3 +158,15 @@ async def test_state_elements_and_hybrid_digests_are_accepted(client: Client) ->
     query = {"producer": "ctx0", "request_id": "req-2"}
     response = await client.get("/v1/deployments/llama/kv-digests", params=query, headers=WORKER)
     assert KvDigest.from_json((await response.json())["ranks"][0]["digest"]) == digest
+    # A window cut on a grid (every 4 tokens back from the prompt's end) names its series.
+    digest.grid, digest.gridded = Grid(4, 40), {row}
+    upload = {**upload, "request_id": "req-3", "digest": digest.to_json()}
+    response = await client.post("/v1/deployments/llama/kv-digests", json=upload, headers=WORKER)
+    assert response.status == 204, await response.text()
+    query["request_id"] = "req-3"
+    response = await client.get("/v1/deployments/llama/kv-digests", params=query, headers=WORKER)
+    assert KvDigest.from_json((await response.json())["ranks"][0]["digest"]) == digest
+    upload["digest"]["grid"]["step"] = 0
+    response = await client.post("/v1/deployments/llama/kv-digests", json=upload, headers=WORKER)
+    assert response.status == 422
+    assert "step" in (await response.json())["detail"]

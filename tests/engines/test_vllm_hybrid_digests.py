@@ -181,6 +181,26 @@ def test_digests_of_every_group_agree(pair: tuple[Rank, Rank]) -> None:
     assert sent.compared(got) == 20 + 8 + 196
 
 
+def test_windows_on_a_grid_are_cut_every_step_back_from_the_prompt_s_end(
+    pair: tuple[Rank, Rank],
+) -> None:
+    from kvroute.client.kv_digest import Grid, KvDigest
+
+    producer, consumer = pair
+    _move(producer, consumer)
+    grid = Grid(8, PROMPT)
+    sent = producer.memory.digest(SENT, range(PROMPT), 16, PROMPT, along=grid)
+    sent = KvDigest.from_json(sent.to_json())  # as kvroute stores it
+    assert sent.gridded == {key for key in sent.rows if key.layer == 1}
+    got = consumer.memory.digest(RECEIVED, range(PROMPT), 16, PROMPT, [producer.memory.reg], sent)
+    assert got.gridded == sent.gridded
+    window = next(iter(sent.gridded))
+    assert list(sent.spans(window)) == [(48, 56), (56, 64), (64, 72), (72, 80)]
+    assert sent.first_mismatch(got) is None
+    # 4 heads x 5 chunks of layer 0, 4 heads x 4 steps of the window, 196 state units.
+    assert sent.compared(got) == 20 + 16 + 196
+
+
 def _stored(server: LiveServer, request_id: str) -> None:
     from kvroute.client import KvrouteClient
 
@@ -211,26 +231,33 @@ def _check(server: LiveServer, producer: Rank, consumer: Rank, request_id: str) 
     return failure
 
 
-def _digested(server: LiveServer, producer: Rank, request_id: str) -> None:
+def _digested(server: LiveServer, producer: Rank, request_id: str, window_step: int) -> None:
     from kvroute.client import KvrouteClient
     from kvroute.engines.vllm.digests import ProducerDigests
 
     with KvrouteClient(server.url, token=WORKER_TOKEN) as client:
-        digests = ProducerDigests(client, producer.memory, 16)
+        digests = ProducerDigests(client, producer.memory, 16, window_step)
         digests.submit(request_id, SENT, PROMPT)
         _stored(server, request_id)
         digests.close()
 
 
-# (case, layer, block on the producer, byte in the layer's page, the element named)
+# (case, layer, block on the producer, byte in the layer's page, the element named); a window's
+# series cut by the 16-token chunks, or every 8 tokens back from the prompt's end ("on a grid").
 FLIPS = [
     ("agree", None, None, None, None),
+    ("agree on a grid", None, None, None, None),
     # SSM head 2 of layer 2: after the conv state, two heads in.
     ("state", 2, 8, SSM_AT + 2 * SSM_HEAD + 7, "target ssm layer 2 SSM head 2"),
     # conv section 1 (B) of 48 bytes in 48 parts of one byte: its byte 5 is part 5.
     ("conv", 2, 8, CONV[0] + 5, "target conv layer 2 conv section 1 part 5"),
     # The window's last block (tokens 64-79) holds head 1's rows after head 0's (hnd): token 70.
     ("window", 1, 7, 16 * ROW + 6 * ROW + 5, "target key,value layer 1 head 1 K, tokens 64-79"),
+    (
+        "window on a grid",
+        *(1, 7, 16 * ROW + 6 * ROW + 5),
+        "target key,value layer 1 head 1 K, tokens 64-71",
+    ),
 ]
 
 
@@ -240,8 +267,8 @@ def test_a_byte_flipped_after_the_producer_s_digest_is_named(
     block: int | None, byte: int | None, named: str | None,
 ) -> None:  # fmt: skip
     producer, consumer = pair
-    request_id = f"hybrid-{case}-{id(producer)}"
-    _digested(server, producer, request_id)
+    request_id = f"hybrid-{case.replace(' ', '-')}-{id(producer)}"
+    _digested(server, producer, request_id, 8 if case.endswith("on a grid") else 0)
     if index is not None:
         producer.slot(index, block)[byte] ^= 0x01
     _move(producer, consumer)

@@ -25,7 +25,7 @@ from kvroute.client.integrity import (
     reserved_state_slot,
     write_canary,
 )
-from kvroute.client.kv_digest import KvDigest, Mismatch, kv_digest
+from kvroute.client.kv_digest import Grid, KvDigest, Mismatch, kv_digest
 from kvroute.client.kv_rows import (
     REPLICATED_HEAD,
     RowKey,
@@ -84,18 +84,30 @@ class Held:
             self.pools.append({p: as_bytes(a) for p, a in ids.items()})
         return self
 
-    def digest(self, rank: int, chunk: int, peers: list | None = None) -> KvDigest:
+    def digest(
+        self,
+        rank: int,
+        chunk: int,
+        peers: list | None = None,
+        sent: KvDigest | None = None,
+        grid: Grid | None = None,
+    ) -> KvDigest:
+        """The rank's digests: a producer's on ``grid``, a consumer's (``peers``) on the grid of
+        the producer's (``sent``)."""
         reg = self.regs[rank]
         firsts = window_firsts(reg, self.prompt, peers or [])
+        gridded = None
+        if sent is not None:
+            grid, gridded = sent.grid, sent.gridded
         return kv_digest(
             reg, self.pools[rank], self.blocks[rank], range(self.prompt), chunk,
-            firsts=firsts, state_slot=self.slot,
+            firsts=firsts, state_slot=self.slot, grid=grid, gridded=gridded,
         )  # fmt: skip
 
-    def merged(self, chunk: int) -> KvDigest:
-        merged = KvDigest((0, self.prompt), chunk)
+    def merged(self, chunk: int, grid: Grid | None = None) -> KvDigest:
+        merged = KvDigest((0, self.prompt), chunk, grid=grid)
         for rank in range(len(self.regs)):
-            merged.merge(self.digest(rank, chunk))
+            merged.merge(self.digest(rank, chunk, grid=grid))
         return merged
 
 
@@ -153,13 +165,51 @@ def test_windows_and_state_digest_alike_and_a_flipped_byte_is_named(
     _flip_one(world[0], producer, consumer, data)
 
 
-def _flip_one(
-    classes: list[ViewClass], producer: Held, consumer: Held, data: st.DataObject
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=hybrid_worlds(), data=st.data())
+def test_windows_on_a_grid_are_compared_but_for_less_than_a_step(
+    world: World, data: st.DataObject
 ) -> None:
-    """Flips one received byte of a window's token or of the state slot; the mismatch names it."""
+    """On a ``Grid`` every series of the producer's windowed views is compared from the later of
+    the two sides' starts, but for the span straddling it (fewer than ``step`` tokens), to the
+    prompt's end; every other series as without one (from the later start's chunk boundary)."""
+    prompt = data.draw(st.integers(1, MAX_PROMPT), label="prompt")
+    chunk = data.draw(st.sampled_from([3, 256]), label="chunk")
+    grid = Grid(data.draw(st.integers(1, 9), label="step"), prompt)
+    producer, consumer = _sides(world, prompt)
+    sent = KvDigest.from_json(producer.merged(chunk, grid).to_json())  # as kvroute stores it
+    for rank in range(len(consumer.regs)):
+        got = consumer.digest(rank, chunk, producer.regs, sent)
+        assert sent.first_mismatch(got) is None
+        assert got.gridded <= sent.gridded
+        for key in got.rows.keys() & sent.rows.keys():
+            compared = got.spans(key).keys() & sent.spans(key).keys()
+            covered = {token for a, b in compared for token in range(a, b)}
+            mine, theirs = got.first(key), sent.first(key)
+            later = max(mine, theirs)
+            step = grid.step if key in sent.gridded else chunk
+            edge = (
+                later + (prompt - later) % step if key in sent.gridded else -(-later // step) * step
+            )
+            start = later if mine == theirs else edge
+            assert covered == set(range(start, prompt)), key.label()
+            if key in sent.gridded:
+                assert start - later < grid.step
+    _flip_one(world[0], producer, consumer, data, grid)
+
+
+def _flip_one(
+    classes: list[ViewClass],
+    producer: Held,
+    consumer: Held,
+    data: st.DataObject,
+    grid: Grid | None = None,
+) -> None:
+    """Flips one received byte of a window's token or of the state slot; the mismatch names it
+    (on a ``grid``, a windowed token's span: the token itself without one)."""
     rank = data.draw(st.integers(0, len(consumer.regs) - 1), label="rank")
-    sent = producer.merged(1)
-    got = consumer.digest(rank, 1, producer.regs)
+    sent = producer.merged(1, grid)
+    got = consumer.digest(rank, 1, producer.regs, sent)
     keys: list[RowKey | StateKey] = [k for k in sorted(got.rows) if k in sent.rows and got.rows[k]]
     keys += [k for k in sorted(got.states) if k in sent.states]
     if not keys:
@@ -170,12 +220,16 @@ def _flip_one(
         want, _ = _state_id(classes, consumer.truth, key, data)
         expected = Mismatch(key)
     else:
-        token = data.draw(st.integers(got.first(key), consumer.prompt - 1), label="token")
+        shared = sorted(got.spans(key).keys() & sent.spans(key).keys())
+        if not shared:
+            return
+        span = data.draw(st.sampled_from(shared), label="span")
+        token = data.draw(st.integers(span[0], span[1] - 1), label="token")
         want = _row_id(classes, consumer.truth, key, token, data)
-        expected = Mismatch(key, (token, token + 1))
+        expected = Mismatch(key, span)
     pool, offset = _where(ids, want)
     consumer.pools[rank][pool][offset] ^= 0x01
-    found = sent.first_mismatch(consumer.digest(rank, 1, producer.regs))
+    found = sent.first_mismatch(consumer.digest(rank, 1, producer.regs, sent))
     assert found == expected, None if found is None else found.describe()
 
 

@@ -5,24 +5,28 @@ per (view roles, layer, global head, K/V), xxh3-64 over the rows of each chunk o
 (chunks start at multiples of ``chunk`` prompt positions, so both sides cut them alike). A windowed
 view's series starts at the first token the side holds (``kv_rows.window_firsts``), and the two
 sides compare the chunks both cut alike: from the later of their starts when that is a chunk
-boundary (or both start there), else from the next boundary. A request's recurrent state
-(``kv_state``) has one xxh3-64 per logical unit (layer and SSM head, conv section part, or
-replicated state). A producer instance's ranks merge their digests; a consumer rank compares the
-keys it holds. A mismatch names the row series and the chunk's tokens (or the state unit), so an
-operator reads where the bytes went wrong.
+boundary (or both start there), else from the next boundary. With a ``Grid`` a producer's windowed
+series (``gridded``, which a consumer follows) are cut every ``step`` tokens counted back from the
+prompt's end (``anchor``) instead, so the two sides share every span but the one straddling the
+later start: fewer than ``step`` tokens go uncompared rather than fewer than ``chunk`` (a window
+shorter than a chunk was otherwise compared nowhere), for ``chunk / step`` times the digests of a
+window. A request's recurrent state (``kv_state``) has one xxh3-64 per logical unit (layer and SSM
+head, conv section part, or replicated state). A producer instance's ranks merge their digests; a
+consumer rank compares the keys it holds. A mismatch names the row series and the chunk's tokens
+(or the state unit), so an operator reads where the bytes went wrong.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from kvroute.client.kv_rows import RowKey, read_rows
+from kvroute.client.kv_rows import RowKey, covered_views, read_rows, roles_of
 from kvroute.client.kv_state import StateKey, state_index
 from kvroute.geometry import RankRegistration
 
@@ -78,13 +82,19 @@ class KvDigest:
     rows: dict[RowKey, list[int]] = field(default_factory=dict)
     firsts: dict[RowKey, int] = field(default_factory=dict)  # series starting after tokens[0]
     states: dict[StateKey, int] = field(default_factory=dict)
+    grid: Grid | None = None  # where the series in ``gridded`` are cut (a windowed view's)
+    gridded: set[RowKey] = field(default_factory=set)
 
     def merge(self, other: KvDigest) -> None:
         """Adds another rank's digests of the same range (replicas of a head agree or mismatch)."""
-        if (other.tokens, other.chunk) != (self.tokens, self.chunk):
-            raise ValueError(f"digests of {other.tokens} by {other.chunk} and {self.tokens}")
+        if (other.tokens, other.chunk, other.grid) != (self.tokens, self.chunk, self.grid):
+            raise ValueError(
+                f"digests of {other.tokens} by {other.chunk} ({other.grid}) and {self.tokens} "
+                f"by {self.chunk} ({self.grid})"
+            )
         self.rows.update(other.rows)
         self.firsts.update(other.firsts)
+        self.gridded.update(other.gridded)
         self.states.update(other.states)
 
     def first(self, key: RowKey) -> int:
@@ -95,8 +105,13 @@ class KvDigest:
         first = self.first(key)
         if first >= self.tokens[1]:
             return {}
-        cuts = _cuts(range(first, self.tokens[1]), self.chunk)
+        cuts = self._cuts(key, range(first, self.tokens[1]))
         return {(first + a, first + b): d for (a, b), d in zip(cuts, self.rows[key], strict=True)}
+
+    def _cuts(self, key: RowKey, held: range) -> list[tuple[int, int]]:
+        if self.grid is None or key not in self.gridded:
+            return _cuts(held, self.chunk)
+        return self.grid.cuts(held)
 
     def first_mismatch(self, received: KvDigest) -> Mismatch | None:
         """Compares ``received`` (a consumer's) against these (the producer's) on the series both
@@ -128,6 +143,7 @@ class KvDigest:
         if first % self.chunk and first != self.tokens[0]:
             raise ValueError(f"token {first} is not a boundary of {self.chunk}-token chunks")
         cut = KvDigest((first, self.tokens[1]), self.chunk, states=dict(self.states))
+        cut.grid, cut.gridded = self.grid, set(self.gridded)
         for key in self.rows:
             kept = [(span, d) for span, d in self.spans(key).items() if span[0] >= first]
             cut.rows[key] = [d for _, d in kept]
@@ -151,6 +167,9 @@ class KvDigest:
             doc["firsts"] = [[*key, first] for key, first in self.firsts.items()]
         if self.states:
             doc["states"] = [[*key, f"{d:016x}"] for key, d in self.states.items()]
+        if self.grid is not None:
+            series = [list(key) for key in sorted(self.gridded)]
+            doc["grid"] = {"step": self.grid.step, "anchor": self.grid.anchor, "series": series}
         return doc
 
     @classmethod
@@ -166,7 +185,11 @@ class KvDigest:
             StateKey(str(o), str(r), str(k), int(layer), int(s), int(u)): int(d, 16)
             for o, r, k, layer, s, u, d in doc.get("states", [])
         }
-        return cls((int(first), int(stop)), int(doc["chunk"]), rows, firsts, states)
+        digest = cls((int(first), int(stop)), int(doc["chunk"]), rows, firsts, states)
+        if (grid := doc.get("grid")) is not None:
+            digest.grid = Grid(int(grid["step"]), int(grid["anchor"]))
+            digest.gridded = {_row_key(*key) for key in grid["series"]}
+        return digest
 
 
 def _row_key(owner: Any, roles: Any, layer: Any, head: Any, buffer: Any) -> RowKey:
@@ -182,20 +205,27 @@ def kv_digest(
     *,
     firsts: Mapping[int, int] | None = None,
     state_slot: int | None = None,
+    grid: Grid | None = None,
+    gridded: Collection[RowKey] | None = None,
 ) -> KvDigest:
     """A rank's digests of ``tokens`` of one request (``blocks``: its block list, ``pools``: flat
     uint8 arrays of the rank's pools): a windowed view from its first held token on (``firsts``:
-    ``kv_rows.window_firsts``), and the request's state in ``state_slot`` when given."""
-    digest = KvDigest((tokens.start, tokens.stop), chunk)
+    ``kv_rows.window_firsts``; with a ``grid``, its series cut there: on a producer its own
+    windowed views' series, on a consumer those of ``gridded``, the producer's), and the request's state in
+    ``state_slot`` when given."""
+    digest = KvDigest((tokens.start, tokens.stop), chunk, grid=grid)
+    windowed = _windowed_layers(reg, firsts) if grid is not None and gridded is None else set()
     for key, rows in read_rows(reg, pools, blocks, tokens, firsts):
         first = tokens.stop - rows.shape[0]
         if first != tokens.start:
             digest.firsts[key] = first
+        if grid is not None and (key in gridded if gridded is not None else key[:3] in windowed):
+            digest.gridded.add(key)
         flat = rows.reshape(-1)
         width = rows.shape[1]
         digest.rows[key] = [
             xxhash.xxh3_64_intdigest(flat[a * width : b * width].data)
-            for a, b in _cuts(range(first, tokens.stop), chunk)
+            for a, b in digest._cuts(key, range(first, tokens.stop))
         ]
     if state_slot is not None:
         # Memoryview slices: most units are small, so the cost per unit is the Python around it.
@@ -205,6 +235,35 @@ def kv_digest(
             for pool, unit, first, end in state_index(reg, state_slot)
         }
     return digest
+
+
+def _windowed_layers(
+    reg: RankRegistration, firsts: Mapping[int, int] | None
+) -> set[tuple[str, str, int]]:
+    """(owner, roles, layer) of the windowed views' series."""
+    return {
+        (view.owner.value, roles_of(view), slot.layer)
+        for view in covered_views(reg)
+        if view.view_id in (firsts or {})
+        for slot in view.layers
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """Where a windowed series is cut: every ``step`` tokens counted back from ``anchor`` (the
+    prompt's length, which both sides know whatever tokens each moved). Two series that start at
+    different tokens share every span from the first edge at or after the later start."""
+
+    step: int
+    anchor: int
+
+    def cuts(self, held: range) -> list[tuple[int, int]]:
+        """Row index ranges of the spans of ``held`` on this grid."""
+        below = held.start + (self.anchor - held.start) % self.step  # the first edge >= start
+        edges = [held.start, *range(below, held.stop, self.step), held.stop]
+        inside = sorted(set(edges))
+        return [(a - held.start, b - held.start) for a, b in itertools.pairwise(inside)]
 
 
 def _cuts(tokens: range, chunk: int) -> list[tuple[int, int]]:

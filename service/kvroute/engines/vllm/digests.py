@@ -34,7 +34,7 @@ from typing import Any
 
 from kvroute.client import KvrouteClient, KvrouteError
 from kvroute.client.integrity import path_report
-from kvroute.client.kv_digest import KvDigest, Mismatch
+from kvroute.client.kv_digest import Grid, KvDigest, Mismatch
 from kvroute.engines.vllm.memory import Canary, RankMemory
 from kvroute.geometry import RankRegistration
 
@@ -56,8 +56,11 @@ def _transient(error: KvrouteError) -> bool:
 class ProducerDigests:
     """A producer rank's digests of sampled requests, stored in kvroute off the step."""
 
-    def __init__(self, client: KvrouteClient, memory: RankMemory, chunk: int) -> None:
+    def __init__(
+        self, client: KvrouteClient, memory: RankMemory, chunk: int, window_step: int = 0
+    ) -> None:
         self.client, self.memory, self.chunk = client, memory, chunk
+        self.window_step = window_step  # 0: windows cut by ``chunk`` (see ``Grid``)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-digest")
 
     def submit(self, request_id: str, blocks: Blocks, prompt_tokens: int) -> None:
@@ -66,7 +69,9 @@ class ProducerDigests:
     def _store(self, request_id: str, blocks: Blocks, prompt_tokens: int) -> None:
         reg = self.memory.reg
         try:
-            digest = self.memory.digest(blocks, range(prompt_tokens), self.chunk, prompt_tokens)
+            grid = Grid(self.window_step, prompt_tokens) if self.window_step else None
+            tokens = range(prompt_tokens)
+            digest = self.memory.digest(blocks, tokens, self.chunk, prompt_tokens, along=grid)
             self.client.put_kv_digest(
                 reg.deployment, reg.instance, request_id, reg.rank, digest.to_json()
             )
@@ -152,7 +157,7 @@ class ConsumerChecks:
             for rank, doc in sorted(check.documents.items())
         ]  # fmt: skip
         got = self.memory.digest(
-            check.blocks, range(first, end), self.chunk, check.prompt_tokens, peers
+            check.blocks, range(first, end), self.chunk, check.prompt_tokens, peers, along=sent
         )
         failure = sent.window(first).first_mismatch(got)
         self.reports.submit(self._report, check, failure)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvroute.client.integrity import check_canary, write_canary
-from kvroute.client.kv_digest import KvDigest, Mismatch, kv_digest
+from kvroute.client.kv_digest import Grid, KvDigest, Mismatch, kv_digest
 from kvroute.client.kv_rows import roles_of, window_firsts
 from kvroute.client.nixl_descs import PoolAddress
 from kvroute.geometry import RankRegistration, View
@@ -145,19 +145,29 @@ class RankMemory:
         chunk: int,
         prompt_tokens: int,
         peers: Sequence[RankRegistration] = (),
+        along: KvDigest | Grid | None = None,
     ) -> KvDigest:
         """Digests of ``tokens`` of a request whose groups hold ``blocks`` (a list per group, by
         group id): ``peers`` the other side's ranks on a consumer (windows: what the pair moves),
-        none on a producer (its own window)."""
-        digest = KvDigest((tokens.start, tokens.stop), chunk)
+        none on a producer (its own window). ``along``: the producer's windows on this grid, or a
+        consumer's as the producer's digest cut them."""
+        grid, gridded = (
+            (along.grid, along.gridded) if isinstance(along, KvDigest) else (along, None)
+        )
+        digest = KvDigest((tokens.start, tokens.stop), chunk, grid=grid)
         for group, reg in sorted(self.groups.items()):
             held = blocks[group]
             if group in self.state_groups:
-                state = kv_digest(reg, self.pools, [], tokens, chunk, state_slot=held[-1])
+                state = kv_digest(
+                    reg, self.pools, [], tokens, chunk, state_slot=held[-1], grid=grid
+                )
                 digest.merge(state)
                 continue
             firsts = window_firsts(reg, prompt_tokens, peers)
-            digest.merge(kv_digest(reg, self.pools, held, tokens, chunk, firsts=firsts))
+            own = kv_digest(
+                reg, self.pools, held, tokens, chunk, firsts=firsts, grid=grid, gridded=gridded
+            )
+            digest.merge(own)
         return digest
 
     def write_canary(self) -> None:

@@ -40,6 +40,10 @@ class Settings:
     # their consumers (0: off), and the tokens each digest covers.
     kv_digest_rate: float = 0.0
     kv_digest_chunk: int = 1024
+    # A sliding window's series are cut every this many tokens, counted back from the prompt's end
+    # (``client.kv_digest.Grid``): the two sides hold windows from different tokens, and only
+    # the span straddling the later start goes uncompared (0: by ``kv_digest_chunk``, as the rest).
+    kv_digest_window_step: int = 64
 
     @classmethod
     def from_config(cls, kv_role: str | None, extra: Mapping[str, Any]) -> Settings:
@@ -70,6 +74,7 @@ class Settings:
             members=tuple((key, extra[key]) for key in PASSED_MEMBERS if extra.get(key)),
             kv_digest_rate=_rate(extra.get("kv_digest_rate", 0.0)),
             kv_digest_chunk=int(extra.get("kv_digest_chunk", 1024)),
+            kv_digest_window_step=_count(extra.get("kv_digest_window_step", 64)),
         )
 
     def registration_members(self) -> dict[str, Any]:
@@ -87,6 +92,13 @@ def _rate(value: Any) -> float:
     if not 0.0 <= rate <= 1.0:
         raise ValueError(f"kv_digest_rate must lie in [0, 1], got {value!r}")
     return rate
+
+
+def _count(value: Any) -> int:
+    step = int(value)
+    if step < 0:
+        raise ValueError(f"kv_digest_window_step must be 0 (off) or a token count, got {value!r}")
+    return step
 
 
 @dataclass(frozen=True, slots=True)

@@ -207,7 +207,10 @@ class Worker:
                 memory.write_canary()
             if memory is not None and settings.kv_digest_rate > 0:
                 self.digests = ProducerDigests(
-                    self._digest_client(), memory, settings.kv_digest_chunk
+                    self._digest_client(),
+                    memory,
+                    settings.kv_digest_chunk,
+                    settings.kv_digest_window_step,
                 )
             return cache  # a producer holds blocks; only consumers pull
         self.prefetcher = Prefetcher(
