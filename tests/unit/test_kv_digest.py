@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.client.kv_digest import KvDigest, kv_digest
+from kvroute.client.kv_digest import Grid, KvDigest, kv_digest
 from kvroute.client.kv_rows import REPLICATED_HEAD, RowKey, place_rows, read_rows
 from kvroute.geometry import RankRegistration
 from tests.truth import Truth
@@ -153,3 +153,12 @@ def test_place_rows_is_the_inverse_of_read_rows(
     assert again.keys() == rows.keys()
     for key, want in rows.items():
         np.testing.assert_array_equal(again[key], want, err_msg=key.label())
+
+
+def test_a_grid_counts_its_edges_back_from_the_anchor_whatever_the_start() -> None:
+    grid = Grid(8, 80)
+    # Row index ranges (from each start), i.e. prompt positions 45-48, 48-56, ... and 50-56, ...
+    assert grid.cuts(range(45, 80)) == [(0, 3), (3, 11), (11, 19), (19, 27), (27, 35)]
+    assert grid.cuts(range(50, 77)) == [(0, 6), (6, 14), (14, 22), (22, 27)]
+    assert grid.cuts(range(48, 56)) == [(0, 8)]
+    assert grid.cuts(range(79, 80)) == [(0, 1)]

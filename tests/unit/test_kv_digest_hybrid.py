@@ -165,7 +165,7 @@ def test_windows_and_state_digest_alike_and_a_flipped_byte_is_named(
     _flip_one(world[0], producer, consumer, data)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world=hybrid_worlds(), data=st.data())
 def test_windows_on_a_grid_are_compared_but_for_less_than_a_step(
     world: World, data: st.DataObject
