@@ -13,7 +13,7 @@ import ctypes
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvroute.client import KvrouteClient, KvrouteError, SyncLease
 from kvroute.client.nixl_transport import NixlEndpoint
@@ -345,21 +345,27 @@ class Worker:
         for pool in (self.digests, self.pulls.checks if self.pulls is not None else None):
             if pool is not None:
                 pool.close()
-        if self.digest_client is not None:
-            self.digest_client.close()
-            self.digest_client = None
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-            self.prefetcher = None
+        self.digest_client = _closed(self.digest_client)
+        self.prefetcher = _closed(self.prefetcher)
         if self.lease is not None:
             try:
                 self.lease.stop(deregister=True)
             except KvrouteError:
                 log.warning("could not deregister from kvroute", exc_info=True)
             self.lease = None
-        if self.client is not None:
-            self.client.close()
-            self.client = None
-        if self.endpoint is not None:
-            self.endpoint.close()
-            self.endpoint = None
+        self.client = _closed(self.client)
+        self.endpoint = _closed(self.endpoint)
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=_Closable)
+
+
+def _closed(part: C | None) -> C | None:
+    """Closes ``part`` when there is one; what the attribute that held it holds next (nothing)."""
+    if part is not None:
+        part.close()
+    return None
