@@ -281,6 +281,28 @@ class Parallel:
     dp_size: int = 1
     dp_rank: int = 0
 
+    @property
+    def rank(self) -> int:
+        """kvroute's rank number (without CP): PP-major, as vLLM numbers its workers."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    def members(self, num_layers: int | None = None) -> dict[str, Any]:
+        """The registration document's parallel members; ``layers_per_stage`` defaults to one
+        stage of ``num_layers``."""
+        stages = self.layers_per_stage or (num_layers,)
+        if None in stages:
+            raise ValueError("layers_per_stage or num_layers must be given")
+        return {
+            "tp_size": self.tp_size,
+            "tp_rank": self.tp_rank,
+            "pp_size": self.pp_size,
+            "pp_rank": self.pp_rank,
+            "attention_dp": self.attention_dp,
+            "dp_size": self.dp_size,
+            "dp_rank": self.dp_rank,
+            "layers_per_stage": list(stages),
+        }
+
 
 def rank_document(
     *,
@@ -304,14 +326,7 @@ def rank_document(
     views = build_views(spec for pool in pools for spec in pool.specs)
     doc: dict[str, Any] = {
         "role": role,
-        "tp_size": parallel.tp_size,
-        "tp_rank": parallel.tp_rank,
-        "pp_size": parallel.pp_size,
-        "pp_rank": parallel.pp_rank,
-        "attention_dp": parallel.attention_dp,
-        "dp_size": parallel.dp_size,
-        "dp_rank": parallel.dp_rank,
-        "layers_per_stage": list(parallel.layers_per_stage or (target.num_layers,)),
+        **parallel.members(target.num_layers),
         "num_draft_layers": num_draft_layers,
         "tokens_per_block": target.tokens_per_block,
         "attention": {

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvroute.client.nixl_descs import PoolAddress
 from kvroute.client.nixl_transport import nixl_memory
-from kvroute.client.pools import PoolDescription
+from kvroute.client.pools import Parallel, PoolDescription
 from kvroute.engines.vllm.probe import Layout
 from kvroute.engines.vllm.states import dtype_name, state_specs
 from kvroute.geometry import Kind, Owner
@@ -31,22 +31,6 @@ if TYPE_CHECKING:
 
 KV_ROLES = frozenset({"key", "value"})
 MLA_ROLES = frozenset({"latent"})
-
-
-@dataclass(frozen=True, slots=True)
-class Place:
-    """A rank's place in its engine: parallel sizes and ranks, and the PP split of the layers."""
-
-    tp_size: int = 1
-    tp_rank: int = 0
-    pp_size: int = 1
-    pp_rank: int = 0
-    layers_per_stage: tuple[int, ...] = (1,)
-
-    @property
-    def rank(self) -> int:
-        """kvroute's rank number: PP-major, as vLLM numbers its workers."""
-        return self.pp_rank * self.tp_size + self.tp_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +70,7 @@ def describe(
     layers: list[Layer],
     *,
     layouts: Mapping[str, Layout],
-    place: Place,
+    place: Parallel,
     total_kv_heads: Mapping[Owner, int | None],
     conv_dim_first: bool,
     num_draft_layers: int = 0,
@@ -272,7 +256,7 @@ def _mla_spec(layer: Layer) -> LayerSpec:
 
 
 def _document(
-    place: Place,
+    place: Parallel,
     layers: list[Layer],
     pools: list[PoolDescription],
     views: Any,
@@ -292,14 +276,7 @@ def _document(
     is_mla = isinstance(first, MLAAttentionSpec)
     return {
         "role": "context",  # the connector sets its own role
-        "tp_size": place.tp_size,
-        "tp_rank": place.tp_rank,
-        "pp_size": place.pp_size,
-        "pp_rank": place.pp_rank,
-        "attention_dp": False,
-        "dp_size": 1,
-        "dp_rank": 0,
-        "layers_per_stage": list(place.layers_per_stage),
+        **place.members(),
         "num_draft_layers": num_draft_layers,
         "tokens_per_block": first.block_size,
         "attention": {

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvroute.client import KvrouteClient, KvrouteError, SyncLease
 from kvroute.client.nixl_transport import NixlEndpoint
+from kvroute.client.pools import Parallel
 from kvroute.engines.vllm.backends import checked_layouts
 from kvroute.engines.vllm.digests import ConsumerChecks, ProducerDigests
-from kvroute.engines.vllm.layout import Layer, Place, RankCache, describe
+from kvroute.engines.vllm.layout import Layer, RankCache, describe
 from kvroute.engines.vllm.memory import NULL_BLOCK, RankMemory
 from kvroute.engines.vllm.params import Settings, agent_name, parse_done
 from kvroute.engines.vllm.prefetch import Prefetcher
@@ -50,7 +51,7 @@ class RegistrationRefused(RuntimeError):
         self.error = error
 
 
-def engine_place(vllm_config: Any) -> Place:
+def engine_place(vllm_config: Any) -> Parallel:
     """TP/PP sizes and ranks of this worker, and vLLM's PP split of the target layers."""
     from vllm.distributed.utils import get_pp_indices
 
@@ -64,7 +65,7 @@ def engine_place(vllm_config: Any) -> Place:
         tp_rank, pp_rank = parallel.rank % tp, parallel.rank // tp
     layers = vllm_config.model_config.get_total_num_hidden_layers()
     stages = tuple(end - start for start, end in (get_pp_indices(layers, p, pp) for p in range(pp)))
-    return Place(tp, tp_rank, pp, pp_rank, stages)
+    return Parallel(tp, tp_rank, pp, pp_rank, stages)
 
 
 def engine_layers(kv_cache_config: Any, kv_caches: dict[str, torch.Tensor]) -> list[Layer]:
