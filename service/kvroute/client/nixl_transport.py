@@ -60,10 +60,13 @@ class PullReport:
 
 
 class PendingPull:
-    """READs posted by ``NixlEndpoint.post``: poll ``state()``, then ``release()`` once."""
+    """READs posted by ``NixlEndpoint.post``: poll ``state()``, then ``release()`` once; or
+    ``wait()``, which does both."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: Any, transfer: NixlTransfer) -> None:
         self._agent = agent
+        self.transfer = transfer
+        self.started = time.perf_counter()
         self.handles: list[Any] = []
         self.dlists: list[Any] = []
 
@@ -80,6 +83,23 @@ class PendingPull:
         for dlist in self.dlists:
             self._agent.release_dlist_handle(dlist)
         self.handles, self.dlists = [], []
+
+    def wait(self, limit_s: float = 30.0) -> PullReport:
+        """Polls until every read finished, then releases them; raises ``NixlTransferError``
+        when one failed or they are still running after ``limit_s``."""
+        try:
+            deadline = time.monotonic() + limit_s
+            while (state := self.state()) != "DONE":
+                if state == "ERR":
+                    raise NixlTransferError("a NIXL read failed")
+                if time.monotonic() > deadline:
+                    raise NixlTransferError(f"reads still running after {limit_s} s")
+                time.sleep(0.0005)
+        finally:
+            self.release()
+        transfer = self.transfer
+        seconds = time.perf_counter() - self.started
+        return PullReport(transfer.bytes, transfer.descriptors, len(transfer.peers), seconds)
 
 
 class NixlEndpoint:
@@ -119,8 +139,9 @@ class NixlEndpoint:
         notification: bytes,
         mem_type: str = "DRAM",
     ) -> PendingPull:
-        """Posts one READ per sender and returns at once; ``PendingPull.state()`` polls them."""
-        pending = PendingPull(self._agent)
+        """Posts one READ per sender and returns at once; ``PendingPull.state()`` polls them,
+        ``PendingPull.wait()`` waits for them (each sender is notified on completion)."""
+        pending = PendingPull(self._agent, transfer)
         try:
             for peer in transfer.peers:
                 local = self._agent.prep_xfer_dlist(LOCAL_AGENT, list(peer.local), mem_type)
@@ -137,32 +158,6 @@ class NixlEndpoint:
             pending.release()
             raise
         return pending
-
-    def pull(
-        self,
-        transfer: NixlTransfer,
-        agents: Mapping[int, str],
-        *,
-        notification: bytes,
-        mem_type: str = "DRAM",
-        limit_s: float = 30.0,
-    ) -> PullReport:
-        """READs every sender's descriptors in parallel; each sender is notified on completion."""
-        started = time.perf_counter()
-        pending = self.post(transfer, agents, notification=notification, mem_type=mem_type)
-        try:
-            deadline = time.monotonic() + limit_s
-            while (state := pending.state()) != "DONE":
-                if state == "ERR":
-                    raise NixlTransferError("a NIXL read failed")
-                if time.monotonic() > deadline:
-                    raise NixlTransferError(f"reads still running after {limit_s} s")
-                time.sleep(0.0005)
-        finally:
-            pending.release()
-        return PullReport(
-            transfer.bytes, transfer.descriptors, len(transfer.peers), time.perf_counter() - started
-        )
 
     def notify(self, agent: str, message: bytes) -> None:
         """Sends a notification to a loaded peer agent (no data moves)."""
@@ -237,4 +232,4 @@ def pull_plan(
     )
     receiver = f"{plan.receiver_instance}:{plan.receiver_rank}"
     notification = f"kvroute:{receiver}:{plan.fingerprint}".encode()
-    return endpoint.pull(transfer, agents, notification=notification, limit_s=limit_s)
+    return endpoint.post(transfer, agents, notification=notification).wait(limit_s)
