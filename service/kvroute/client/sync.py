@@ -10,6 +10,7 @@ client's too, started on the loop (``started``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import threading
 from collections.abc import Callable, Coroutine
@@ -20,6 +21,7 @@ from kvroute.client.http import DEFAULT_TIMEOUT_S
 from kvroute.client.lease import EngineLeaseKeeper, LeaseKeeper
 from kvroute.client.retry import RetryPolicy
 
+LOOP_CHECK_S = 0.5  # how often a waiting call looks whether the client's loop still runs
 P = ParamSpec("P")
 T = TypeVar("T")
 K = TypeVar("K", bound="Startable")
@@ -116,7 +118,20 @@ class KvrouteClient:
         self.aio = AsyncKvrouteClient(base_url, token=token, timeout=timeout, retry=retry)
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        if self._loop.is_closed():
+            coroutine.close()
+            raise RuntimeError("the kvroute client is closed")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        # A call that reaches the loop after ``close`` stopped it would wait forever (and keep its
+        # thread, and so the process, from ending): wait while the loop's thread runs.
+        while True:
+            try:
+                return future.result(timeout=LOOP_CHECK_S)
+            except concurrent.futures.TimeoutError:
+                if not self._thread.is_alive():
+                    future.cancel()
+                    coroutine.close()  # not run to its end: the loop that would run it is gone
+                    raise RuntimeError("the kvroute client is closed") from None
 
     def close(self) -> None:
         if self._loop.is_closed():
