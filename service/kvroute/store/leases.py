@@ -129,21 +129,8 @@ async def _renew_in_a_transaction(
 async def write_expiries(
     connection: AsyncConnection, deployment: str, expiries: Mapping[RankKey, datetime]
 ) -> None:
-    """SQLite: the new lease expiry of each rank, in one ``executemany`` (a rank's own lease and
-    the ranks an engine lease keeps alike)."""
-    if not expiries:
-        return
-    statement = (
-        update(RANKS)
-        .where(
-            RANKS.c.deployment == deployment,
-            RANKS.c.instance == bindparam("key_instance"),
-            RANKS.c.rank == bindparam("key_rank"),
-        )
-        .values(lease_expires_at=bindparam("expires"))
-    )
-    rows = [
-        {"key_instance": instance, "key_rank": rank, "expires": expires}
-        for (instance, rank), expires in expiries.items()
-    ]
-    await connection.execute(statement, rows)
+    """SQLite: the new lease expiry of each rank (``sqlite_driver.EXPIRY``) through SQLAlchemy,
+    inside the caller's transaction (an engine lease's ranks)."""
+    if expiries:
+        rows = sqlite_driver.expiry_rows(deployment, expiries)
+        await connection.execute(sqlite_driver.EXPIRY, rows)

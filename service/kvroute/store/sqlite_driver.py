@@ -16,12 +16,15 @@ SQLAlchemy stores them, and a driver error is raised as SQLAlchemy's ``DBAPIErro
 
 from __future__ import annotations
 
+import functools
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import bindparam, update
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -29,6 +32,31 @@ from kvroute.store.models import DeploymentRow, RankRow
 
 RANKS = RankRow.__table__
 DEPLOYMENTS = DeploymentRow.__table__
+# A rank's new lease expiry, written for many ranks in one ``executemany``: a heartbeat wave's
+# (``Wave``, as SQLite text on the driver's calls) and an engine lease's ranks
+# (``leases.write_expiries``, through SQLAlchemy).
+EXPIRY = (
+    update(RANKS)
+    .where(
+        RANKS.c.deployment == bindparam("key_deployment"),
+        RANKS.c.instance == bindparam("key_instance"),
+        RANKS.c.rank == bindparam("key_rank"),
+    )
+    .values(lease_expires_at=bindparam("expires"))
+)
+
+
+EXPIRY_ORDER = ("expires", "key_deployment", "key_instance", "key_rank")  # SQLite's, positional
+
+
+def expiry_rows(
+    deployment: str, expiries: Mapping[tuple[str, int], datetime]
+) -> list[dict[str, Any]]:
+    """``EXPIRY``'s parameters, a row per rank."""
+    return [
+        {"key_deployment": deployment, "key_instance": instance, "key_rank": rank, "expires": at}
+        for (instance, rank), at in expiries.items()
+    ]
 
 
 class Wave:
@@ -70,18 +98,14 @@ class Wave:
     async def write_expiries(
         self, deployment: str, expiries: dict[tuple[str, int], datetime]
     ) -> None:
-        """The new lease expiry of each rank, in one ``executemany``."""
+        """The new lease expiry of each rank: ``EXPIRY`` in one ``executemany``."""
         if not expiries:
             return
-        await self._call(
-            self._driver.executemany,
-            f"UPDATE {RANKS.name} SET lease_expires_at = ? "
-            "WHERE deployment = ? AND instance = ? AND rank = ?",
-            [
-                (self._to_row(expires), deployment, instance, rank)
-                for (instance, rank), expires in expiries.items()
-            ],
-        )
+        rows = [
+            (self._to_row(at), deployment, instance, rank)
+            for (instance, rank), at in expiries.items()
+        ]
+        await self._call(self._driver.executemany, _expiry_text(), rows)
 
     async def _call(self, method: Callable[..., Any], statement: str, parameters: Any) -> Any:
         try:
@@ -112,6 +136,16 @@ async def write_wave(engine: AsyncEngine) -> AsyncIterator[Wave]:
         except sqlite3.Error as error:
             await driver.rollback()
             raise _wrapped("COMMIT", (), error) from error
+
+
+@functools.cache
+def _expiry_text() -> str:
+    """``EXPIRY`` as SQLite text, whose positional parameters ``Wave.write_expiries`` binds in
+    ``EXPIRY_ORDER`` (checked here, once)."""
+    compiled = EXPIRY.compile(dialect=sqlite.dialect())
+    if tuple(compiled.positiontup or ()) != EXPIRY_ORDER:
+        raise AssertionError(f"EXPIRY binds {compiled.positiontup}, not {EXPIRY_ORDER}")
+    return compiled.string
 
 
 def _same(value: Any) -> Any:
