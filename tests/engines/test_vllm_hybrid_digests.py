@@ -189,10 +189,13 @@ def test_windows_on_a_grid_are_cut_every_step_back_from_the_prompt_s_end(
     producer, consumer = pair
     _move(producer, consumer)
     grid = Grid(8, PROMPT)
-    sent = producer.memory.digest(SENT, range(PROMPT), 16, PROMPT, along=grid)
+    sent = producer.memory.digest(SENT, range(PROMPT), 16, PROMPT, grid=grid)
     sent = KvDigest.from_json(sent.to_json())  # as kvroute stores it
     assert sent.gridded == {key for key in sent.rows if key.layer == 1}
-    got = consumer.memory.digest(RECEIVED, range(PROMPT), 16, PROMPT, [producer.memory.reg], sent)
+    peers = [producer.memory.reg]
+    got = consumer.memory.digest(
+        RECEIVED, range(PROMPT), 16, PROMPT, peers, grid=sent.grid, gridded=sent.gridded
+    )
     assert got.gridded == sent.gridded
     window = next(iter(sent.gridded))
     assert list(sent.spans(window)) == [(48, 56), (56, 64), (64, 72), (72, 80)]

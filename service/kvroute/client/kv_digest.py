@@ -211,8 +211,8 @@ def kv_digest(
     """A rank's digests of ``tokens`` of one request (``blocks``: its block list, ``pools``: flat
     uint8 arrays of the rank's pools): a windowed view from its first held token on (``firsts``:
     ``kv_rows.window_firsts``; with a ``grid``, its series cut there: on a producer its own
-    windowed views' series, on a consumer those of ``gridded``, the producer's), and the request's state in
-    ``state_slot`` when given."""
+    windowed views' series, on a consumer those of ``gridded``, the producer's), and the request's
+    state in ``state_slot`` when given."""
     digest = KvDigest((tokens.start, tokens.stop), chunk, grid=grid)
     windowed = _windowed_layers(reg, firsts) if grid is not None and gridded is None else set()
     for key, rows in read_rows(reg, pools, blocks, tokens, firsts):

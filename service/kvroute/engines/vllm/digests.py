@@ -71,7 +71,7 @@ class ProducerDigests:
         try:
             grid = Grid(self.window_step, prompt_tokens) if self.window_step else None
             tokens = range(prompt_tokens)
-            digest = self.memory.digest(blocks, tokens, self.chunk, prompt_tokens, along=grid)
+            digest = self.memory.digest(blocks, tokens, self.chunk, prompt_tokens, grid=grid)
             self.client.put_kv_digest(
                 reg.deployment, reg.instance, request_id, reg.rank, digest.to_json()
             )
@@ -157,8 +157,9 @@ class ConsumerChecks:
             for rank, doc in sorted(check.documents.items())
         ]  # fmt: skip
         got = self.memory.digest(
-            check.blocks, range(first, end), self.chunk, check.prompt_tokens, peers, along=sent
-        )
+            check.blocks, range(first, end), self.chunk, check.prompt_tokens, peers,
+            grid=sent.grid, gridded=sent.gridded,
+        )  # fmt: skip
         failure = sent.window(first).first_mismatch(got)
         self.reports.submit(self._report, check, failure)
         return None if failure is None else f"KV digest mismatch: {failure.describe()}"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from kvroute.client.integrity import check_canary, write_canary
 from kvroute.client.kv_digest import Grid, KvDigest, Mismatch, kv_digest
-from kvroute.client.kv_rows import roles_of, window_firsts
+from kvroute.client.kv_rows import RowKey, roles_of, window_firsts
 from kvroute.client.nixl_descs import PoolAddress
 from kvroute.geometry import RankRegistration, View
 
@@ -145,15 +145,13 @@ class RankMemory:
         chunk: int,
         prompt_tokens: int,
         peers: Sequence[RankRegistration] = (),
-        along: KvDigest | Grid | None = None,
+        grid: Grid | None = None,
+        gridded: Collection[RowKey] | None = None,
     ) -> KvDigest:
         """Digests of ``tokens`` of a request whose groups hold ``blocks`` (a list per group, by
         group id): ``peers`` the other side's ranks on a consumer (windows: what the pair moves),
-        none on a producer (its own window). ``along``: the producer's windows on this grid, or a
-        consumer's as the producer's digest cut them."""
-        grid, gridded = (
-            (along.grid, along.gridded) if isinstance(along, KvDigest) else (along, None)
-        )
+        none on a producer (its own window). ``grid`` and ``gridded``: ``kv_digest``'s (a consumer
+        passes the producer digest's)."""
         digest = KvDigest((tokens.start, tokens.stop), chunk, grid=grid)
         for group, reg in sorted(self.groups.items()):
             held = blocks[group]
