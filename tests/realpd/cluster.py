@@ -8,6 +8,7 @@ killed on close, and each writes its log under the cluster's directory (named in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -207,9 +208,18 @@ class Cluster:
             os.killpg(process.popen.pid, sig)
             process.popen.wait(timeout=60)
 
-    def close(self) -> None:
-        for name in list(self.processes):
+    def close(self, grace_s: float = 60.0) -> None:
+        """SIGTERM to every process group at once, then SIGKILL to what outlives ``grace_s``:
+        engines shut down side by side (one after another took 18 s of a module's teardown)."""
+        running = [p for p in self.processes.values() if p.popen.poll() is None]
+        for process in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in running:
             try:
-                self.kill(name, signal.SIGTERM)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                self.kill(name, signal.SIGKILL)
+                process.popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.popen.pid, signal.SIGKILL)
+                process.popen.wait(timeout=60)
