@@ -8,6 +8,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+import sqlalchemy as sa
 from sqlalchemy import insert, select
 
 from kvroute.store import migrate
@@ -27,12 +28,28 @@ def test_upgrade_gives_stored_ranks_their_face_class(tmp_path: Path) -> None:
     ]
     assert len({reg.views[0].offsets[0] for reg in ranks}) > 1  # laid out differently
     migrate.upgrade(url, BEFORE)
-    asyncio.run(_store(url, ranks, "stale"))
+    asyncio.run(store_old_ranks(url, ranks, "stale"))
     migrate.upgrade(url)
     assert asyncio.run(_classes(url)) == {reg.rank: ranks[0].class_digest for reg in ranks}
 
 
-async def _store(url: str, ranks: list, geometry_class: str) -> None:
+# ``ranks`` as revisions before 6a2f9c4e8b13 have it (the document in the row), less what later
+# revisions added: what the models say now is not what an old database holds.
+OLD_RANKS = sa.table(
+    "ranks",
+    *(sa.column(name) for name in ("deployment", "instance", "rank", "role", "generation")),
+    *(sa.column(name) for name in ("lease_seconds", "canonical_sha256", "geometry_class")),
+    sa.column("lease_expires_at", RankRow.__table__.c.lease_expires_at.type),
+    sa.column("registered_at", RankRow.__table__.c.registered_at.type),
+    sa.column("document", sa.JSON),
+)
+
+
+async def store_old_ranks(
+    url: str, ranks: list, geometry_class: str, documents: dict[int, dict] | None = None
+) -> None:
+    """Ranks of instance ``ctx`` of deployment ``world``, stored at an old revision, each with its
+    own document or the one ``documents`` gives its rank."""
     now = datetime.now(UTC)
     engine = create_engine(url)
     try:
@@ -54,7 +71,7 @@ async def _store(url: str, ranks: list, geometry_class: str) -> None:
             )
             for reg in ranks:
                 await connection.execute(
-                    insert(RankRow.__table__).values(
+                    insert(OLD_RANKS).values(
                         deployment="world",
                         instance="ctx",
                         rank=reg.rank,
@@ -63,7 +80,7 @@ async def _store(url: str, ranks: list, geometry_class: str) -> None:
                         lease_seconds=30,
                         lease_expires_at=now,
                         registered_at=now,
-                        document=reg.to_json(),
+                        document=(documents or {}).get(reg.rank, reg.to_json()),
                         canonical_sha256=reg.canonical_digest,
                         geometry_class=geometry_class,
                     )

@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from alembic import command
@@ -36,6 +36,7 @@ import kvroute
 from kvroute.store.errors import StoreError
 
 T = TypeVar("T")
+RANK_KEY = (("deployment", sa.String), ("instance", sa.String), ("rank", sa.Integer))
 
 
 class SchemaDrift(StoreError):
@@ -116,20 +117,18 @@ def recompute_geometry_classes(bind: Connection) -> None:
 
     A revision that changes the class rule calls this from ``upgrade`` (three do). It reads the
     rule from ``kvroute.geometry`` as the revision runs, not as it was written, and only columns
-    of ``ranks`` that every such revision has, so it must keep to those.
+    that every such revision has, so it must keep to those. The documents are read where the
+    revision keeps them: in ``ranks`` before revision 6a2f9c4e8b13, in ``rank_documents`` from it.
     """
     from kvroute.geometry import RankRegistration
 
-    ranks = sa.table(
-        "ranks",
-        sa.column("deployment", sa.String),
-        sa.column("instance", sa.String),
-        sa.column("rank", sa.Integer),
-        sa.column("document", sa.JSON),
-        sa.column("geometry_class", sa.String),
-    )
+    ranks = _rank_table("ranks", sa.column("geometry_class", sa.String))
+    held = "rank_documents" if sa.inspect(bind).has_table("rank_documents") else "ranks"
+    documents = _rank_table(held, sa.column("document", sa.JSON))
     rows = bind.execute(
-        sa.select(ranks.c.deployment, ranks.c.instance, ranks.c.rank, ranks.c.document)
+        sa.select(
+            documents.c.deployment, documents.c.instance, documents.c.rank, documents.c.document
+        )
     )
     for deployment, instance, rank, document in rows.all():
         reg = RankRegistration.from_json(
@@ -141,6 +140,12 @@ def recompute_geometry_classes(bind: Connection) -> None:
             & (ranks.c.rank == rank)
         )
         bind.execute(ranks.update().where(where).values(geometry_class=reg.class_digest))
+
+
+def _rank_table(name: str, *columns: sa.ColumnClause[Any]) -> sa.TableClause:
+    """Table ``name`` keyed by a rank, with ``columns``: as migrations see it, not as models do."""
+    key = (sa.column(column, type_) for column, type_ in RANK_KEY)
+    return sa.table(name, *key, *columns)
 
 
 def _run(action: Callable[[], T]) -> T:

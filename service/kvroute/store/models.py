@@ -1,9 +1,12 @@
 """The relational schema of kvroute's registry, shared by the service code and Alembic.
 
-Ranks keep the registration document as given (the source of truth for geometry checks and plans);
-pools and views are also exploded into their own rows so an admin can ask geometry questions in plain
-SQL ("which ranks hold draft layers with 1 KV head?") without parsing JSON. Keys are the natural
-names (deployment, instance, rank) rather than surrogate ids for the same reason.
+Ranks keep the registration document as given (the source of truth for geometry checks and plans)
+in a table of its own, ``rank_documents``: a heartbeat rewrites its rank's row, and SQLite rewrites a
+record whole, so a document kept in that row (16 KB for an 80-layer model) would be read and written
+again by every renewal. Pools and views are also exploded into their own rows so an admin can ask
+geometry questions in plain SQL ("which ranks hold draft layers with 1 KV head?") without parsing
+JSON. Keys are the natural names (deployment, instance, rank) rather than surrogate ids for the same
+reason.
 
 Every constraint is named through the MetaData naming convention, so later migrations can drop or
 alter them identically on SQLite and PostgreSQL.
@@ -158,7 +161,6 @@ class RankRow(Base):
     lease_seconds: Mapped[int]
     lease_expires_at: Mapped[datetime]
     registered_at: Mapped[datetime]
-    document: Mapped[dict[str, Any]]
     canonical_sha256: Mapped[str] = mapped_column(String(64))
     # The rank's geometry class (``RankRegistration.class_digest``): admission checks one rank per
     # class, so ranks of one PP stage of an instance cost one check, not one each.
@@ -203,6 +205,14 @@ class PoolRow(_RankPart, Base):
     num_slots: Mapped[int] = mapped_column(BigInteger)
     # none_as_null: a pool without memory is SQL NULL, not the JSON literal null.
     memory: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+
+
+class RankDocumentRow(_RankPart, Base):
+    """A rank's registration document as given; apart from ``ranks`` so renewals leave it be."""
+
+    __tablename__ = "rank_documents"
+
+    document: Mapped[dict[str, Any]]
 
 
 class ViewRow(_RankPart, Base):

@@ -3,7 +3,8 @@
 The caller holds the deployment lock and has checked every rank. Each write's rule is stated once
 (the generation counted up, the instance created or re-stated, the rows inserted); the dialect
 (``store.dialect``) says how its rows travel. Where rows travel as arrays (PostgreSQL) the new
-documents of a batch (generation counters, instance rows, rank rows, their pools and views) are one
+documents of a batch (generation counters, instance rows, rank rows, their documents, pools and
+views) are one
 statement of data-modifying CTEs over ``unnest``ed arrays (``bulk``): one round trip, one prepared
 text whatever the batch size. Elsewhere (SQLite, where statements cost no round trip) each write is
 one ``executemany``. Either way a batch of sixteen admissions costs the statements of one.
@@ -35,10 +36,18 @@ from kvroute.store import bulk
 from kvroute.store import ranks as repo
 from kvroute.store.dialect import POSTGRES, Dialect, dialect_of
 from kvroute.store.engine_leases import LeaseTerms, own_terms
-from kvroute.store.models import Generation, InstanceRow, PoolRow, RankRow, ViewRow
+from kvroute.store.models import (
+    Generation,
+    InstanceRow,
+    PoolRow,
+    RankDocumentRow,
+    RankRow,
+    ViewRow,
+)
 from kvroute.store.records import RegisterOutcome
 
 RANKS = RankRow.__table__
+DOCUMENTS = RankDocumentRow.__table__
 INSTANCES = InstanceRow.__table__
 GENERATIONS = Generation.__table__
 POOLS = PoolRow.__table__
@@ -51,7 +60,6 @@ RANK_VALUES = (
     "lease_expires_at",
     "engine_lease",
     "registered_at",
-    "document",
     "canonical_sha256",
     "geometry_class",
     "fenced_at",
@@ -144,9 +152,8 @@ async def _store(
 ) -> dict[tuple[str, int], int]:
     """Stores the new documents (their old rows already deleted); returns their generations."""
     documents = {reg.key: reg.to_json() for reg, _, _ in changed}
-    ranks = [
-        {**_key(reg), **_rank_values(reg, documents[reg.key], term, at)} for reg, _, term in changed
-    ]
+    ranks = [{**_key(reg), **_rank_values(reg, term, at)} for reg, _, term in changed]
+    stored = [{**_key(reg), "document": documents[reg.key]} for reg, _, _ in changed]
     pools = [
         repo.pool_row(_key(reg), pool)
         for reg, _, _ in changed
@@ -161,12 +168,15 @@ async def _store(
     instances = _instance_rows(regs, at)
     dialect = dialect_of(connection)
     if dialect.arrays:
-        return await _store_in_one_statement(connection, regs, instances, ranks, pools, views)
+        return await _store_in_one_statement(
+            connection, regs, instances, ranks, (stored, pools, views)
+        )
     generations = await _next_generations(connection, dialect, regs)
     await connection.execute(_restated(dialect.insert(INSTANCES)), instances)
     for row in ranks:
         row["generation"] = generations[row["instance"], row["rank"]]
     await connection.execute(insert(RANKS), ranks)
+    await connection.execute(insert(DOCUMENTS), stored)
     if pools:
         await connection.execute(insert(POOLS), pools)
     if views:
@@ -179,13 +189,15 @@ async def _store_in_one_statement(
     regs: Sequence[RankRegistration],
     instances: Sequence[dict[str, Any]],
     ranks: Sequence[dict[str, Any]],
-    pools: Sequence[dict[str, Any]],
-    views: Sequence[dict[str, Any]],
+    parts: tuple[Sequence[dict[str, Any]], ...],
 ) -> dict[tuple[str, int], int]:
+    """``parts``: the ranks' documents, pools and views."""
+    stored, pools, views = parts
     values = {
         **bulk.arrays(GENERATIONS, [_key(reg) for reg in regs], KEY, "counted"),
         **bulk.arrays(INSTANCES, instances, INSTANCE_COLUMNS, "instance_rows"),
         **bulk.arrays(RANKS, ranks, RANK_COLUMNS, "rank_rows"),
+        **bulk.arrays(DOCUMENTS, stored, DOCUMENT_COLUMNS, "document_rows"),
         **bulk.arrays(POOLS, pools, POOL_COLUMNS, "pool_rows"),
         **bulk.arrays(VIEWS, views, VIEW_COLUMNS, "view_rows"),
     }
@@ -195,6 +207,7 @@ async def _store_in_one_statement(
 
 INSTANCE_COLUMNS = ("deployment", "name", "created_at", *LAYOUT)
 RANK_COLUMNS = (*KEY, *RANK_VALUES)
+DOCUMENT_COLUMNS = (*KEY, "document")
 POOL_COLUMNS = tuple(column.name for column in POOLS.c)
 VIEW_COLUMNS = tuple(column.name for column in VIEWS.c)
 
@@ -202,7 +215,7 @@ VIEW_COLUMNS = tuple(column.name for column in VIEWS.c)
 @functools.cache
 def _storing_statement() -> Any:
     """PostgreSQL: each rank's generation counted up (numbers are never reused, not even after a
-    delete), its instance created or re-stated, its row, pools and views inserted; returns
+    delete), its instance created or re-stated, its row, document, pools and views inserted; returns
     (instance, rank, generation) per rank. Built once: its text fits every batch size."""
     counted = bulk.unnest_rows(GENERATIONS, KEY, "counted")
     counter = POSTGRES.insert(GENERATIONS).from_select(
@@ -227,6 +240,7 @@ def _storing_statement() -> Any:
         insert(RANKS)
         .from_select([*KEY, *RANK_VALUES, "generation"], numbered)
         .cte("ranks_written"),
+        bulk.insert_rows(DOCUMENTS, DOCUMENT_COLUMNS, "document_rows").cte("documents_written"),
         bulk.insert_rows(POOLS, POOL_COLUMNS, "pool_rows").cte("pools_written"),
         bulk.insert_rows(VIEWS, VIEW_COLUMNS, "view_rows").cte("views_written"),
     )
@@ -275,7 +289,8 @@ def _instance_rows(regs: Sequence[RankRegistration], at: datetime) -> list[dict[
 async def _delete_replaced(
     connection: AsyncConnection, replaced: Sequence[RankRegistration]
 ) -> None:
-    """Rows about to be written again; their pools and views go with them (ON DELETE CASCADE)."""
+    """Rows about to be written again; their documents, pools and views go with them (ON DELETE
+    CASCADE)."""
     if replaced:
         keys = [(reg.deployment, reg.instance, reg.rank) for reg in replaced]
         await connection.execute(
@@ -285,16 +300,13 @@ async def _delete_replaced(
         )
 
 
-def _rank_values(
-    reg: RankRegistration, document: dict[str, Any], term: LeaseTerms, at: datetime
-) -> dict[str, Any]:
+def _rank_values(reg: RankRegistration, term: LeaseTerms, at: datetime) -> dict[str, Any]:
     return {
         "role": reg.role.value,
         "lease_seconds": term.lease_seconds,
         "lease_expires_at": term.expires_at,
         "engine_lease": term.engine_lease,
         "registered_at": at,
-        "document": document,
         "canonical_sha256": reg.canonical_digest,
         "geometry_class": reg.class_digest,
         "fenced_at": None,

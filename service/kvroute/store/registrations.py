@@ -22,7 +22,7 @@ from sqlalchemy.orm import QueryableAttribute
 from kvroute.geometry import RankRegistration
 from kvroute.store.engine import SessionMaker, autocommit_connection, engine_of, retry_disconnect
 from kvroute.store.errors import Conflict
-from kvroute.store.models import RankRow
+from kvroute.store.models import RankDocumentRow, RankRow
 
 RankAt = tuple[str, int, int]  # instance, rank, generation
 Column = ColumnElement[Any] | QueryableAttribute[Any]
@@ -30,6 +30,8 @@ DEFAULT_SIZE = 16_384  # a 1,024-rank fleet twice over, with room for re-registr
 # Most keys read by a row-value IN list; more are read by scanning the deployment. PostgreSQL
 # refuses an IN list of a whole 8,192-rank deployment ("stack depth limit exceeded").
 READ_CHUNK = 512
+# A rank's row with its document (the foreign key names the join).
+WITH_DOCUMENTS = RankRow.__table__.join(RankDocumentRow.__table__)
 
 
 class RegistrationMoved(Conflict):
@@ -103,7 +105,8 @@ class RegistrationCache:
         ``RegistrationMoved`` when a rank no longer has the generation asked for."""
         known = {key: reg for key in wanted if (reg := self._parsed.get((deployment, *key)))}
         missing = [key for key in wanted if key not in known]
-        read = await self._read(deployment, missing, _class_columns(topology)) if missing else {}
+        columns = _class_columns(topology)
+        read = await self._read(deployment, missing, columns, documents=topology) if missing else {}
         found: dict[RankAt, RankSketch] = dict(known)
         for instance, rank, generation in missing:
             if (row := read.get((instance, rank))) is None:
@@ -122,7 +125,9 @@ class RegistrationCache:
     async def _documents(
         self, deployment: str, wanted: list[RankAt], connection: AsyncConnection | None
     ) -> dict[tuple[str, int], dict[str, Any]]:
-        read = await self._read(deployment, wanted, [RankRow.document], connection)
+        read = await self._read(
+            deployment, wanted, [RankDocumentRow.document], connection, documents=True
+        )
         return {key: row[0] for key, row in read.items()}
 
     async def _read(
@@ -131,12 +136,19 @@ class RegistrationCache:
         wanted: list[RankAt],
         columns: Sequence[Column],
         connection: AsyncConnection | None = None,
+        *,
+        documents: bool = False,
     ) -> dict[tuple[str, int], tuple[Any, ...]]:
-        """``columns`` of the ranks at exactly these generations, by (instance, rank)."""
+        """``columns`` of the ranks at exactly these generations, by (instance, rank); with
+        ``documents``, of the ranks joined with their documents."""
         if not wanted:
             return {}
         keyed = [RankRow.instance, RankRow.rank, RankRow.generation]
-        query = select(*keyed, *columns).where(RankRow.deployment == deployment)
+        query = (
+            select(*keyed, *columns)
+            .select_from(WITH_DOCUMENTS if documents else RankRow.__table__)
+            .where(RankRow.deployment == deployment)
+        )
         if len(wanted) <= READ_CHUNK:
             query = query.where(tuple_(*keyed).in_(wanted))
         # Else (a cold replica's matrix wants the whole fleet) the deployment's rows are matched
@@ -161,7 +173,7 @@ class RegistrationCache:
 def _class_columns(topology: bool) -> list[Column]:
     # The topology is extracted by the database: the rest of the document is not sent.
     columns: list[Column] = [RankRow.geometry_class]
-    return [*columns, RankRow.document["topology"]] if topology else columns
+    return [*columns, RankDocumentRow.document["topology"]] if topology else columns
 
 
 def _parse_all(

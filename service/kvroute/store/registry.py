@@ -35,7 +35,7 @@ from kvroute.store.engine import (
     reading,
 )
 from kvroute.store.errors import HeldByEngineLease, LeaseExpired, NotFound
-from kvroute.store.models import DeploymentRow, InstanceRow, RankRow
+from kvroute.store.models import DeploymentRow, InstanceRow, RankDocumentRow, RankRow
 from kvroute.store.records import RankName, lease_state
 from kvroute.store.rejections import (
     DEFAULT_LOG_SIZE,
@@ -123,9 +123,20 @@ async def get_rank(
     sessionmaker: SessionMaker, deployment: str, instance: str, rank: int, *, now: datetime
 ) -> wire.Rank:
     async with reading(sessionmaker) as session:
-        row = await session.get(RankRow, (deployment, instance, rank))
-    if row is None:
+        found = (
+            await session.execute(
+                select(RankRow, RankDocumentRow.document)
+                .join_from(RankRow, RankDocumentRow)
+                .where(
+                    RankRow.deployment == deployment,
+                    RankRow.instance == instance,
+                    RankRow.rank == rank,
+                )
+            )
+        ).first()
+    if found is None:
         raise NotFound(f"rank {rank} of instance {instance!r} in {deployment!r} is not registered")
+    row, document = found
     return wire.Rank(
         deployment=row.deployment,
         instance=row.instance,
@@ -136,7 +147,7 @@ async def get_rank(
         lease_seconds=row.lease_seconds,
         lease_expires_at=row.lease_expires_at,
         registered_at=row.registered_at,
-        document=row.document,
+        document=document,
     )
 
 
