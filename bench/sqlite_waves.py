@@ -7,7 +7,11 @@ heartbeat. ``--baseline OLD/service`` first measures another checkout's kvroute 
 subprocess of its own, and adds its figures and the ratios (e.g.
 ``git worktree add /tmp/old HEAD~1`` then ``--baseline /tmp/old/service``).
 
-    python bench/sqlite_waves.py [--waves 1000] [--baseline OLD/service]
+Every rank gets a registration document of ``--document-kib`` KiB of JSON (default 16, what an
+80-layer model registers; 0: an empty one), stored wherever the measured tree keeps documents (the
+``ranks`` row before ``rank_documents`` existed), so trees of either schema are compared fairly.
+
+    python bench/sqlite_waves.py [--waves 1000] [--document-kib 16] [--baseline OLD/service]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -33,10 +38,22 @@ WAVE_SIZES = (1, 4, 16, 64)
 SERVICE = Path(__file__).resolve().parents[1] / "service"
 
 
-async def _fleet(url: str) -> None:
-    """8,192 live ranks of one deployment, written directly (their documents are not read)."""
+def _document(kib: int) -> dict[str, Any]:
+    """About ``kib`` KiB of JSON shaped like a registration's views: one entry per layer."""
+    layers, size = [], 2
+    while size < kib * 1024:
+        layer = {"layer": len(layers), "offset": 1 << 20, "stride": 4096, "head_dim": 128}
+        layers.append(layer)
+        size += len(json.dumps(layer)) + 2
+    return {"views": [{"kind": "hnd", "layers": layers}]} if layers else {}
+
+
+async def _fleet(url: str, document_kib: int) -> None:
+    """8,192 live ranks of one deployment, written directly (their documents are not read, but are
+    where this tree keeps them)."""
     from sqlalchemy import insert
 
+    from kvroute.store import models
     from kvroute.store.engine import create_engine
     from kvroute.store.models import DeploymentRow, InstanceRow, RankRow
 
@@ -58,17 +75,24 @@ async def _fleet(url: str) -> None:
                 for index in range(instances)
             ],
         )
-        rank = {"role": "context", "generation": 1, "lease_seconds": 30, "document": {}}
+        rank = {"role": "context", "generation": 1, "lease_seconds": 30}
         stamps = {"lease_expires_at": later, "registered_at": now}
         digests = {"canonical_sha256": "0" * 64, "geometry_class": "1" * 64}
+        keys = [
+            {"deployment": "fleet", "instance": f"i{index // RANKS_PER_INSTANCE}"}
+            | {"rank": index % RANKS_PER_INSTANCE}
+            for index in range(RANKS)
+        ]
+        document = {"document": _document(document_kib)}
+        # Trees before rank_documents keep the document in the rank's row.
+        separate = getattr(models, "RankDocumentRow", None)
+        inline = {} if separate else document
         await connection.execute(
             insert(RankRow.__table__),
-            [
-                {"deployment": "fleet", "instance": f"i{index // RANKS_PER_INSTANCE}"}
-                | {"rank": index % RANKS_PER_INSTANCE, **rank, **stamps, **digests}
-                for index in range(RANKS)
-            ],
+            [key | rank | stamps | digests | inline for key in keys],
         )
+        if separate:
+            await connection.execute(insert(separate.__table__), [key | document for key in keys])
     await engine.dispose()
 
 
@@ -99,7 +123,7 @@ async def _waves(url: str, size: int, waves: int) -> dict[str, float]:
     }
 
 
-def measure(waves: int) -> dict[int, dict[str, float]]:
+def measure(waves: int, document_kib: int) -> dict[int, dict[str, float]]:
     """This process's kvroute (whatever ``PYTHONPATH`` names), every wave size."""
     results = {}
     with tempfile.TemporaryDirectory() as workdir:
@@ -109,21 +133,23 @@ def measure(waves: int) -> dict[int, dict[str, float]]:
             env = {**os.environ, "KVROUTE_DATABASE_URL": url}
             upgrade = [sys.executable, "-m", "kvroute", "db", "upgrade"]
             subprocess.run(upgrade, env=env, check=True, capture_output=True)
-            asyncio.run(_fleet(url))
+            asyncio.run(_fleet(url, document_kib))
             results[size] = asyncio.run(_waves(url, size, waves))
     return results
 
 
-def _in_tree(tree: Path, waves: int) -> dict[int, dict[str, float]]:
+def _in_tree(tree: Path, waves: int, document_kib: int) -> dict[int, dict[str, float]]:
     command = [sys.executable, __file__, "--waves", str(waves), "--json"]
+    command += ["--document-kib", str(document_kib)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     answer = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
     return {int(size): figures for size, figures in json.loads(answer.stdout).items()}
 
 
-def report(results: dict[str, dict[int, dict[str, float]]]) -> None:
+def report(results: dict[str, dict[int, dict[str, float]]], document_kib: int) -> None:
     trees = list(results)
-    table = Table(title=f"SQLite heartbeat waves over {RANKS:,} ranks, no HTTP")
+    title = f"SQLite heartbeat waves over {RANKS:,} ranks, {document_kib} KiB documents, no HTTP"
+    table = Table(title=title)
     table.add_column("wave")
     table.add_column("measure")
     for tree in trees:
@@ -144,16 +170,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--waves", type=int, default=1000, help="waves per size")
     parser.add_argument("--baseline", type=Path, help="another checkout's service/ directory")
+    parser.add_argument(
+        "--document-kib", type=int, default=16, help="each rank's document, KiB of JSON"
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     if args.json:
-        print(json.dumps(measure(args.waves)))
+        print(json.dumps(measure(args.waves, args.document_kib)))
         return
     results = {}
     if args.baseline:
-        results["baseline"] = _in_tree(args.baseline, args.waves)
-    results["this tree"] = _in_tree(SERVICE, args.waves)
-    report(results)
+        results["baseline"] = _in_tree(args.baseline, args.waves, args.document_kib)
+    results["this tree"] = _in_tree(SERVICE, args.waves, args.document_kib)
+    report(results, args.document_kib)
 
 
 if __name__ == "__main__":
