@@ -61,7 +61,7 @@ async def _burst_then_kill(server: Any) -> Acked:
 
 
 RANK_ROWS = """
-SELECT r.instance, r.rank, r.generation, r.document,
+SELECT r.instance, r.rank, r.generation, d.document,
        (SELECT count(*) FROM pools p WHERE p.deployment = r.deployment
             AND p.instance = r.instance AND p.rank = r.rank),
        (SELECT count(*) FROM views v WHERE v.deployment = r.deployment
@@ -70,7 +70,9 @@ SELECT r.instance, r.rank, r.generation, r.document,
             AND i.name = r.instance),
        (SELECT g.generation FROM rank_generations g WHERE g.deployment = r.deployment
             AND g.instance = r.instance AND g.rank = r.rank)
-FROM ranks r WHERE r.deployment = 'burst'
+FROM ranks r LEFT JOIN rank_documents d ON d.deployment = r.deployment
+    AND d.instance = r.instance AND d.rank = r.rank
+WHERE r.deployment = 'burst'
 """
 
 

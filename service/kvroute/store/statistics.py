@@ -28,13 +28,23 @@ from kvroute.store.models import (
     Generation,
     InstanceRow,
     PoolRow,
+    RankDocumentRow,
     RankRow,
     ViewRow,
 )
 
 TABLES = tuple(
     row.__tablename__
-    for row in (RankRow, PoolRow, ViewRow, InstanceRow, Generation, EngineLeaseRow, Event)
+    for row in (
+        RankRow,
+        RankDocumentRow,
+        PoolRow,
+        ViewRow,
+        InstanceRow,
+        Generation,
+        EngineLeaseRow,
+        Event,
+    )
 )
 THRESHOLD_ROWS = 200
 SCALE = 0.5
