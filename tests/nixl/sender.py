@@ -29,11 +29,19 @@ class SenderRank:
     document: dict[str, Any]
 
     @classmethod
-    def open(cls, tp_size: int, tp_rank: int, shm_name: str, *, hybrid: bool = False) -> SenderRank:
+    def open(
+        cls,
+        tp_size: int,
+        tp_rank: int,
+        shm_name: str,
+        *,
+        hybrid: bool = False,
+        progress_thread: bool = True,
+    ) -> SenderRank:
         memory = ShmPool(shm_name, world.carve(tp_size, hybrid=hybrid).nbytes)
         carved = world.carve(tp_size, hybrid=hybrid, buffer=memory.tensor)
         world.fill_sender(carved, tp_size, tp_rank)
-        endpoint = NixlEndpoint(f"ctx0-rank{tp_rank}")
+        endpoint = NixlEndpoint(f"ctx0-rank{tp_rank}", progress_thread=progress_thread)
         flat = memory.tensor
         endpoint.register(flat)
         document = carved.document(
@@ -54,9 +62,16 @@ class SenderRank:
 
 
 def serve(
-    url: str, token: str, tp_size: int, tp_rank: int, shm_name: str, commands: Queue, replies: Queue
+    url: str,
+    token: str,
+    tp_size: int,
+    tp_rank: int,
+    shm_name: str,
+    commands: Queue,
+    replies: Queue,
+    progress_thread: bool = True,
 ) -> None:
-    rank = SenderRank.open(tp_size, tp_rank, shm_name)
+    rank = SenderRank.open(tp_size, tp_rank, shm_name, progress_thread=progress_thread)
     try:
         with KvrouteClient(url, token=token) as client:
             client.register(world.DEPLOYMENT, "ctx0", tp_rank, rank.document)

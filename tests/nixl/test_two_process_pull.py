@@ -27,7 +27,12 @@ pytestmark = pytest.mark.slow
 REPLY_S = 60.0
 
 
-def test_receiver_pulls_a_plan_from_two_sender_processes(live_server: LiveServer) -> None:
+@pytest.mark.parametrize("progress_thread", [True, False], ids=["progress-thread", "polled"])
+def test_receiver_pulls_a_plan_from_two_sender_processes(
+    live_server: LiveServer, progress_thread: bool
+) -> None:
+    """With NIXL's progress thread on both sides, and without it (the reads progress as the
+    receiver checks them, the senders' side as they poll for notifications)."""
     context = multiprocessing.get_context("spawn")
     channels = [(context.Queue(), context.Queue()) for _ in range(2)]
     processes = [
@@ -40,6 +45,7 @@ def test_receiver_pulls_a_plan_from_two_sender_processes(live_server: LiveServer
                 rank,
                 f"kvroute-nixl-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                 *channels[rank],
+                progress_thread,
             ),
             daemon=True,
         )
@@ -47,7 +53,7 @@ def test_receiver_pulls_a_plan_from_two_sender_processes(live_server: LiveServer
     ]
     for process in processes:
         process.start()
-    receiver = NixlEndpoint("gen0-rank0")
+    receiver = NixlEndpoint("gen0-rank0", progress_thread=progress_thread)
     try:
         for rank, (_, replies) in enumerate(channels):
             assert replies.get(timeout=REPLY_S) == ("registered", rank)

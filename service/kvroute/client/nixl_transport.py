@@ -105,11 +105,17 @@ class PendingPull:
 class NixlEndpoint:
     """One NIXL agent (UCX) with its registered pool memory."""
 
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(
+        self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = True
+    ) -> None:
+        """``progress_thread``: NIXL's own (its default), which polls without pause, a core while
+        idle; without it reads progress when checked (``PendingPull.state``) and a holder's side
+        when it reads its notifications, which suffices on one host and over RDMA."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
-        self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+        self._agent = nixl_agent(name, config)
         self._registered: list[Any] = []
         self._peers: set[str] = set()
 

@@ -177,7 +177,10 @@ class Worker:
         )
         rank = engine_place(self.vllm_config).rank
         engine_id = self.vllm_config.kv_transfer_config.engine_id or ""
-        self.endpoint = NixlEndpoint(agent_name(settings.instance, engine_id, rank))
+        self.endpoint = NixlEndpoint(
+            agent_name(settings.instance, engine_id, rank),
+            progress_thread=settings.nixl_progress_thread,
+        )
         for storage in _storages(kv_caches):  # a layer-outermost cache has one per layer
             backing = torch.empty(0, dtype=torch.int8, device=storage.device)
             backing.set_(storage, 0, (storage.nbytes(),), (1,))
