@@ -211,16 +211,17 @@ def single_engine(cluster: Cluster, model: Path, block_size: int) -> None:
 
 def kvroute_engines(cluster: Cluster, model: Path, sides: tuple[Side, Side], kvroute_url: str,
                     rate: float, deployment: str) -> None:  # fmt: skip
-    """A kvroute producer and consumer sampling digests at ``rate``."""
+    """A kvroute producer and consumer sampling digests at ``rate``, with NIXL's progress thread
+    on (the connector's default, as NixlConnector runs it): like is compared with like."""
     extra = {"kv_digest_rate": rate}
     src, dst = sides
     core = dict(zip(("p", "c"), cores(src, dst), strict=True))
     cluster.engine(f"kp{src}-{deployment}", model, block_size=src.block, core=core["p"],
                    kvroute=kvroute_url, role="kv_producer", deployment=deployment, extra=extra,
-                   tp=src.tp)  # fmt: skip
+                   tp=src.tp, progress_thread=True)  # fmt: skip
     cluster.engine(f"kc{dst}-{deployment}", model, block_size=dst.block, core=core["c"],
                    kvroute=kvroute_url, role="kv_consumer", deployment=deployment, extra=extra,
-                   tp=dst.tp)  # fmt: skip
+                   tp=dst.tp, progress_thread=True)  # fmt: skip
 
 
 def nixl_engines(cluster: Cluster, model: Path, src: Side, dst: Side) -> None:
