@@ -27,6 +27,7 @@ import numpy as np
 
 from kvroute.client.integrity import check_canary, write_canary
 from kvroute.client.kv_digest import kv_digest
+from kvroute.client.kv_rows import RequestKv
 from kvroute.client.kv_state import read_state
 from kvroute.geometry import RankRegistration
 from plan_bench import timings
@@ -117,10 +118,11 @@ def state_bench(tp: int, repeat: int) -> None:
     target = np.empty(size, dtype=np.uint8)
     copy = best(lambda: np.copyto(target, pool[:size]), repeat)
     units = sum(1 for _ in read_state(reg, {0: pool}, 0))
-    took = best(lambda: kv_digest(reg, {0: pool}, [], range(0), state_slot=0), repeat)
-    written = best(lambda: write_canary(reg, {0: pool}, [], range(0), 1), repeat)
-    checked = best(lambda: check_canary(reg, {0: pool}, [], range(0), state_slot=1), repeat)
-    assert check_canary(reg, {0: pool}, [], range(0), state_slot=1) is None
+    state, canary = (RequestKv(reg, {0: pool}, [], range(0), state_slot=s) for s in (0, 1))
+    took = best(lambda: kv_digest(state), repeat)
+    written = best(lambda: write_canary(canary), repeat)
+    checked = best(lambda: check_canary(canary), repeat)
+    assert check_canary(canary) is None
     print(
         f"state TP{tp} rank 0 {size / 2**20:5.1f} MiB {units:5d} units  memcpy "
         f"{size / copy / 1e9:5.2f} GB/s  digest {size / took / 1e9:5.2f} GB/s "
@@ -151,7 +153,8 @@ def main() -> None:
     print(f"memcpy (numpy.copyto)      {size / copy / 1e9:6.2f} GB/s")
     for layout in INTERIORS:
         reg = registration(layout, slots)
-        took = best(lambda r=reg: kv_digest(r, {0: pool}, blocks, range(args.tokens)), args.repeat)
+        kv = RequestKv(reg, {0: pool}, blocks, range(args.tokens))
+        took = best(lambda kv=kv: kv_digest(kv), args.repeat)
         print(
             f"digest {layout:<18} {size / took / 1e9:6.2f} GB/s  "
             f"{took * 1e3:7.1f} ms  x{took / copy:.1f} memcpy"
@@ -159,9 +162,10 @@ def main() -> None:
     block, tokens = [slots - 1], range(TPB)
     for layout in INTERIORS:
         reg = registration(layout, slots)
-        written = best(lambda r=reg: write_canary(r, {0: pool}, block, tokens), args.repeat)
-        checked = best(lambda r=reg: check_canary(r, {0: pool}, block, tokens), args.repeat)
-        assert check_canary(reg, {0: pool}, block, tokens) is None
+        kv = RequestKv(reg, {0: pool}, block, tokens)
+        written = best(lambda kv=kv: write_canary(kv), args.repeat)
+        checked = best(lambda kv=kv: check_canary(kv), args.repeat)
+        assert check_canary(kv) is None
         print(
             f"canary {layout:<18} write {written * 1e3:6.1f} ms  check {checked * 1e3:6.1f} ms  "
             f"({LAYERS * LAYER_BYTES / 2**20:.0f} MiB block)"

@@ -29,7 +29,7 @@ from kvroute.client.integrity import (
     reserved_state_slot,
 )
 from kvroute.client.kv_digest import KvDigest, Mismatch, kv_digest
-from kvroute.client.kv_rows import window_firsts
+from kvroute.client.kv_rows import RequestKv, window_firsts
 from kvroute.client.nixl_descs import PoolAddress
 from kvroute.client.nixl_transport import NixlEndpoint, pull_plan
 from kvroute.geometry import BLOCK_PAIRS, RankRegistration, TokenWindow
@@ -163,8 +163,7 @@ class Receiver:
     ) -> KvDigest:
         """Its digests of a request it pulled: a window over what the pair moved."""
         firsts = window_firsts(self.reg, tokens.stop, self.sender_regs)
-        return kv_digest(self.reg, self.pools, blocks, tokens, chunk, firsts=firsts,
-                         state_slot=state_slot)  # fmt: skip
+        return kv_digest(RequestKv(self.reg, self.pools, blocks, tokens, firsts, state_slot), chunk)
 
     def canary_places(self) -> tuple[range, list[int], list[int], tuple[int | None, int | None]]:
         """The canary's tokens, the senders' and its own reserved blocks and state slots."""
@@ -193,8 +192,7 @@ class Receiver:
         self.pull(src, dst, prompt=prompt, states=slots, read_shift=read_shift,
                   shift_pool=shift_pool)  # fmt: skip
         firsts = window_firsts(self.reg, len(tokens), self.sender_regs)
-        failure = check_canary(self.reg, self.pools, dst, tokens, firsts=firsts,
-                               state_slot=slots[1])  # fmt: skip
+        failure = check_canary(RequestKv(self.reg, self.pools, dst, tokens, firsts, slots[1]))
         return failure, (time.perf_counter() - started) * 1e3
 
     def report(self, source: str, failure: Mismatch | None, cost_ms: float | None = None) -> Any:

@@ -13,7 +13,7 @@ import torch
 from kvroute.client import KvrouteClient
 from kvroute.client.integrity import reserved_blocks, reserved_state_slot, write_canary
 from kvroute.client.kv_digest import kv_digest
-from kvroute.client.kv_rows import window_firsts
+from kvroute.client.kv_rows import RequestKv, window_firsts
 from kvroute.geometry import RankRegistration
 from tests.nixl import world
 from tests.nixl.sender import SenderRank
@@ -56,13 +56,12 @@ def _answer(
     if command[0] == "canary":
         tokens = range(command[1])
         slot = reserved_state_slot(reg, tokens)
-        write_canary(reg, pools, reserved_blocks(reg, tokens), tokens, slot)
+        write_canary(RequestKv(reg, pools, reserved_blocks(reg, tokens), tokens, state_slot=slot))
         return ("written",)
     if command[0] == "digest":  # a windowed view from its own window on (the producer's rule)
         _, blocks, first, stop, chunk, state_slot = command
-        firsts = window_firsts(reg, stop)
-        digest = kv_digest(reg, pools, blocks, range(first, stop), chunk, firsts=firsts,
-                           state_slot=state_slot)  # fmt: skip
+        kv = RequestKv(reg, pools, blocks, range(first, stop), window_firsts(reg, stop), state_slot)
+        digest = kv_digest(kv, chunk)
         return ("digest", digest.to_json())
     # ``tensors[name][index]``: one row of a kernel's typed view, e.g. [block, layer, K/V, head,
     # token] of an attention tensor or [slot, layer, SSM head, head dim] of the SSM state.

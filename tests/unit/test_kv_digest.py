@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroute.client.kv_digest import Grid, KvDigest, kv_digest
-from kvroute.client.kv_rows import REPLICATED_HEAD, RowKey, place_rows, read_rows
+from kvroute.client.kv_rows import REPLICATED_HEAD, RequestKv, RowKey, place_rows, read_rows
 from kvroute.geometry import RankRegistration
 from tests.truth import Truth
 from tests.unit.test_plan_ground_truth import MAX_PROMPT, worlds
@@ -44,7 +44,9 @@ class Filled:
         self.pools = [{p: as_bytes(a) for p, a in ids.items()} for ids in self.ids]
 
     def digest(self, rank: int, tokens: range, chunk: int) -> KvDigest:
-        return kv_digest(self.regs[rank], self.pools[rank], self.blocks[rank], tokens, chunk)
+        return kv_digest(
+            RequestKv(self.regs[rank], self.pools[rank], self.blocks[rank], tokens), chunk
+        )
 
     def merged(self, tokens: range, chunk: int) -> KvDigest:
         merged = KvDigest((tokens.start, tokens.stop), chunk)
@@ -84,7 +86,7 @@ def _flip_one(
     """Flips one byte of a received row and checks the mismatch names it (chunks of one token)."""
     rank = data.draw(st.integers(0, len(consumer.regs) - 1), label="rank")
     reg, pools = consumer.regs[rank], consumer.pools[rank]
-    held = read_rows(reg, pools, consumer.blocks[rank], tokens)
+    held = read_rows(RequestKv(reg, pools, consumer.blocks[rank], tokens))
     keys = [key for key, _ in held if key in sent.rows]
     if not keys:
         return
@@ -146,10 +148,15 @@ def test_place_rows_is_the_inverse_of_read_rows(
     rank = data.draw(st.integers(0, len(filled.regs) - 1))
     reg: RankRegistration = filled.regs[rank]
     tokens = range(0, len(filled.blocks[rank]) * ctx.tokens_per_block)
-    rows = dict(read_rows(reg, filled.pools[rank], filled.blocks[rank], tokens))
-    blank = {p: np.zeros_like(a) for p, a in filled.pools[rank].items()}
-    place_rows(reg, blank, filled.blocks[rank], tokens, rows)
-    again = dict(read_rows(reg, blank, filled.blocks[rank], tokens))
+    rows = dict(read_rows(RequestKv(reg, filled.pools[rank], filled.blocks[rank], tokens)))
+    blank = RequestKv(
+        reg,
+        {p: np.zeros_like(a) for p, a in filled.pools[rank].items()},
+        filled.blocks[rank],
+        tokens,
+    )
+    place_rows(blank, rows)
+    again = dict(read_rows(blank))
     assert again.keys() == rows.keys()
     for key, want in rows.items():
         np.testing.assert_array_equal(again[key], want, err_msg=key.label())

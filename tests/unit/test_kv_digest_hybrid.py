@@ -28,6 +28,7 @@ from kvroute.client.integrity import (
 from kvroute.client.kv_digest import Grid, KvDigest, Mismatch, kv_digest
 from kvroute.client.kv_rows import (
     REPLICATED_HEAD,
+    RequestKv,
     RowKey,
     covered_views,
     read_rows,
@@ -99,10 +100,10 @@ class Held:
         gridded = None
         if sent is not None:
             grid, gridded = sent.grid, sent.gridded
-        return kv_digest(
-            reg, self.pools[rank], self.blocks[rank], range(self.prompt), chunk,
-            firsts=firsts, state_slot=self.slot, grid=grid, gridded=gridded,
-        )  # fmt: skip
+        kv = RequestKv(
+            reg, self.pools[rank], self.blocks[rank], range(self.prompt), firsts, self.slot
+        )
+        return kv_digest(kv, chunk, grid=grid, gridded=gridded)
 
     def merged(self, chunk: int, grid: Grid | None = None) -> KvDigest:
         merged = KvDigest((0, self.prompt), chunk, grid=grid)
@@ -335,7 +336,9 @@ def test_the_canary_crosses_the_plan_and_names_a_flipped_window_or_state_byte(
     sender_pools = {}
     for rank, (reg, layout) in enumerate(zip(senders, sender_layouts, strict=True)):
         pools = {p: as_bytes(a) for p, a in background(layout).items()}
-        write_canary(reg, pools, src, tokens, reserved_state_slot(reg, tokens))
+        write_canary(
+            RequestKv(reg, pools, src, tokens, state_slot=reserved_state_slot(reg, tokens))
+        )
         sender_pools[rank] = pools
     dst_slot = _state_slot(receivers, tokens)
     request = Request(src, dst, TokenRange(0, len(tokens)), (0, 0), [(src_slot, dst_slot)],
@@ -347,12 +350,13 @@ def test_the_canary_crosses_the_plan_and_names_a_flipped_window_or_state_byte(
     out, _ = execute(plan, sender_pools, dict(enumerate(sender_layouts)), layout, request,
                      into=received)  # fmt: skip
     firsts = window_firsts(reg, len(tokens), senders)
-    assert check_canary(reg, out, dst, tokens, firsts=firsts, state_slot=dst_slot) is None
+    received_kv = RequestKv(reg, out, dst, tokens, firsts, dst_slot)
+    assert check_canary(received_kv) is None
     # One flipped byte of what the pair moved: found by its logical id in the truth's layout.
     truth = Truth(classes)
     ids = truth.place(gen, layout, rank, {b: i * gen.tokens_per_block for i, b in enumerate(dst)},
                       states={dst_slot: REQUEST})  # fmt: skip
-    rows = list(read_rows(reg, out, dst, tokens, firsts))
+    rows = list(read_rows(received_kv))
     keys: list[RowKey | StateKey] = [key for key, held in rows if len(held)]
     keys += [key for key, _ in read_state(reg, out, dst_slot)]
     if not keys:
@@ -370,7 +374,7 @@ def test_the_canary_crosses_the_plan_and_names_a_flipped_window_or_state_byte(
         )
     pool, offset = _where(ids, want)
     out[pool][offset] ^= 0x10
-    found = check_canary(reg, out, dst, tokens, firsts=firsts, state_slot=dst_slot)
+    found = check_canary(received_kv)
     assert found == expected, None if found is None else found.describe()
 
 

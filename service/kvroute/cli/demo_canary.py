@@ -17,6 +17,7 @@ import numpy as np
 
 from kvroute.client import KvrouteClient
 from kvroute.client.integrity import check_canary, path_report, reserved_blocks, write_canary
+from kvroute.client.kv_rows import RequestKv
 from kvroute.geometry import RankRegistration, TokenRange, TokenWindow
 
 REPLY_WAIT_S = 300.0
@@ -41,10 +42,10 @@ def canary_command(spec: Any, pool: np.ndarray, document: dict[str, Any]) -> tup
     tokens = range(canary_tokens(spec.model))
     blocks = reserved_blocks(reg, tokens)
     if spec.role == "context":
-        write_canary(reg, {0: pool}, blocks, tokens)
+        write_canary(RequestKv(reg, {0: pool}, blocks, tokens))
         return ("canary", spec.tp_rank, None)
     started = time.perf_counter()
-    failure = check_canary(reg, {0: pool}, blocks, tokens)
+    failure = check_canary(RequestKv(reg, {0: pool}, blocks, tokens))
     cost_ms = (time.perf_counter() - started) * 1e3
     with KvrouteClient(spec.url, token=spec.token) as client:
         report = path_report("ctx0", spec.instance, spec.tp_rank, "canary", failure, cost_ms)

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from kvroute.client.kv_digest import Mismatch
-from kvroute.client.kv_rows import RowKey, covered_views, place_rows, read_rows
+from kvroute.client.kv_rows import RequestKv, RowKey, covered_views, place_rows, read_rows
 from kvroute.client.kv_state import StateKey, place_state, read_state, state_views
 from kvroute.geometry import RankRegistration
 
@@ -91,41 +91,27 @@ def _mix(series: int, token: np.ndarray, byte: np.ndarray) -> np.ndarray:
     return (mixed >> np.uint64(56)).astype(np.uint8)
 
 
-def write_canary(
-    reg: RankRegistration,
-    pools: Mapping[int, np.ndarray],
-    blocks: Sequence[int],
-    tokens: range,
-    state_slot: int | None = None,
-) -> None:
-    """The producer's side: the pattern into ``blocks`` (and the state canary into
-    ``state_slot``) through the rank's layout."""
-    shapes = {key: rows.shape[1] for key, rows in read_rows(reg, pools, blocks, tokens)}
-    place_rows(
-        reg, pools, blocks, tokens, {key: pattern(key, tokens, w) for key, w in shapes.items()}
-    )
-    if state_slot is not None:
-        sizes = {key: len(data) for key, data in read_state(reg, pools, state_slot)}
+def write_canary(kv: RequestKv) -> None:
+    """The producer's side: the pattern into ``kv.blocks`` (and the state canary into
+    ``kv.state_slot``) through the rank's layout."""
+    shapes = {key: rows.shape[1] for key, rows in read_rows(kv)}
+    place_rows(kv, {key: pattern(key, kv.tokens, w) for key, w in shapes.items()})
+    if kv.state_slot is not None:
+        slot = kv.state_slot
+        sizes = {key: len(data) for key, data in read_state(kv.reg, kv.pools, slot)}
         place_state(
-            reg, pools, state_slot, {key: state_pattern(key, n) for key, n in sizes.items()}
+            kv.reg, kv.pools, slot, {key: state_pattern(key, n) for key, n in sizes.items()}
         )
 
 
-def check_canary(
-    reg: RankRegistration,
-    pools: Mapping[int, np.ndarray],
-    blocks: Sequence[int],
-    tokens: range,
-    *,
-    firsts: Mapping[int, int] | None = None,
-    state_slot: int | None = None,
-) -> Mismatch | None:
-    """The consumer's side: the first wrong element of the canary it received in ``blocks``
-    (``reg``: the layout its kernels read), then in ``state_slot``, or None when every byte is
-    where the pattern says. A windowed view is checked from ``firsts`` on (the tokens the pair
-    moved: ``kv_rows.window_firsts(reg, len(tokens), producer ranks)``)."""
+def check_canary(kv: RequestKv) -> Mismatch | None:
+    """The consumer's side: the first wrong element of the canary it received in ``kv.blocks``
+    (``kv.reg``: the layout its kernels read), then in ``kv.state_slot``, or None when every byte
+    is where the pattern says. A windowed view is checked from ``kv.firsts`` on (the tokens the
+    pair moved: ``kv_rows.window_firsts(reg, len(tokens), producer ranks)``)."""
+    tokens = kv.tokens
     first: tuple[tuple[int, int, int, int], Mismatch] | None = None
-    for key, rows in read_rows(reg, pools, blocks, tokens, firsts):
+    for key, rows in read_rows(kv):
         held = range(tokens.stop - rows.shape[0], tokens.stop)
         wrong = np.flatnonzero((rows != pattern(key, held, rows.shape[1])).any(axis=1))
         if len(wrong):
@@ -135,7 +121,7 @@ def check_canary(
                 first = (order, Mismatch(key, (token, token + 1)))
     if first is not None:
         return first[1]
-    return None if state_slot is None else _check_state(reg, pools, state_slot)
+    return None if kv.state_slot is None else _check_state(kv.reg, kv.pools, kv.state_slot)
 
 
 def _check_state(

@@ -19,16 +19,14 @@ consumer rank compares the keys it holds. A mismatch names the row series and th
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import xxhash
 
-from kvroute.client.kv_rows import RowKey, covered_views, read_rows, roles_of
+from kvroute.client.kv_rows import RequestKv, RowKey, covered_views, read_rows, roles_of
 from kvroute.client.kv_state import StateKey, state_index
-from kvroute.geometry import RankRegistration
 
 DEFAULT_CHUNK = 256  # tokens per digest: a 64-bit digest per chunk and row series on the wire
 
@@ -197,25 +195,20 @@ def _row_key(owner: Any, roles: Any, layer: Any, head: Any, buffer: Any) -> RowK
 
 
 def kv_digest(
-    reg: RankRegistration,
-    pools: Mapping[int, np.ndarray],
-    blocks: Sequence[int],
-    tokens: range,
+    kv: RequestKv,
     chunk: int = DEFAULT_CHUNK,
     *,
-    firsts: Mapping[int, int] | None = None,
-    state_slot: int | None = None,
     grid: Grid | None = None,
     gridded: Collection[RowKey] | None = None,
 ) -> KvDigest:
-    """A rank's digests of ``tokens`` of one request (``blocks``: its block list, ``pools``: flat
-    uint8 arrays of the rank's pools): a windowed view from its first held token on (``firsts``:
-    ``kv_rows.window_firsts``; with a ``grid``, its series cut there: on a producer its own
-    windowed views' series, on a consumer those of ``gridded``, the producer's), and the request's
-    state in ``state_slot`` when given."""
+    """A rank's digests of ``kv.tokens`` of one request: a windowed view from its first held token
+    on (``kv.firsts``; with a ``grid``, its series cut there: on a producer its own windowed views'
+    series, on a consumer those of ``gridded``, the producer's), and the request's state in
+    ``kv.state_slot`` when given."""
+    tokens = kv.tokens
     digest = KvDigest((tokens.start, tokens.stop), chunk, grid=grid)
-    windowed = _windowed_layers(reg, firsts) if grid is not None and gridded is None else set()
-    for key, rows in read_rows(reg, pools, blocks, tokens, firsts):
+    windowed = _windowed_layers(kv) if grid is not None and gridded is None else set()
+    for key, rows in read_rows(kv):
         first = tokens.stop - rows.shape[0]
         if first != tokens.start:
             digest.firsts[key] = first
@@ -227,24 +220,22 @@ def kv_digest(
             xxhash.xxh3_64_intdigest(flat[a * width : b * width].data)
             for a, b in digest._cuts(key, range(first, tokens.stop))
         ]
-    if state_slot is not None:
+    if kv.state_slot is not None:
         # Memoryview slices: most units are small, so the cost per unit is the Python around it.
-        views = {pool: array.data for pool, array in pools.items()}
+        views = {pool: array.data for pool, array in kv.pools.items()}
         digest.states = {
             unit: xxhash.xxh3_64_intdigest(views[pool][first:end])
-            for pool, unit, first, end in state_index(reg, state_slot)
+            for pool, unit, first, end in state_index(kv.reg, kv.state_slot)
         }
     return digest
 
 
-def _windowed_layers(
-    reg: RankRegistration, firsts: Mapping[int, int] | None
-) -> set[tuple[str, str, int]]:
+def _windowed_layers(kv: RequestKv) -> set[tuple[str, str, int]]:
     """(owner, roles, layer) of the windowed views' series."""
     return {
         (view.owner.value, roles_of(view), slot.layer)
-        for view in covered_views(reg)
-        if view.view_id in (firsts or {})
+        for view in covered_views(kv.reg)
+        if view.view_id in (kv.firsts or {})
         for slot in view.layers
     }
 

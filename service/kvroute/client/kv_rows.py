@@ -11,11 +11,16 @@ context parallelism, sliding-window views included: the two sides of one request
 extents of a windowed view, so ``window_firsts`` names each windowed view's first held token (by
 the geometry's own window rule) and ``read_rows`` reads such a view from there on. Recurrent
 state is read per request slot by ``kv_state``.
+
+What a rank holds of one request is one ``RequestKv`` (registration, pools, blocks, tokens, the
+windowed views' first tokens, the state slot), which the row readers, the canary and the digests
+take alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -41,6 +46,22 @@ class RowKey(NamedTuple):
         head = "replicated" if self.head == REPLICATED_HEAD else f"head {self.head}"
         kv = {0: "K", 1: "V"}.get(self.buffer, f"buffer {self.buffer}")
         return f"{self.owner} {self.roles} layer {self.layer} {head} {kv}"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestKv:
+    """One request's KV as a rank holds it: ``pools`` are flat uint8 arrays of the rank's pools
+    by id, ``blocks`` its block list (block ``blocks[i]`` holds prompt positions ``[i x tpb,
+    (i + 1) x tpb)``), ``tokens`` the prompt positions meant, ``firsts`` each windowed view's first
+    held token (``window_firsts``; None: every view from ``tokens.start``) and ``state_slot`` the
+    request's recurrent-state slot (None: no state)."""
+
+    reg: RankRegistration
+    pools: Mapping[int, np.ndarray]
+    blocks: Sequence[int]
+    tokens: range
+    firsts: Mapping[int, int] | None = None
+    state_slot: int | None = None
 
 
 class UnsupportedLayout(ValueError):
@@ -150,29 +171,23 @@ def _to_rows(reg: RankRegistration, view: View, region: np.ndarray) -> np.ndarra
     return np.stack(buffers, axis=1)
 
 
-def read_rows(
-    reg: RankRegistration,
-    pools: Mapping[int, np.ndarray],
-    blocks: Sequence[int],
-    tokens: range,
-    firsts: Mapping[int, int] | None = None,
-) -> Iterator[tuple[RowKey, np.ndarray]]:
-    """Each covered row series of ``tokens`` (prompt positions; block ``blocks[i]`` holds positions
-    ``[i x tpb, (i + 1) x tpb)``) as a C-contiguous ``[tokens, row]`` uint8 array, from the rank's
-    flat uint8 pools. A windowed view in ``firsts`` (``window_firsts``) yields its rows from its
-    first held token on (``held_tokens``), none when it holds none of ``tokens``."""
+def read_rows(kv: RequestKv) -> Iterator[tuple[RowKey, np.ndarray]]:
+    """Each covered row series of ``kv.tokens`` as a C-contiguous ``[tokens, row]`` uint8 array.
+    A windowed view in ``kv.firsts`` yields its rows from its first held token on
+    (``held_tokens``), none when it holds none of the tokens."""
+    reg = kv.reg
     for view in covered_views(reg):
-        held = held_tokens(view, tokens, firsts)
+        held = held_tokens(view, kv.tokens, kv.firsts)
         if not held:
             continue
         pool = reg.pools_by_id[view.pool_id]
         first, count = _block_span(reg, view, held)
-        slots = np.asarray(blocks[first : first + count], dtype=np.int64)
+        slots = np.asarray(kv.blocks[first : first + count], dtype=np.int64)
         skip = held.start - first * reg.tokens(view)
         heads = global_heads(reg, view)
         for slot in view.layers:
             whole = _regions(
-                pools[view.pool_id], pool.slot_stride, slot.offset, view.bytes_per_layer,
+                kv.pools[view.pool_id], pool.slot_stride, slot.offset, view.bytes_per_layer,
                 pool.num_slots,
             )  # fmt: skip
             rows = _to_rows(reg, view, whole[slots])[:, :, skip : skip + len(held)]
@@ -182,23 +197,20 @@ def read_rows(
                     yield key, np.ascontiguousarray(rows[j, buf])
 
 
-def place_rows(
-    reg: RankRegistration,
-    pools: Mapping[int, np.ndarray],
-    blocks: Sequence[int],
-    tokens: range,
-    content: Mapping[RowKey, np.ndarray],
-) -> None:
+def place_rows(kv: RequestKv, content: Mapping[RowKey, np.ndarray]) -> None:
     """Writes ``content[key]`` (``[tokens, row]``) into the rank's pools through its own layout:
-    the inverse of ``read_rows`` for the same blocks and tokens (whole blocks only, so no write
-    splits a token group)."""
+    the inverse of ``read_rows`` for every view's whole ``kv.tokens`` (whole blocks only, so no
+    write splits a token group; a windowed view's later first token is not written alone)."""
+    reg, tokens = kv.reg, kv.tokens
+    if kv.firsts:
+        raise ValueError("place_rows writes every view from tokens.start; firsts were given")
     for view in covered_views(reg):
         pool = reg.pools_by_id[view.pool_id]
         first, count = _block_span(reg, view, tokens)
         tpb = reg.tokens(view)
         if tokens.start % tpb or len(tokens) != count * tpb:
             raise ValueError(f"place_rows writes whole blocks; {tokens} cuts {tpb}-token blocks")
-        slots = np.asarray(blocks[first : first + count], dtype=np.int64)
+        slots = np.asarray(kv.blocks[first : first + count], dtype=np.int64)
         # Where each logical byte goes: the row shape of an index array, whatever copies it took.
         where = _to_rows(reg, view, np.arange(count * view.bytes_per_layer).reshape(count, -1))
         for slot in view.layers:
@@ -208,7 +220,7 @@ def place_rows(
                     key = RowKey(view.owner.value, roles_of(view), slot.layer, head, buf)
                     region[where[j, buf]] = content[key]
             whole = _regions(
-                pools[view.pool_id], pool.slot_stride, slot.offset, view.bytes_per_layer,
+                kv.pools[view.pool_id], pool.slot_stride, slot.offset, view.bytes_per_layer,
                 pool.num_slots,
             )  # fmt: skip
             whole[slots] = region.reshape(count, -1)

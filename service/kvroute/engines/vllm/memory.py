@@ -29,7 +29,7 @@ import numpy as np
 
 from kvroute.client.integrity import check_canary, write_canary
 from kvroute.client.kv_digest import Grid, KvDigest, Mismatch, kv_digest
-from kvroute.client.kv_rows import RowKey, roles_of, window_firsts
+from kvroute.client.kv_rows import RequestKv, RowKey, roles_of, window_firsts
 from kvroute.client.nixl_descs import PoolAddress
 from kvroute.geometry import RankRegistration, View
 
@@ -156,23 +156,18 @@ class RankMemory:
         for group, reg in sorted(self.groups.items()):
             held = blocks[group]
             if group in self.state_groups:
-                state = kv_digest(
-                    reg, self.pools, [], tokens, chunk, state_slot=held[-1], grid=grid
-                )
-                digest.merge(state)
+                state = RequestKv(reg, self.pools, [], tokens, state_slot=held[-1])
+                digest.merge(kv_digest(state, chunk, grid=grid))
                 continue
-            firsts = window_firsts(reg, prompt_tokens, peers)
-            own = kv_digest(
-                reg, self.pools, held, tokens, chunk, firsts=firsts, grid=grid, gridded=gridded
-            )
-            digest.merge(own)
+            own = RequestKv(reg, self.pools, held, tokens, window_firsts(reg, prompt_tokens, peers))
+            digest.merge(kv_digest(own, chunk, grid=grid, gridded=gridded))
         return digest
 
     def write_canary(self) -> None:
         """The producer's canary: the pattern of ``canary_views`` in the null block."""
         reg = only(self.reg, (view.view_id for view in canary_views(self.reg)))
         tokens = range(self.reg.tokens_per_block)
-        write_canary(reg, self.pools, [NULL_BLOCK], tokens, _state_slot(reg))
+        write_canary(RequestKv(reg, self.pools, [NULL_BLOCK], tokens, state_slot=_state_slot(reg)))
 
     def canary_for(self, documents: Mapping[int, Mapping[str, Any]], instance: str) -> Canary:
         """The views this rank pulls and checks of ``instance``'s canary (``documents``: its
@@ -196,5 +191,5 @@ class RankMemory:
         """The first wrong element of the canary pulled into the null block (None: all right)."""
         reg = only(self.reg, canary.views)
         firsts = window_firsts(reg, tokens, canary.peers)
-        return check_canary(reg, self.pools, [NULL_BLOCK], range(tokens), firsts=firsts,
-                            state_slot=_state_slot(reg))  # fmt: skip
+        kv = RequestKv(reg, self.pools, [NULL_BLOCK], range(tokens), firsts, _state_slot(reg))
+        return check_canary(kv)
