@@ -24,11 +24,11 @@ from typing import Any
 
 import aiohttp
 from rich.console import Console
-from rich.table import Table
 
 from kvroute.geometry import RankRegistration, build_plan
 from kvroute.live import LiveServer
 from plan_bench import Model, instance
+from tables import figures_table
 
 MODEL = Model(layers=32, kv_heads=8, draft_heads=1, indexer=False)
 CONTEXT_TP, GENERATION_TP = 4, 2
@@ -148,9 +148,11 @@ def build_seconds(context: list[RankRegistration], generation: list[RankRegistra
 
 
 def report(phases: list[Phase], build: float) -> None:
-    table = Table(title=f"kvroute over HTTP (in-process build_plan: {build * 1e3:.3f} ms)")
-    for column in ("phase", "requests", "clients", "req/s", "p50 ms", "p99 ms", "p50 / build"):
-        table.add_column(column, justify="left" if column == "phase" else "right")
+    table = figures_table(
+        f"kvroute over HTTP (in-process build_plan: {build * 1e3:.3f} ms)",
+        ("phase",),
+        ("requests", "clients", "req/s", "p50 ms", "p99 ms", "p50 / build"),
+    )
     for phase in phases:
         p50 = phase.percentile(0.5)
         table.add_row(

@@ -38,10 +38,10 @@ from typing import Any
 import aiohttp
 import asyncpg
 from rich.console import Console
-from rich.table import Table
 from sqlalchemy.engine import make_url
 
 from kvroute.live import LiveServer
+from tables import figures_table
 
 RENEWALS = 8000
 RANKS_PER_INSTANCE = 16  # scale_bench's fleet
@@ -334,12 +334,12 @@ def _per(seconds: float | None, count: int) -> float:
 
 
 def report(title: str, runs: list[SizeRun]) -> None:
-    table = Table(title=f"{title}: {runs[0].ranks:,}-rank run as the baseline")
-    table.add_column("measure")
-    for run_ in runs:
-        table.add_column(f"{run_.ranks:,} ranks", justify="right")
-    for run_ in runs[1:]:
-        table.add_column(f"{run_.ranks:,} / {runs[0].ranks:,}", justify="right")
+    table = figures_table(
+        f"{title}: {runs[0].ranks:,}-rank run as the baseline",
+        ("measure",),
+        [f"{run_.ranks:,} ranks" for run_ in runs]
+        + [f"{run_.ranks:,} / {runs[0].ranks:,}" for run_ in runs[1:]],
+    )
     for name, values, kind, spec in _measures(runs):
         cells = [format(value, spec) for value in values]
         if name.startswith("server RSS"):
@@ -353,9 +353,7 @@ def report(title: str, runs: list[SizeRun]) -> None:
 
 def report_pair(title: str, old: SizeRun, new: SizeRun) -> None:
     """One size, the baseline tree's figures beside this one's and their ratio."""
-    table = Table(title=title)
-    for column in ("measure", "baseline", "this tree", "this / baseline"):
-        table.add_column(column, justify="left" if column == "measure" else "right")
+    table = figures_table(title, ("measure",), ("baseline", "this tree", "this / baseline"))
     for name, values, kind, spec in _measures([old, new]):
         if name.startswith(("server RSS", "load average")):
             continue

@@ -18,6 +18,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from tables import figures_table
+
 FRAME = re.compile(r"^(?P<function>.*?) \((?P<path>.*?)(?::\d+)?\)$")
 PACKAGE_ROOTS = ("site-packages/", "service/", "lib/python3.11/")
 
@@ -58,10 +60,7 @@ def shares(stacks: Counter[tuple[str, ...]]) -> tuple[int, Counter[str], Counter
 
 def summary(path: Path, top: int) -> Table:
     total, inclusive, own = shares(read_stacks(path))
-    table = Table(title=f"{path.name}: {total:,} samples")
-    table.add_column("function")
-    table.add_column("on stack", justify="right")
-    table.add_column("self", justify="right")
+    table = figures_table(f"{path.name}: {total:,} samples", ("function",), ("on stack", "self"))
     interesting = [name for name, _ in inclusive.most_common() if not _is_plumbing(name)]
     for name in interesting[:top]:
         table.add_row(name, f"{inclusive[name] / total:.1%}", f"{own[name] / total:.1%}")

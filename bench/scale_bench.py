@@ -57,7 +57,6 @@ from typing import Any
 import aiohttp
 import asyncpg
 from rich.console import Console
-from rich.table import Table
 from sqlalchemy.engine import make_url
 
 import fleet_phases
@@ -66,6 +65,7 @@ from kvroute.geometry import RankRegistration
 from kvroute.live import LiveServer
 from layouts import relayout
 from plan_bench import Model, interleaved_fleet
+from tables import figures_table
 
 MODEL = Model(layers=80, kv_heads=8, draft_heads=2, indexer=False)
 INSTANCES = 32  # of each role: 1,024 ranks
@@ -338,14 +338,12 @@ def run_config(config: str, layouts: str, args: argparse.Namespace) -> list[Phas
 
 def report(results: dict[str, list[Phase]]) -> None:
     configs = list(results)
-    table = Table(title=f"kvroute at fleet scale: {CLIENTS} clients, server(s) on this machine")
-    table.add_column("phase")
-    table.add_column("measure")
-    for config in configs:
-        table.add_column(config, justify="right")
     ratios = [(two, one, label) for two, one, label in RATIOS if two in results and one in results]
-    for _, _, label in ratios:
-        table.add_column(label, justify="right")
+    table = figures_table(
+        f"kvroute at fleet scale: {CLIENTS} clients, server(s) on this machine",
+        ("phase", "measure"),
+        [*configs, *(label for _, _, label in ratios)],
+    )
     for index, phase in enumerate(next(iter(results.values()))):
         for measure, value in _measures(phase):
             row = [phase.name, measure]

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+
+from tables import figures_table
 
 RANKS = 8192
 RANKS_PER_INSTANCE = 16
@@ -148,14 +149,9 @@ def _in_tree(tree: Path, waves: int, document_kib: int) -> dict[int, dict[str, f
 
 def report(results: dict[str, dict[int, dict[str, float]]], document_kib: int) -> None:
     trees = list(results)
+    ratio = ["this / baseline"] if len(trees) == 2 else []
     title = f"SQLite heartbeat waves over {RANKS:,} ranks, {document_kib} KiB documents, no HTTP"
-    table = Table(title=title)
-    table.add_column("wave")
-    table.add_column("measure")
-    for tree in trees:
-        table.add_column(tree, justify="right")
-    if len(trees) == 2:
-        table.add_column("this / baseline", justify="right")
+    table = figures_table(title, ("wave", "measure"), trees + ratio)
     for size in WAVE_SIZES:
         for measure in results[trees[-1]][size]:
             values = [results[tree][size][measure] for tree in trees]

@@ -55,6 +55,7 @@ from kvroute.transfer import (
     ViewCopy,
 )
 from kvroute.transfer.fragments import fragment_array
+from tables import figures_table
 
 LAYERS, BUFFERS, HEADS, TOKENS, HEAD_BYTES = 32, 2, 8, 32, 128 * 2
 RECEIVER_HEADS = HEADS // 2
@@ -362,11 +363,11 @@ def main() -> None:
     devices = [torch.device("cpu")] if args.device != "cuda" else []
     if args.device != "cpu" and torch.cuda.is_available():
         devices.append(torch.device("cuda", 0))
-    table = Table(
-        title=f"kvroute transfer engine, {args.blocks} blocks per job; re-blocking {args.tokens} tokens"
+    table = figures_table(
+        f"kvroute transfer engine, {args.blocks} blocks per job; re-blocking {args.tokens} tokens",
+        ("case", "method"),
+        ("fragments", "GB/s", "x contiguous", "x naive"),
     )
-    for column in ("case", "method", "fragments", "GB/s", "x contiguous", "x naive"):
-        table.add_column(column, justify="left" if column in {"case", "method"} else "right")
     verdicts: list[str] = []
     for device in devices:
         bench_device(device, args.blocks, table, verdicts)
