@@ -16,6 +16,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,24 +47,17 @@ def identity_of(path: str | os.PathLike[str]) -> Identity | None:
     return info.st_dev, info.st_ino
 
 
+@dataclass(frozen=True, slots=True)
 class Segment:
     """How a backend checks what it mapped: ``check(fd)`` raises ``PoolMemoryError`` naming what
     is off; ``current()`` is the identity the worker's name leads to now; ``gone`` says what it
     means when that is no longer the mapped file."""
 
-    def __init__(
-        self,
-        backend: str,
-        pool: Pool,
-        check: Callable[[int], None],
-        current: Callable[[], Identity | None],
-        gone: str,
-    ) -> None:
-        self.backend = backend
-        self.pool = pool
-        self.check = check
-        self.current = current
-        self.gone = gone
+    backend: str
+    pool: Pool
+    check: Callable[[int], None]
+    current: Callable[[], Identity | None]
+    gone: str
 
 
 def map_descriptor(fd: int, offset: int, segment: Segment) -> PoolMemory:
