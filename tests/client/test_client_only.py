@@ -38,7 +38,7 @@ sys.meta_path[:] = [
     ClientOnly if finder is importlib.machinery.PathFinder else finder for finder in sys.meta_path
 ]
 
-from kvroute.client import KvrouteClient
+from kvroute.client import KvrouteClient, RequestBlocks
 from kvroute.client.nixl_descs import PoolAddress, plan_descriptors
 
 url, token, documents = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
@@ -56,7 +56,7 @@ def addresses(document, base):
 senders = {rank: addresses(doc, 1 << 32) for name, rank, doc in documents if name == "ctx0"}
 receiver = addresses(documents[-1][2], 0)
 transfer = plan_descriptors(
-    plan.plan, receiver_pools=receiver, sender_pools=senders, src_blocks=[0, 1], dst_blocks=[2, 3]
+    plan.plan, receiver_pools=receiver, sender_pools=senders, blocks=RequestBlocks([0, 1], [2, 3])
 )
 server = sorted(name for name in sys.modules if name.partition(".")[0] in set(sys.argv[5:]))
 print(json.dumps({

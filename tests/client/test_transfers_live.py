@@ -14,6 +14,7 @@ from kvroute.client import (  # noqa: E402
     AsyncKvrouteClient,
     KvrouteClient,
     KvrouteError,
+    RequestBlocks,
     TokenRange,
     TokenWindow,
 )
@@ -57,8 +58,7 @@ def test_submit_wait_and_read_a_transfer(
             sender="tctx",
             receiver="tgen",
             receiver_ranks=[0],
-            src_blocks=[1, 4],
-            dst_blocks=[0, 5],
+            blocks=RequestBlocks([1, 4], [0, 5]),
         )
         assert submitted.state in {"queued", "running", "succeeded"}
         done = client.wait_transfer(submitted.id, limit_s=30)
@@ -69,8 +69,7 @@ def test_submit_wait_and_read_a_transfer(
                 sender="tctx",
                 receiver="tgen",
                 receiver_ranks=[0],
-                src_blocks=[SLOTS],
-                dst_blocks=[0],
+                blocks=RequestBlocks([SLOTS], [0]),
             )
         with pytest.raises(KvrouteError) as unknown:
             client.get_transfer("no-such-job")
@@ -124,9 +123,7 @@ def test_a_token_range_moves_into_larger_blocks(
             sender="wctx",
             receiver="wgen",
             receiver_ranks=[0],
-            src_blocks=[1, 2, 3],
-            dst_blocks=[2, 0],
-            window=TokenWindow(TokenRange(5, 14)),
+            blocks=RequestBlocks([1, 2, 3], [2, 0], TokenWindow(TokenRange(5, 14))),
         )
         done = client.wait_transfer(submitted.id, limit_s=30)
     assert plan.periodic
@@ -155,9 +152,11 @@ async def test_a_gap_is_refused_by_the_async_client_with_its_token(
                 sender="wctx",
                 receiver="wgen",
                 receiver_ranks=[0],
-                src_blocks=[1, 2],
-                dst_blocks=[2, 0],
-                window=TokenWindow(TokenRange(5, 14), src_first_token=4, dst_first_token=0),
+                blocks=RequestBlocks(
+                    [1, 2],
+                    [2, 0],
+                    TokenWindow(TokenRange(5, 14), src_first_token=4, dst_first_token=0),
+                ),
             )
     assert (gap.value.status, gap.value.code, gap.value.field) == (
         422,

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from kvroute.client import KvrouteClient, KvrouteError
+from kvroute.client import KvrouteClient, KvrouteError, RequestBlocks
 from kvroute.geometry import RankRegistration
 from kvroute.live import LiveServer
 from kvroute.store.engine import create_engine, dispose
@@ -88,8 +88,7 @@ def _populate(server: LiveServer, owners: Owners) -> dict[str, str]:
             sender="ctx0",
             receiver="gen0",
             receiver_ranks=[0],
-            src_blocks=[0, 1, 2],
-            dst_blocks=[5, 6, 7],
+            blocks=RequestBlocks([0, 1, 2], [5, 6, 7]),
         )
         finished = worker.wait_transfer(job.id, limit_s=WAIT_S)
         assert finished.state == "succeeded", finished.error

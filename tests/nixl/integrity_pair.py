@@ -32,7 +32,7 @@ from kvroute.client.kv_digest import KvDigest, Mismatch, kv_digest
 from kvroute.client.kv_rows import RequestKv, window_firsts
 from kvroute.client.nixl_descs import PoolAddress
 from kvroute.client.nixl_transport import NixlEndpoint, pull_plan
-from kvroute.geometry import BLOCK_PAIRS, RankRegistration, TokenWindow
+from kvroute.geometry import BLOCK_PAIRS, RankRegistration, RequestBlocks, TokenWindow
 from tests.client.live import WORKER_TOKEN
 from tests.nixl import integrity_sender, world
 
@@ -154,8 +154,8 @@ class Receiver:
         }
         window = BLOCK_PAIRS if prompt is None else TokenWindow(prompt_tokens=prompt)
         pull_plan(
-            self.endpoint, self.plan.plan, senders, receiver_pools=addresses, src_blocks=src,
-            dst_blocks=dst, window=window, src_state_slot=states[0], dst_state_slot=states[1],
+            self.endpoint, self.plan.plan, senders, receiver_pools=addresses,
+            blocks=RequestBlocks(src, dst, window, *states),
         )  # fmt: skip
 
     def digest(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvroute.client.nixl_descs import PoolAddress, plan_descriptors
-from kvroute.geometry import Plan, TokenGap, TokenRange, TokenWindow, build_plan
+from kvroute.geometry import Plan, RequestBlocks, TokenGap, TokenRange, TokenWindow, build_plan
 from tests.hybrid import HYBRID
 from tests.nixl.pulled import place_senders, pulled
 from tests.truth import Truth, background, window_starts
@@ -61,9 +61,9 @@ def test_a_token_range_pulls_exactly_its_tokens(name: str, start: int, end: int,
             served(built, period=True) if form.startswith("served") else built,
             receiver_pools={0: PoolAddress(0, stride, slots)},
             sender_pools=sender_pools,
-            src_blocks=src_blocks,
-            dst_blocks=dst_blocks,
-            window=TokenWindow(TokenRange(start, end), src_first_token=0),
+            blocks=RequestBlocks(
+                src_blocks, dst_blocks, TokenWindow(TokenRange(start, end), src_first_token=0)
+            ),
         )
         before = background(layout)
         got = pulled(result, senders, before[0])
@@ -82,19 +82,21 @@ def test_a_token_range_needs_the_period_form_and_the_lists_must_cover_it() -> No
     arguments: dict[str, Any] = {
         "receiver_pools": {0: PoolAddress(0, stride, slots)},
         "sender_pools": {0: {0: PoolAddress(1 << 32, 1 << 20, 7)}},
-        "src_blocks": [0, 1],
-        "dst_blocks": [2, 3],
     }
     blocks_only = served(build_plan(ctx, gen[0]))
     with pytest.raises(ValueError, match="fetch the plan with period=True"):
-        plan_descriptors(blocks_only, window=TokenWindow(TokenRange(1, 7)), **arguments)
+        plan_descriptors(blocks_only, blocks=_two_blocks(TokenWindow(TokenRange(1, 7))), **arguments)
     # a prompt-only pull stops at the prompt's last token: the block form cannot cut it either
     with pytest.raises(ValueError, match="prompt-only transfer cuts the prompt's last block"):
-        plan_descriptors(blocks_only, window=TokenWindow(prompt_tokens=7), **arguments)
+        plan_descriptors(blocks_only, blocks=_two_blocks(TokenWindow(prompt_tokens=7)), **arguments)
     period = served(build_plan(ctx, gen[0]), period=True)
     with pytest.raises(TokenGap) as gap:
-        plan_descriptors(period, window=TokenWindow(TokenRange(1, 9), 0, 0), **arguments)
+        plan_descriptors(period, blocks=_two_blocks(TokenWindow(TokenRange(1, 9), 0, 0)), **arguments)
     assert (gap.value.field, gap.value.token, gap.value.covered) == ("src_blocks", 8, (0, 8))
+
+
+def _two_blocks(window: TokenWindow) -> RequestBlocks:
+    return RequestBlocks([0, 1], [2, 3], window)
 
 
 def _hybrid_world(ctx_tokens: int = 4, gen_tokens: int = 4):
@@ -169,8 +171,8 @@ def test_hybrid_descriptors_pull_the_window_and_the_state_slot(name: str) -> Non
                 r: {p: PoolAddress(_address(r, p), s, n) for p, (_, s, n) in lay.pools.items()}
                 for r, lay in enumerate(ctx_layouts)
             },
-            src_blocks=request["src_blocks"], dst_blocks=request["dst_blocks"], window=window,
-            src_state_slot=src_slot, dst_state_slot=dst_slot,
+            blocks=RequestBlocks(request["src_blocks"], request["dst_blocks"], window, src_slot,
+                                 dst_slot),
         )  # fmt: skip
         out = {p: np.zeros(s * n, np.int64) for p, (_, s, n) in layout.pools.items()}
         for descs in result.peers:
@@ -196,13 +198,13 @@ def test_hybrid_descriptors_need_the_state_slots_and_the_prompt(missing: str, me
     _, _, ctx, _, gen, gen_layouts = _hybrid_world()
     arguments: dict[str, Any] = {"src_state_slot": 3, "dst_state_slot": 1, "prompt_tokens": 12}
     arguments[missing] = None
-    arguments["window"] = TokenWindow(prompt_tokens=arguments.pop("prompt_tokens"))
+    window = TokenWindow(prompt_tokens=arguments.pop("prompt_tokens"))
     pools = {p: PoolAddress(0, s, n) for p, (_, s, n) in gen_layouts[3].pools.items()}
     with pytest.raises(ValueError, match=message):
         plan_descriptors(
             build_plan(ctx, gen[3]), receiver_pools=pools,
-            sender_pools={r: pools for r in range(4)}, src_blocks=[0, 1, 2], dst_blocks=[2, 0, 1],
-            **arguments,
+            sender_pools={r: pools for r in range(4)},
+            blocks=RequestBlocks([0, 1, 2], [2, 0, 1], window, **arguments),
         )  # fmt: skip
 
 
@@ -280,9 +282,9 @@ def test_cp_descriptors_pull_each_token_from_the_rank_holding_it(
             build_plan(ctx, receiver, prompt_tokens=prompt),
             receiver_pools={0: PoolAddress(0, stride, slots)},
             sender_pools=sender_pools,
-            src_blocks=src_blocks,
-            dst_blocks=dst_blocks,
-            window=TokenWindow(TokenRange(start, end), 0, 0, prompt),
+            blocks=RequestBlocks(
+                src_blocks, dst_blocks, TokenWindow(TokenRange(start, end), 0, 0, prompt)
+            ),
         )
         before = background(layout)
         got = pulled(result, senders, before[0])

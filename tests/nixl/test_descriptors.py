@@ -15,6 +15,7 @@ from kvroute.geometry import (
     PeerPlan,
     Plan,
     RankRegistration,
+    RequestBlocks,
     ViewTransfer,
     build_plan,
 )
@@ -71,8 +72,7 @@ def test_fragment_addresses_are_exact() -> None:
         plan(peer(0, view([[0, 0, 16], [16, 32, 16]]))),
         receiver_pools=RECEIVER,
         sender_pools={0: SENDER},
-        src_blocks=[0, 3],
-        dst_blocks=[2, 9],
+        blocks=RequestBlocks([0, 3], [2, 9]),
     )
     [descs] = result.peers
     assert descs.local == (
@@ -96,8 +96,7 @@ def test_runs_contiguous_on_both_sides_merge_across_blocks() -> None:
         whole_slot,
         receiver_pools=RECEIVER,
         sender_pools={0: SENDER},
-        src_blocks=[0, 1, 2],
-        dst_blocks=[5, 6, 7],
+        blocks=RequestBlocks([0, 1, 2], [5, 6, 7]),
     )
     assert consecutive.peers[0].local == ((100_000 + 5 * 64, 192, 0),)
     assert consecutive.peers[0].remote == ((5_000, 192, 1),)
@@ -107,8 +106,7 @@ def test_runs_contiguous_on_both_sides_merge_across_blocks() -> None:
         whole_slot,
         receiver_pools=RECEIVER,
         sender_pools={0: SENDER},
-        src_blocks=[0, 1, 2],
-        dst_blocks=[5, 7, 8],
+        blocks=RequestBlocks([0, 1, 2], [5, 7, 8]),
     )
     assert [length for _, length, _ in gap.peers[0].local] == [64, 128]
 
@@ -120,8 +118,7 @@ def test_runs_never_cross_pools_even_when_adjacent() -> None:
         plan(peer(0, view([[0, 0, 64]], 0, 0), view([[0, 0, 64]], 1, 1))),
         receiver_pools=receiver,
         sender_pools={0: sender},
-        src_blocks=[0],
-        dst_blocks=[0],
+        blocks=RequestBlocks([0], [0]),
     )
     assert result.peers[0].local == ((0, 64, 0), (64, 64, 0))
 
@@ -131,8 +128,7 @@ def test_silent_peers_get_no_list_and_notifications_count_writers() -> None:
         plan(peer(0, view([[0, 0, 8]])), peer(1, view([])), peer(2, view([[8, 8, 8]]))),
         receiver_pools=RECEIVER,
         sender_pools={0: SENDER, 2: SENDER},
-        src_blocks=[1],
-        dst_blocks=[1],
+        blocks=RequestBlocks([1], [1]),
     )
     assert [p.rank for p in result.peers] == [0, 2]
     assert result.expected_notifications == 2
@@ -142,11 +138,11 @@ def test_silent_peers_get_no_list_and_notifications_count_writers() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"src_blocks": [0], "dst_blocks": [0, 1]}, "1 source blocks but 2"),
-        ({"src_blocks": [16], "dst_blocks": [0]}, "16 slots"),
-        ({"src_blocks": [0], "dst_blocks": [-1]}, "receiver pool 0 has 16 slots"),
-        ({"src_blocks": [0], "dst_blocks": [0], "sender_pools": {}}, "sender rank 0"),
-        ({"src_blocks": [0], "dst_blocks": [0], "receiver_pools": {}}, "receiver pool 0"),
+        ({"blocks": RequestBlocks([0], [0, 1])}, "1 source blocks but 2"),
+        ({"blocks": RequestBlocks([16], [0])}, "16 slots"),
+        ({"blocks": RequestBlocks([0], [-1])}, "receiver pool 0 has 16 slots"),
+        ({"blocks": RequestBlocks([0], [0]), "sender_pools": {}}, "sender rank 0"),
+        ({"blocks": RequestBlocks([0], [0]), "receiver_pools": {}}, "receiver pool 0"),
     ],
 )
 def test_bad_inputs_are_named(kwargs: dict[str, Any], message: str) -> None:
@@ -161,8 +157,7 @@ def test_fragment_beyond_the_slot_is_refused() -> None:
             plan(peer(0, view([[60, 0, 8]]))),
             receiver_pools=RECEIVER,
             sender_pools={0: SENDER},
-            src_blocks=[0],
-            dst_blocks=[0],
+            blocks=RequestBlocks([0], [0]),
         )
 
 
@@ -201,8 +196,7 @@ def test_descriptors_move_exactly_what_the_fragments_move(kind: Kind) -> None:
         built,
         receiver_pools={0: PoolAddress(0, stride_r, 6)},
         sender_pools={r: {0: PoolAddress(base(r), stride_s, 6)} for r in range(4)},
-        src_blocks=src_blocks,
-        dst_blocks=dst_blocks,
+        blocks=RequestBlocks(src_blocks, dst_blocks),
     )
     pools = {rank: {0: data} for rank, data in sender_bytes.items()}
     by_descriptors = pulled(result, pools, np.zeros(stride_r * 6, dtype=np.uint8))

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("nixl._api", reason="nixl is not installed")
 torch = pytest.importorskip("torch")
 
-from kvroute.client import KvrouteClient  # noqa: E402
+from kvroute.client import KvrouteClient, RequestBlocks  # noqa: E402
 from kvroute.client.nixl_descs import PoolAddress  # noqa: E402
 from kvroute.client.nixl_transport import NixlEndpoint, pull_plan  # noqa: E402
 from kvroute.client.pools import SharedKvPool, rank_document  # noqa: E402
@@ -82,8 +82,7 @@ def test_receiver_pulls_a_plan_from_two_sender_processes(
             plan.plan,
             senders,
             receiver_pools={0: PoolAddress(flat.data_ptr(), pool.slot_stride, world.BLOCKS)},
-            src_blocks=src_blocks,
-            dst_blocks=dst_blocks,
+            blocks=RequestBlocks(src_blocks, dst_blocks),
         )
         notified = [replies.get(timeout=REPLY_S) for _, replies in channels]
         logical_target, logical_draft = world.logical()

@@ -25,6 +25,7 @@ from kvroute.geometry import (
     GeometryError,
     Plan,
     Pool,
+    RequestBlocks,
     TokenRange,
     TokenWindow,
     build_plan,
@@ -203,9 +204,7 @@ def test_nixl_descriptors_from_the_served_period_form_agree(name: str) -> None:
         served,
         receiver_pools={0: PoolAddress(0, SLOT, SLOTS)},
         sender_pools={0: {0: PoolAddress(base, SLOT, SLOTS)}},
-        src_blocks=src_blocks,
-        dst_blocks=dst_blocks,
-        window=TokenWindow(prompt_tokens=prompt),
+        blocks=RequestBlocks(src_blocks, dst_blocks, TokenWindow(prompt_tokens=prompt)),
     )
     got = before.copy()
     for descs in result.peers:
@@ -219,7 +218,7 @@ def test_nixl_descriptors_from_the_served_period_form_agree(name: str) -> None:
             served,
             receiver_pools={0: PoolAddress(0, SLOT, SLOTS)},
             sender_pools={0: {0: PoolAddress(base, SLOT, SLOTS)}},
-            src_blocks=src_blocks,
-            dst_blocks=dst_blocks,
-            window=TokenWindow(TokenRange(positions.start, prompt)),
+            blocks=RequestBlocks(
+                src_blocks, dst_blocks, TokenWindow(TokenRange(positions.start, prompt))
+            ),
         )

@@ -36,7 +36,14 @@ from rich.table import Table
 
 from kvroute.cli import demo_canary
 from kvroute.cli.common import CommandError
-from kvroute.client import KvrouteClient, KvrouteError, TokenRange, TokenWindow, TransferStatus
+from kvroute.client import (
+    KvrouteClient,
+    KvrouteError,
+    RequestBlocks,
+    TokenRange,
+    TokenWindow,
+    TransferStatus,
+)
 
 REPLY_WAIT_S = 120.0
 console = Console(highlight=False, width=110)
@@ -173,16 +180,18 @@ def run_jobs(
             sender="ctx0",
             receiver="gen0",
             receiver_ranks=list(range(model.ranks("generation"))),
-            src_blocks=request["src_blocks"],
-            dst_blocks=request["dst_blocks"],
-            window=TokenWindow(
-                TokenRange(*request["tokens"]),
-                request.get("src_first_token"),
-                request.get("dst_first_token"),
-                request.get("prompt_tokens"),
+            blocks=RequestBlocks(
+                request["src_blocks"],
+                request["dst_blocks"],
+                TokenWindow(
+                    TokenRange(*request["tokens"]),
+                    request.get("src_first_token"),
+                    request.get("dst_first_token"),
+                    request.get("prompt_tokens"),
+                ),
+                request.get("src_state_slot"),
+                request.get("dst_state_slot"),
             ),
-            src_state_slot=request.get("src_state_slot"),
-            dst_state_slot=request.get("dst_state_slot"),
         )
         statuses.append(client.wait_transfer(submitted.id, limit_s=REPLY_WAIT_S))
         progress.advance(task)

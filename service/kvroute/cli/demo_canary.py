@@ -18,7 +18,7 @@ import numpy as np
 from kvroute.client import KvrouteClient
 from kvroute.client.integrity import check_canary, path_report, reserved_blocks, write_canary
 from kvroute.client.kv_rows import RequestKv
-from kvroute.geometry import RankRegistration, TokenRange, TokenWindow
+from kvroute.geometry import RankRegistration, RequestBlocks, TokenRange, TokenWindow
 
 REPLY_WAIT_S = 300.0
 
@@ -68,9 +68,11 @@ def attest(client: KvrouteClient, workers: Any, model: Any) -> dict[int, str | N
         sender="ctx0",
         receiver="gen0",
         receiver_ranks=list(range(model.ranks("generation"))),
-        src_blocks=list(range(model.slots("context"), ends["context"])),
-        dst_blocks=list(range(model.slots("generation"), ends["generation"])),
-        window=TokenWindow(TokenRange(0, tokens)),
+        blocks=RequestBlocks(
+            list(range(model.slots("context"), ends["context"])),
+            list(range(model.slots("generation"), ends["generation"])),
+            TokenWindow(TokenRange(0, tokens)),
+        ),
     )
     status = client.wait_transfer(submitted.id, limit_s=REPLY_WAIT_S)
     if status.state != "succeeded":

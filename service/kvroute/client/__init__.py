@@ -29,7 +29,7 @@ from kvroute.client.models import (
 )
 from kvroute.client.retry import NO_RETRY, RetryPolicy, parse_retry_after
 from kvroute.client.sync import KvrouteClient, SyncLease
-from kvroute.geometry import TokenRange, TokenWindow
+from kvroute.geometry import RequestBlocks, TokenRange, TokenWindow
 
 __all__ = [
     "NO_RETRY",
@@ -49,6 +49,7 @@ __all__ = [
     "RankSummary",
     "Registered",
     "Rejection",
+    "RequestBlocks",
     "RetryPolicy",
     "SyncLease",
     "TokenRange",

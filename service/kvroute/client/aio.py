@@ -28,7 +28,7 @@ from kvroute.client.models import (
     Rejection,
     TransferStatus,
 )
-from kvroute.geometry import BLOCK_PAIRS, TokenWindow
+from kvroute.geometry import RequestBlocks
 
 
 def rank_path(deployment: str, instance: str, rank: int) -> str:
@@ -171,30 +171,27 @@ class AsyncKvrouteClient(KvIntegrityCalls):
         sender: str,
         receiver: str,
         receiver_ranks: Sequence[int],
-        src_blocks: Sequence[int],
-        dst_blocks: Sequence[int],
-        window: TokenWindow = BLOCK_PAIRS,
-        src_state_slot: int | None = None,
-        dst_state_slot: int | None = None,
+        blocks: RequestBlocks,
     ) -> TransferStatus:
-        """Queue a copy of one request. Without a ``window`` ``src_blocks[i]`` goes to
-        ``dst_blocks[i]``; with one naming a range each list holds a run of the prompt and the
+        """Queue a copy of one request. Without a window ``blocks.src[i]`` goes to
+        ``blocks.dst[i]``; with one naming a range each list holds a run of the prompt and the
         tokens [start, end) move (a side's first token defaults to upstream's suffix rule). A gap
         answers 422 ``token_range_not_covered`` (``KvrouteError.problem`` names the token and the
         list). Hybrid models add the request's recurrent-state slot on both sides, and sliding
         windows the prompt's length (``TokenWindow.prompt_tokens``, default: the range's end)."""
+        window = blocks.window
         tokens = window.tokens
         request = wire.TransferRequest(
             sender=sender,
             receiver=receiver,
             receiver_ranks=tuple(receiver_ranks),
-            src_blocks=tuple(src_blocks),
-            dst_blocks=tuple(dst_blocks),
+            src_blocks=tuple(blocks.src),
+            dst_blocks=tuple(blocks.dst),
             tokens=None if tokens is None else wire.TokenRange(tokens.start, tokens.end),
             src_first_token=window.src_first_token,
             dst_first_token=window.dst_first_token,
-            src_state_slot=src_state_slot,
-            dst_state_slot=dst_state_slot,
+            src_state_slot=blocks.src_state_slot,
+            dst_state_slot=blocks.dst_state_slot,
             prompt_tokens=window.prompt_tokens,
         )
         path = f"/v1/deployments/{_seg(deployment)}/transfers"

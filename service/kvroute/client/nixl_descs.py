@@ -25,17 +25,17 @@ even in the period form) cannot be cut: it moves the lists' common suffix of who
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvroute.client.nixl_ranges import range_rows
 from kvroute.geometry import (
-    BLOCK_PAIRS,
     BlockList,
     PeerPlan,
     Plan,
+    RequestBlocks,
     Spread,
     TokenRange,
     TokenWindow,
@@ -96,14 +96,10 @@ def plan_descriptors(
     *,
     receiver_pools: Mapping[int, PoolAddress],
     sender_pools: Mapping[int, Mapping[int, PoolAddress]],
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    window: TokenWindow = BLOCK_PAIRS,
-    src_state_slot: int | None = None,
-    dst_state_slot: int | None = None,
+    blocks: RequestBlocks,
 ) -> NixlTransfer:
-    """Descriptor lists for the pull of ``src_blocks`` (sender) into ``dst_blocks`` (receiver),
-    or of the tokens ``window`` names.
+    """Descriptor lists for the pull of ``blocks.src`` (sender) into ``blocks.dst`` (receiver),
+    or of the tokens ``blocks.window`` names.
 
     ``sender_pools`` maps sender rank -> pool id -> address. Ranks that send nothing
     (``PeerPlan.sends``) get no entry. A plan that moves recurrent state (``states``) also pulls the
@@ -114,11 +110,11 @@ def plan_descriptors(
     zeroed) or, for a token range, the first token a list lacks (``geometry.TokenGap``).
     """
     request = _Request(
-        np.asarray(src_blocks, dtype=np.int64),
-        np.asarray(dst_blocks, dtype=np.int64),
-        window,
-        src_state_slot,
-        dst_state_slot,
+        np.asarray(blocks.src, dtype=np.int64),
+        np.asarray(blocks.dst, dtype=np.int64),
+        blocks.window,
+        blocks.src_state_slot,
+        blocks.dst_state_slot,
     )
     peers = []
     for peer in plan.peers:

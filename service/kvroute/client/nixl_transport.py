@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvroute.client.nixl_descs import NixlTransfer, PoolAddress, plan_descriptors
-from kvroute.geometry import BLOCK_PAIRS, Plan, TokenWindow
+from kvroute.geometry import Plan, RequestBlocks
 
 if TYPE_CHECKING:
     import torch
@@ -206,17 +206,13 @@ def pull_plan(
     sender_documents: Mapping[int, Mapping[str, Any]],
     *,
     receiver_pools: Mapping[int, PoolAddress],
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
+    blocks: RequestBlocks,
     limit_s: float = 30.0,
-    window: TokenWindow = BLOCK_PAIRS,
-    src_state_slot: int | None = None,
-    dst_state_slot: int | None = None,
 ) -> PullReport:
     """Pulls one plan's blocks (``PlanDocument.plan``): sender documents are the sending ranks'
-    registrations (GET rank). ``window`` and the state slots are ``plan_descriptors``': a plan
-    with sliding-window views needs the prompt's length, one that moves recurrent state the
-    request's state slot on each side."""
+    registrations (GET rank). ``blocks`` is ``plan_descriptors``': a plan with sliding-window
+    views needs the prompt's length, one that moves recurrent state the request's state slot on
+    each side."""
     sending = [peer.rank for peer in plan.peers if peer.sends]
     missing = [
         rank for rank in sending if "nixl_agent_metadata" not in sender_documents.get(rank, {})
@@ -230,11 +226,7 @@ def pull_plan(
         plan,
         receiver_pools=receiver_pools,
         sender_pools={rank: pool_addresses(sender_documents[rank]) for rank in sending},
-        src_blocks=src_blocks,
-        dst_blocks=dst_blocks,
-        window=window,
-        src_state_slot=src_state_slot,
-        dst_state_slot=dst_state_slot,
+        blocks=blocks,
     )
     receiver = f"{plan.receiver_instance}:{plan.receiver_rank}"
     notification = f"kvroute:{receiver}:{plan.fingerprint}".encode()

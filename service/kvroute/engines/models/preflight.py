@@ -24,6 +24,7 @@ from kvroute.geometry import (
     GeometryError,
     Plan,
     RankRegistration,
+    RequestBlocks,
     TokenRange,
     TokenWindow,
     build_plan,
@@ -163,9 +164,11 @@ def nixl_descriptors_per_block(
         stateless,
         receiver_pools=_addresses(receiver, 1),
         sender_pools={reg.rank: _addresses(reg, 2 + reg.rank) for reg in senders},
-        src_blocks=[2 * block for block in range(src_count)],
-        dst_blocks=[2 * block for block in range(dst_count)],
-        window=window,
+        blocks=RequestBlocks(
+            [2 * block for block in range(src_count)],
+            [2 * block for block in range(dst_count)],
+            window,
+        ),
     )
     return -(-transfer.descriptors // dst_count)
 

@@ -23,7 +23,7 @@ from kvroute.engines.vllm.digests import Check, ConsumerChecks
 from kvroute.engines.vllm.memory import NULL_BLOCK, Canary
 from kvroute.engines.vllm.params import Handover, agent_name, done_message
 from kvroute.engines.vllm.prefetch import Fetched, Prefetcher
-from kvroute.geometry import Plan, TokenRange, TokenWindow
+from kvroute.geometry import Plan, RequestBlocks, TokenRange, TokenWindow
 
 # Under vLLM's logger, whose handlers an engine configures: the lines land in its log.
 log = logging.getLogger(f"vllm.{__name__}")
@@ -333,23 +333,19 @@ class Pulls:
             src, dst = load.handover.block_ids[group], load.block_ids[group]
             if not src and not dst:  # a group that does not transfer (``SchedulerSide``)
                 continue
-            kwargs: dict[str, Any] = {}
-            if group in self.state_groups:
-                kwargs = {"src_state_slot": src[-1], "dst_state_slot": dst[-1]}
+            prompt = load.handover.prompt_tokens
+            if group in self.state_groups:  # the group's last block is the request's state slot
+                blocks = RequestBlocks([], [], TokenWindow(prompt_tokens=prompt), src[-1], dst[-1])
+            else:
+                tokens = TokenRange(*load.tokens)
+                window = TokenWindow(tokens, load.handover.first_token, 0, prompt)
+                blocks = RequestBlocks(src, dst, window)
             parts.append(
                 plan_descriptors(
                     _only_views(plan, views),
                     receiver_pools=self.addresses,
                     sender_pools=sender_pools,
-                    src_blocks=[] if kwargs else src,
-                    dst_blocks=[] if kwargs else dst,
-                    window=TokenWindow(
-                        None if kwargs else TokenRange(*load.tokens),
-                        None if kwargs else load.handover.first_token,
-                        None if kwargs else 0,
-                        load.handover.prompt_tokens,
-                    ),
-                    **kwargs,
+                    blocks=blocks,
                 )
             )
         return _merged(parts, plan.expected_writers)
