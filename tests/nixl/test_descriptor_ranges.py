@@ -85,13 +85,17 @@ def test_a_token_range_needs_the_period_form_and_the_lists_must_cover_it() -> No
     }
     blocks_only = served(build_plan(ctx, gen[0]))
     with pytest.raises(ValueError, match="fetch the plan with period=True"):
-        plan_descriptors(blocks_only, blocks=_two_blocks(TokenWindow(TokenRange(1, 7))), **arguments)
+        plan_descriptors(
+            blocks_only, blocks=_two_blocks(TokenWindow(TokenRange(1, 7))), **arguments
+        )
     # a prompt-only pull stops at the prompt's last token: the block form cannot cut it either
     with pytest.raises(ValueError, match="prompt-only transfer cuts the prompt's last block"):
         plan_descriptors(blocks_only, blocks=_two_blocks(TokenWindow(prompt_tokens=7)), **arguments)
     period = served(build_plan(ctx, gen[0]), period=True)
     with pytest.raises(TokenGap) as gap:
-        plan_descriptors(period, blocks=_two_blocks(TokenWindow(TokenRange(1, 9), 0, 0)), **arguments)
+        plan_descriptors(
+            period, blocks=_two_blocks(TokenWindow(TokenRange(1, 9), 0, 0)), **arguments
+        )
     assert (gap.value.field, gap.value.token, gap.value.covered) == ("src_blocks", 8, (0, 8))
 
 

@@ -36,7 +36,6 @@ from kvroute.geometry.tokens.ranges import (
     BLOCK_PAIRS,
     BlockList,
     PromptContradiction,
-    RequestBlocks,
     TokenGap,
     TokenRange,
     TokenRangeError,
@@ -49,6 +48,7 @@ from kvroute.geometry.tokens.ranges import (
     range_copies,
     whole_pieces,
 )
+from kvroute.geometry.tokens.requests import RequestBlocks
 from kvroute.geometry.tokens.window import Window, window_start, windowed_range
 
 __all__ = [

@@ -290,20 +290,6 @@ def _check_count(field: str, value: object, low: int) -> None:
 BLOCK_PAIRS = TokenWindow()  # nothing named: the lists pair up one to one
 
 
-@dataclass(frozen=True, slots=True)
-class RequestBlocks:
-    """One request's place on both sides of a transfer, which the client's job submission and its
-    NIXL descriptors take alike: the sender's (``src``) and receiver's (``dst``) block lists, the
-    tokens they move (``window``; nothing named: ``src[i]`` goes to ``dst[i]``) and, for a model
-    with recurrent state, the request's state slot on each side."""
-
-    src: Sequence[int]
-    dst: Sequence[int]
-    window: TokenWindow = BLOCK_PAIRS
-    src_state_slot: int | None = None
-    dst_state_slot: int | None = None
-
-
 def _prompt_range(prompt_tokens: int, src: BlockList, dst: BlockList) -> TokenRange:
     """From the later list's first token up to the prompt's last token, never past it (a token
     after the prompt holds nothing the request computed); a list ending early is a gap."""
