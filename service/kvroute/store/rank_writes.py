@@ -27,7 +27,6 @@ from sqlalchemy import (
     literal,
     select,
     tuple_,
-    update,
 )
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -117,19 +116,11 @@ async def _renew(
 ) -> None:
     if not renewals:
         return
-    statement = (
-        update(RANKS)
-        .where(
-            RANKS.c.deployment == bindparam("key_deployment"),
-            RANKS.c.instance == bindparam("key_instance"),
-            RANKS.c.rank == bindparam("key_rank"),
-        )
-        .values(
-            lease_expires_at=bindparam("expires"),
-            lease_seconds=bindparam("seconds"),
-            engine_lease=bindparam("lease"),
-            fenced_at=None,
-        )
+    statement = repo.rank_update(
+        lease_expires_at=bindparam("expires"),
+        lease_seconds=bindparam("seconds"),
+        engine_lease=bindparam("lease"),
+        fenced_at=None,
     )
     await connection.execute(
         statement,

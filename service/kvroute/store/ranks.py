@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, exists
+from sqlalchemy import Update, bindparam, delete, exists, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from kvroute.store.dialect import dialect_of
@@ -31,6 +31,20 @@ async def lock_deployment(session: AsyncSession, deployment: str) -> None:
 async def lock_deployment_connection(connection: AsyncConnection, deployment: str) -> None:
     """``lock_deployment`` for Core work on a connection inside its transaction."""
     await dialect_of(connection).lock_deployment(connection, deployment)
+
+
+def rank_update(**values: Any) -> Update:
+    """An UPDATE of one rank's row per parameter set, keyed by ``key_deployment``,
+    ``key_instance`` and ``key_rank`` (run as an ``executemany`` over many ranks)."""
+    return (
+        update(RankRow.__table__)
+        .where(
+            RankRow.deployment == bindparam("key_deployment"),
+            RankRow.instance == bindparam("key_instance"),
+            RankRow.rank == bindparam("key_rank"),
+        )
+        .values(**values)
+    )
 
 
 def judged_at_time(checked_at: datetime, now: datetime) -> datetime:

@@ -23,27 +23,20 @@ from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, update
+from sqlalchemy import bindparam
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvroute.store.models import DeploymentRow, RankRow
+from kvroute.store.ranks import rank_update
 
 RANKS = RankRow.__table__
 DEPLOYMENTS = DeploymentRow.__table__
 # A rank's new lease expiry, written for many ranks in one ``executemany``: a heartbeat wave's
 # (``Wave``, as SQLite text on the driver's calls) and an engine lease's ranks
 # (``leases.write_expiries``, through SQLAlchemy).
-EXPIRY = (
-    update(RANKS)
-    .where(
-        RANKS.c.deployment == bindparam("key_deployment"),
-        RANKS.c.instance == bindparam("key_instance"),
-        RANKS.c.rank == bindparam("key_rank"),
-    )
-    .values(lease_expires_at=bindparam("expires"))
-)
+EXPIRY = rank_update(lease_expires_at=bindparam("expires"))
 
 
 EXPIRY_ORDER = ("expires", "key_deployment", "key_instance", "key_rank")  # SQLite's, positional
