@@ -279,44 +279,78 @@ def test_a_byte_flipped_after_the_producer_s_digest_is_named(
     assert failure == (None if named is None else f"KV digest mismatch: {named}")
 
 
+def _pull_round(producer: Rank, consumer: Rank, canary: Any) -> None:
+    """A canary round as the pulls make it: the consumer's block 0 zeroed under the round's
+    views, then the producer's block 0 copied (whole pages: the round's bytes and more)."""
+    consumer.memory.clear(canary)
+    for index in range(3):
+        consumer.slot(index, 0)[:] = producer.slot(index, 0)
+
+
 @pytest.mark.parametrize("aliased", [True, False])
-def test_the_canary_covers_the_groups_whose_null_block_bytes_are_their_own(
+def test_the_canary_checks_every_group_in_rounds_of_views_apart_in_block_0(
     world: ModuleType, model: Path, aliased: bool
 ) -> None:
-    """vLLM's planner lays the groups over the same bytes: block 0 holds full attention's canary
-    only. Each layer in its own tensor, it holds every group's, and a flipped state or window
-    byte is named."""
+    """vLLM's planner lays the groups over the same bytes, so block 0 holds one image: the
+    producer's pattern of full attention over a filler of every view. The consumer checks each
+    view against that image replayed from the producer's registration, one round per set of its
+    views that do not overlap: full attention, the window, then conv and SSM state (apart in
+    the page). Each layer in its own tensor, one round checks all four."""
     producer = Rank(world, model, "p", aliased=aliased)
     consumer = Rank(world, model, "d", aliased=aliased)
     _fill(producer, 3)
     _fill(consumer, 4)
     producer.memory.write_canary()
     canary = consumer.memory.canary_for({0: producer.document}, "p")
-    roles = {
-        tuple(sorted(view.roles))
-        for view in consumer.memory.reg.views
-        if view.view_id in canary.views
-    }
-    assert sorted(roles) == (
-        [("key", "value")] if aliased else [("conv",), ("key", "value"), ("ssm",)]
-    )
     views = {v.view_id: v for v in consumer.memory.reg.views}
-    assert len(canary.views) == (1 if aliased else 4)
-    assert all(views[v].layer_ids for v in canary.views)
-    for index in range(3):
-        consumer.slot(index, 0)[:] = producer.slot(index, 0)
-    assert consumer.memory.check_canary(canary, 16) is None
+
+    def roles(round_: frozenset[int]) -> list[tuple[str, ...]]:
+        return sorted(tuple(sorted(views[v].roles)) for v in round_)
+
+    everything = [("conv",), ("key", "value"), ("key", "value"), ("ssm",)]
     if aliased:
-        consumer.slot(0, 0)[2 * 16 * ROW + 3 * ROW + 1] ^= 0x10  # head 2, token 3
-        found = consumer.memory.check_canary(canary, 16)
-        assert found is not None
-        assert found.describe() == "target key,value layer 0 head 2 K, token 3"
-        return
+        assert [roles(r) for r in canary.rounds] == [
+            [("key", "value")],
+            [("key", "value")],
+            [("conv",), ("ssm",)],
+        ]
+        assert [set(views[min(r)].layer_ids) for r in canary.rounds] == [{0}, {1}, {2}]
+    else:
+        assert [roles(r) for r in canary.rounds] == [everything]
+    while True:
+        _pull_round(producer, consumer, canary)
+        assert consumer.memory.check_canary(canary) is None
+        if canary.last:
+            break
+        canary = canary.following()
+    # The last round, state: a flipped SSM byte is named.
+    _pull_round(producer, consumer, canary)
     consumer.slot(2, 0)[SSM_AT + 3 * SSM_HEAD + 9] ^= 0x10
-    found = consumer.memory.check_canary(canary, 16)
+    found = consumer.memory.check_canary(canary)
     assert found is not None
     assert found.describe() == "target ssm layer 2 SSM head 3, byte 9"
-    consumer.slot(1, 0)[15 * ROW] ^= 0x10  # head 0, token 15: the window holds tokens 0-15
-    found = consumer.memory.check_canary(canary, 16)
+
+
+def test_a_round_whose_pull_moved_nothing_fails(world: ModuleType, model: Path) -> None:
+    """What the round before left in block 0 (the same bytes, aliased) does not pass for the
+    window's canary: the round zeroes its views first, and the window's expected rows are the
+    producer's image, not zeros."""
+    producer = Rank(world, model, "p", aliased=True)
+    consumer = Rank(world, model, "d", aliased=True)
+    _fill(producer, 5)
+    _fill(consumer, 6)
+    producer.memory.write_canary()
+    canary = consumer.memory.canary_for({0: producer.document}, "p")
+    _pull_round(producer, consumer, canary)
+    assert consumer.memory.check_canary(canary) is None
+    window = canary.following()
+    consumer.memory.clear(window)  # the pull that moved nothing
+    found = consumer.memory.check_canary(window)
     assert found is not None
-    assert found.describe() == "target key,value layer 1 head 0 K, token 15"
+    assert found.describe() == "target key,value layer 1 head 0 K, token 0"
+    # Moved from the wrong place (one token's row off): the first element is wrong.
+    consumer.memory.clear(window)
+    consumer.slot(1, 0)[: 8192 - ROW] = producer.slot(1, 0)[ROW:]
+    found = consumer.memory.check_canary(window)
+    assert found is not None
+    assert found.describe() == "target key,value layer 1 head 0 K, token 0"

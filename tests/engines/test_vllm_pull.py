@@ -168,14 +168,22 @@ def test_tp2_producer_to_tp1_consumer_with_larger_blocks(
     assert resumed.num_scheduled_tokens == {"decode-1": 1}
     llama4_consumer.finish_prefill(resumed, "decode-1")
     # The first pairing pulled the producer's canary (vLLM's null block) and attested the path.
-    path = reported_path(world, "p-tp2", "d-tp1")
+    path = reported_path(world, "p-tp2", "d-tp1", llama4_consumer)
     assert (path.state, path.source, path.element) == ("attested", "canary", None)
     assert path.cost_ms is not None
 
 
-def reported_path(world: Any, producer: str, consumer: str, state: str | None = None) -> Any:
-    """The path's outcome once the consumer has reported it (in ``state``, when given): the
-    consumer checks a canary off the step and reports a path after it answered vLLM, on a thread
+def reported_path(
+    world: Any,
+    producer: str,
+    consumer: str,
+    engine: Engine,
+    state: str | None = None,
+    source: str | None = None,
+) -> Any:
+    """The path's outcome once the consumer has reported it (in ``state``, from ``source``, when
+    given). The consumer checks a canary off the step, round by round as its workers are polled
+    (an engine's steps; here this loop's), and reports a path after it answered vLLM, on a thread
     of its own, so a report may land after the pull the test waited for."""
     from kvroute.client import KvrouteClient
 
@@ -183,12 +191,27 @@ def reported_path(world: Any, producer: str, consumer: str, state: str | None = 
     deadline = time.monotonic() + 30
     with KvrouteClient(server.url, token=WORKER_TOKEN) as client:
         while time.monotonic() < deadline:
+            for worker in engine.workers:
+                worker.get_finished(set())
             paths = client.kv_paths("llama4").paths
             found = [p for p in paths if (p.producer, p.consumer) == (producer, consumer)]
-            if found and state in (None, found[0].state):
+            if found and state in (None, found[0].state) and source in (None, found[0].source):
                 return found[0]
             time.sleep(0.05)
     raise AssertionError(f"no {state or ''} outcome of {producer} -> {consumer}")
+
+
+def canaries_checked(engine: Engine) -> None:
+    """Polls the engine's workers until no canary is being pulled or checked."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pulls = [worker.worker.pulls for worker in engine.workers]
+        if all(p.canary_run is None and not p.canaries for p in pulls):
+            return
+        for worker in engine.workers:
+            worker.get_finished(set())
+        time.sleep(0.05)
+    raise AssertionError("a canary was still being checked after 30 s")
 
 
 def test_a_prefix_cache_hit_on_the_consumer_moves_only_the_suffix(
@@ -295,9 +318,11 @@ def test_sampled_digests_agree_and_a_byte_flipped_after_the_write_is_recomputed(
     _, errors = pull(llama4_consumer, "decode-5", tokens, params)
     assert errors == set()
     expect(llama4_consumer, "decode-5", range(40))
-    # The canary of the first pairing and this request's digest both attest the path.
-    path = reported_path(world, "p-digest", "d-tp1", "attested")
+    # The canary of the first pairing and this request's digest both attest the path; the
+    # canary's rounds end before the fault, so its report cannot follow the digest's failure.
+    path = reported_path(world, "p-digest", "d-tp1", llama4_consumer, "attested")
     assert path.source in ("canary", "digest")
+    canaries_checked(llama4_consumer)
     _, _, params = producers.ask("prefill", "p-digest", "prefill-6", tokens)
     # Rank 1 holds global heads 2 and 3; token 20, layer 1, its head 0 (global 2), K element 5.
     assert producers.ask("flip", "p-digest", "prefill-6", (1, 1, 0, 20, 5)) == (
@@ -306,7 +331,7 @@ def test_sampled_digests_agree_and_a_byte_flipped_after_the_write_is_recomputed(
     )
     _, errors = pull(llama4_consumer, "decode-6", tokens, params)
     assert errors == set(llama4_consumer.block_ids("decode-6"))  # recomputed, not decoded from
-    path = reported_path(world, "p-digest", "d-tp1", "failed")
+    path = reported_path(world, "p-digest", "d-tp1", llama4_consumer, "failed")
     assert path.source == "digest"
     assert path.element is not None
     assert (path.element["layer"], path.element["head"], path.element["kv"]) == (1, 2, "K")

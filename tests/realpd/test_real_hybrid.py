@@ -135,3 +135,20 @@ def test_a_pair_generates_the_consumer_s_first_token_and_drifts_only_after(
 def first_difference(got: list[int], expected: list[int]) -> int:
     """The position of the first generated token where two answers of one length differ."""
     return next(k for k, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
+
+
+def test_the_canary_attested_every_view_in_rounds(cluster: Cluster) -> None:
+    """The consumer's groups alias in vLLM's null block, so it pulled and checked the producer's
+    canary in rounds of views that do not overlap there (attention, then each Gated DeltaNet
+    layer's conv and SSM state): every view it registered, attested. Runs after the pair above,
+    whose first hand-over paired the two."""
+    log = cluster.processes["c"].log.read_text(errors="replace")
+    registered = re.search(r"kvroute: c rank 0 registered in \S+ as \S+ \((\d+) views", log)
+    attested = re.search(r"the canary from p to c rank 0 attested (\d+) views in (\d+) rounds", log)
+    assert registered is not None, cluster.processes["c"].tail()
+    assert attested is not None, cluster.processes["c"].tail()
+    views, rounds = int(attested[1]), int(attested[2])
+    print(f"qwen3_next canary: {views} views of {registered[1]} in {rounds} rounds")
+    assert views == int(registered[1])
+    assert rounds == 4  # the attention layer's view, then each of the 3 GDN layers' two
+    assert "canary" not in "".join(re.findall(r".*failed.*", log))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -85,6 +85,35 @@ def state_pattern(key: StateKey, size: int) -> np.ndarray:
     return _mix(series, np.zeros(1, dtype=np.uint64), np.arange(size, dtype=np.uint64))
 
 
+def filler(pool: int, first: int, end: int) -> np.ndarray:
+    """Bytes ``[first, end)`` of a pool's slot that no view's canary pattern claims: a mix of the
+    pool and the byte's offset, so bytes moved from another offset differ (``engines.vllm.canary``
+    fills a null block's every view with it before the pattern)."""
+    offsets = np.arange(first, end, dtype=np.uint64)
+    return _mix(0x5107 + pool, np.zeros(1, dtype=np.uint64), offsets)
+
+
+class CanaryContent(Protocol):
+    """What a checked canary must hold, per logical series (None: not checked)."""
+
+    def rows(self, key: RowKey, held: range, width: int) -> np.ndarray | None: ...
+
+    def state(self, key: StateKey, size: int) -> np.ndarray | None: ...
+
+
+class Pattern:
+    """The content ``write_canary`` writes: ``pattern`` and ``state_pattern``."""
+
+    def rows(self, key: RowKey, held: range, width: int) -> np.ndarray | None:
+        return pattern(key, held, width)
+
+    def state(self, key: StateKey, size: int) -> np.ndarray | None:
+        return state_pattern(key, size)
+
+
+PATTERN = Pattern()
+
+
 def _mix(series: int, token: np.ndarray, byte: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         mixed = ((np.uint64(series % 2**64) * MIX + token) * MIX + byte) * MIX
@@ -104,16 +133,23 @@ def write_canary(kv: RequestKv) -> None:
         )
 
 
-def check_canary(kv: RequestKv) -> Mismatch | None:
+def check_canary(kv: RequestKv, content: CanaryContent = PATTERN) -> Mismatch | None:
     """The consumer's side: the first wrong element of the canary it received in ``kv.blocks``
     (``kv.reg``: the layout its kernels read), then in ``kv.state_slot``, or None when every byte
-    is where the pattern says. A windowed view is checked from ``kv.firsts`` on (the tokens the
-    pair moved: ``kv_rows.window_firsts(reg, len(tokens), producer ranks)``)."""
+    is what ``content`` says (the pattern, by default). A windowed view is checked from
+    ``kv.firsts`` on (the tokens the pair moved: ``kv_rows.window_firsts(reg, len(tokens),
+    producer ranks)``)."""
     tokens = kv.tokens
     first: tuple[tuple[int, int, int, int], Mismatch] | None = None
     for key, rows in read_rows(kv):
         held = range(tokens.stop - rows.shape[0], tokens.stop)
-        wrong = np.flatnonzero((rows != pattern(key, held, rows.shape[1])).any(axis=1))
+        expected = content.rows(key, held, rows.shape[1])
+        if expected is None:
+            continue
+        if expected.shape != rows.shape:  # the sides disagree on the row: wrong from the start
+            wrong = np.zeros(1, dtype=np.int64)
+        else:
+            wrong = np.flatnonzero((rows != expected).any(axis=1))
         if len(wrong):
             token = held.start + int(wrong[0])
             order = (key.layer, key.head, token, key.buffer)
@@ -121,17 +157,24 @@ def check_canary(kv: RequestKv) -> Mismatch | None:
                 first = (order, Mismatch(key, (token, token + 1)))
     if first is not None:
         return first[1]
-    return None if kv.state_slot is None else _check_state(kv.reg, kv.pools, kv.state_slot)
+    if kv.state_slot is None:
+        return None
+    return _check_state(kv.reg, kv.pools, kv.state_slot, content)
 
 
 def _check_state(
-    reg: RankRegistration, pools: Mapping[int, np.ndarray], slot: int
+    reg: RankRegistration, pools: Mapping[int, np.ndarray], slot: int, content: CanaryContent
 ) -> Mismatch | None:
-    found = sorted(
-        (key, int(wrong[0]))
-        for key, data in read_state(reg, pools, slot)
-        if len(wrong := np.flatnonzero(data != state_pattern(key, len(data))))
-    )
+    found = []
+    for key, data in read_state(reg, pools, slot):
+        expected = content.state(key, len(data))
+        if expected is None:
+            continue
+        if expected.shape != data.shape:
+            found.append((key, 0))
+        elif len(wrong := np.flatnonzero(data != expected)):
+            found.append((key, int(wrong[0])))
+    found.sort()
     return Mismatch(found[0][0], byte=found[0][1]) if found else None
 
 

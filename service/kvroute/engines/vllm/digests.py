@@ -1,11 +1,10 @@
 """Sampled KV digests and the canary in the connector (``kv_digest_rate`` of
 ``kv_connector_extra_config``).
 
-The canary: vLLM's block pool keeps block 0 as its null block, given to no request, so a producer
-rank writes the canary there at start-up (through the layout its backend's own cache write showed
-the probe), and a consumer rank pulls it with the real plan and NIXL when it first pairs with a
-producer instance, and again after that instance registers again (the prefetcher drops its plan),
-checks it through its own layout and reports the path.
+The canary (``canary``): a producer rank writes it into vLLM's null block at start-up, and a
+consumer rank pulls it with the real plan and NIXL when it first pairs with a producer instance,
+and again after that instance registers again (the prefetcher drops its plan), round by round
+(``pulls``), checks each round here, off the step, and reports the path once.
 
 A producer's scheduler samples a finished request and marks its handover (``kvroute_digest``);
 each producer rank then digests the request's blocks as it holds them, in logical order
@@ -35,7 +34,8 @@ from typing import Any
 from kvroute.client import KvrouteClient, KvrouteError
 from kvroute.client.integrity import path_report
 from kvroute.client.kv_digest import Grid, KvDigest, Mismatch
-from kvroute.engines.vllm.memory import Canary, RankMemory
+from kvroute.engines.vllm.canary import Canary
+from kvroute.engines.vllm.memory import RankMemory
 from kvroute.geometry import RankRegistration
 
 log = logging.getLogger(f"vllm.{__name__}")
@@ -127,21 +127,29 @@ class ConsumerChecks:
                 ended.append((check, f"digest check failed: {error}" if error else future.result()))
         return ended
 
-    def canary(self, producer: str, canary: Canary, tokens: int, cost_s: float) -> None:
-        """Checks the canary pulled from ``producer`` into the null block and reports the path."""
-        self.pool.submit(self._canary, producer, canary, tokens, cost_s)
+    def check_canary(self, canary: Canary) -> Future[tuple[Mismatch | None, float]]:
+        """Checks the canary round pulled into the null block: (first wrong element, seconds)."""
+        return self.pool.submit(self._timed_check, canary)
 
-    def _canary(self, producer: str, canary: Canary, tokens: int, cost_s: float) -> None:
-        reg = self.memory.reg
+    def _timed_check(self, canary: Canary) -> tuple[Mismatch | None, float]:
         started = time.perf_counter()
-        failure = self.memory.check_canary(canary, tokens)
-        cost_ms = (cost_s + time.perf_counter() - started) * 1e3
+        failure = self.memory.check_canary(canary)
+        return failure, time.perf_counter() - started
+
+    def report_canary(self, canary: Canary, failure: Mismatch | None, cost_s: float) -> None:
+        """Reports the path's outcome (``cost_s``: its rounds' pulls and checks)."""
+        reg = self.memory.reg
         if failure is not None:
             log.error("kvroute: the canary from %s to %s rank %d failed at %s; kvroute routes no "
-                      "request over this path", producer, reg.instance, reg.rank,
+                      "request over this path", canary.instance, reg.instance, reg.rank,
                       failure.describe())  # fmt: skip
-        report = path_report(producer, reg.instance, reg.rank, "canary", failure, cost_ms)
-        self.reports.submit(self._send, report, f"the canary from {producer}")
+        else:
+            log.info("kvroute: the canary from %s to %s rank %d attested %d views in %d rounds "
+                     "(%.1f ms)", canary.instance, reg.instance, reg.rank,
+                     sum(map(len, canary.rounds)), len(canary.rounds), cost_s * 1e3)  # fmt: skip
+        report = path_report(canary.instance, reg.instance, reg.rank, "canary", failure,
+                             cost_s * 1e3)  # fmt: skip
+        self.reports.submit(self._send, report, f"the canary from {canary.instance}")
 
     def _compare(self, check: Check) -> str | None:
         sent = self._producer_digest(check)

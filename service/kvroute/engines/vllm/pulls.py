@@ -14,13 +14,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvroute.client.kv_digest import Mismatch
 from kvroute.client.nixl_descs import NixlTransfer, PeerDescriptors, PoolAddress, plan_descriptors
 from kvroute.client.nixl_transport import NixlEndpoint, PendingPull, pool_addresses
+from kvroute.engines.vllm.canary import NULL_BLOCK, Canary
 from kvroute.engines.vllm.digests import Check, ConsumerChecks
-from kvroute.engines.vllm.memory import NULL_BLOCK, Canary
 from kvroute.engines.vllm.params import Handover, agent_name, done_message
 from kvroute.engines.vllm.prefetch import Fetched, Prefetcher
 from kvroute.geometry import Plan, RequestBlocks, TokenRange, TokenWindow
@@ -39,7 +41,7 @@ class Load:
     block_ids: tuple[tuple[int, ...], ...]  # per KV cache group, from token 0
     tokens: tuple[int, int]  # [start, end): a local prefix-cache hit is not moved again
     block_size: int
-    canary: Canary | None = None  # a canary pull: only its views move
+    canary: Canary | None = None  # a canary round's pull: only its views move
 
     def blocks_to_write(self) -> set[int]:
         """The local blocks this load writes (reported when it fails)."""
@@ -71,6 +73,16 @@ class _Running:
 
 
 @dataclass
+class _CanaryRun:
+    """The canary being checked: one at a time per consumer rank, as every one lands in block 0."""
+
+    canary: Canary
+    spent_s: float = 0.0  # the rounds' pulls and checks so far
+    started: float = 0.0  # the current round's pull
+    check: Future[tuple[Mismatch | None, float]] | None = None
+
+
+@dataclass
 class Pulls:
     """A consumer rank's pulls in flight; ``poll()`` answers finished and failed request ids.
 
@@ -98,6 +110,8 @@ class Pulls:
     done: set[str] = field(default_factory=set)
     checking: dict[str, _Running] = field(default_factory=dict)  # pulled, digests compared
     refetched: dict[str, str] = field(default_factory=dict)  # instance -> engine id fetched for
+    canaries: list[Canary] = field(default_factory=list)  # waiting for block 0
+    canary_run: _CanaryRun | None = None
 
     def start(self, load: Load) -> None:
         """Posts the load's reads, or parks it until its producer's plan is fetched."""
@@ -187,7 +201,7 @@ class Pulls:
             del self.running[request_id]
             self._release(running.pending)
             if request_id.startswith(CANARY):
-                self._canary_pulled(running, state)
+                self._canary_pulled(state)
             elif state == "DONE" and running.load.handover.kv_digest and self.checks is not None:
                 self.checking[request_id] = running
                 self.checks.submit(_check(running))
@@ -200,6 +214,7 @@ class Pulls:
                 self._fail(running.load, detail)
                 self._forget(running.load.handover.instance)
         self._checked()
+        self._canary_checked()
         finished, self.done = self.done, set()
         return finished
 
@@ -218,37 +233,81 @@ class Pulls:
         errors, self.errors = self.errors, {}
         return errors
 
-    def _canary_pulled(self, running: _Running, state: str) -> None:
-        load = running.load
-        if state != "DONE" or self.checks is None:  # a transport failure, not a layout's
-            log.warning("kvroute: the canary pull from %s did not complete (%s)",
-                        load.handover.instance, state)  # fmt: skip
-            return
-        cost_s = time.monotonic() - (running.deadline - self.timeout_s)
-        assert load.canary is not None
-        self.checks.canary(load.handover.instance, load.canary, load.tokens[1], cost_s)
-
     def _canary_load(self, instance: str, documents: Mapping[int, Mapping[str, Any]]) -> None:
-        """Pulls the producer's canary (every group's null block) into this rank's at first
-        pairing and whenever its plan was fetched again (it registered again): the views the
-        canary covers only (``memory.canary_views``: other views' null-block bytes are theirs)."""
+        """Queues the producer's canary at first pairing and whenever its plan was fetched again
+        (it registered again): one canary at a time, round by round, into this rank's block 0."""
         if self.checks is None or not documents:
             return
         canary = self.checks.memory.canary_for(documents, instance)
-        if not canary.views:
+        if not canary.rounds:
             log.warning("kvroute: the canary from %s covers none of this rank's views", instance)
             return
-        mine = self.checks.memory.reg.tokens_per_block
-        tokens = min(mine, *(int(document["tokens_per_block"]) for document in documents.values()))
+        self.canaries = [queued for queued in self.canaries if queued.instance != instance]
+        self.canaries.append(canary)
+        self._next_canary()
+
+    def _next_canary(self) -> None:
+        if self.canary_run is None and self.canaries:
+            self.canary_run = _CanaryRun(self.canaries.pop(0))
+            self._canary_round()
+
+    def _canary_round(self) -> None:
+        """Zeroes this rank's block 0 under the round's views and pulls them: every group's null
+        block on both sides."""
+        assert self.canary_run is not None
+        assert self.checks is not None
+        canary = self.canary_run.canary
+        self.checks.memory.clear(canary)
         blocks = ((NULL_BLOCK,),) * (max(self.group_views, default=0) + 1)
-        handover = Handover(instance, CANARY + instance, blocks, 0, tokens)
-        load = Load(CANARY + instance, handover, blocks, (0, tokens), mine, canary)
-        self.waiting[load.request_id] = (load, time.monotonic() + self.timeout_s)
+        request_id = CANARY + canary.instance
+        handover = Handover(canary.instance, request_id, blocks, 0, canary.tokens)
+        mine = self.checks.memory.reg.tokens_per_block
+        load = Load(request_id, handover, blocks, (0, canary.tokens), mine, canary)
+        self.canary_run.started = time.monotonic()
+        self.waiting[request_id] = (load, time.monotonic() + self.timeout_s)
+
+    def _canary_pulled(self, state: str) -> None:
+        run = self.canary_run
+        assert run is not None
+        assert self.checks is not None
+        if state != "DONE":  # a transport failure, not a layout's: the next pairing tries again
+            log.warning("kvroute: the canary pull from %s did not complete (%s)",
+                        run.canary.instance, state)  # fmt: skip
+            self._canary_ended()
+            return
+        run.spent_s += time.monotonic() - run.started
+        run.check = self.checks.check_canary(run.canary)
+
+    def _canary_checked(self) -> None:
+        """A round checked: the path fails at its first wrong element, is attested after the
+        last round, or the next round is pulled."""
+        run = self.canary_run
+        if run is None or run.check is None or not run.check.done():
+            return
+        assert self.checks is not None
+        try:
+            failure, check_s = run.check.result()
+        except Exception:  # a reader's bug is not the path's failure: said, and not reported
+            log.exception("kvroute: checking the canary from %s failed", run.canary.instance)
+            self._canary_ended()
+            return
+        run.spent_s += check_s
+        if failure is not None or run.canary.last:
+            self.checks.report_canary(run.canary, failure, run.spent_s)
+            self._canary_ended()
+            return
+        run.canary, run.check = run.canary.following(), None
+        self._canary_round()
+
+    def _canary_ended(self) -> None:
+        self.canary_run = None
+        self._next_canary()
 
     def _fail(self, load: Load, detail: str) -> None:
         if load.request_id.startswith(CANARY):  # no request's blocks: nothing to recompute
             log.warning("kvroute: the canary pull from %s failed: %s", load.handover.instance,
                         detail)  # fmt: skip
+            self._canary_ended()
             return
         log.warning("kvroute pull of %s from %s failed: %s", load.request_id,
                     load.handover.instance, detail)  # fmt: skip

@@ -19,9 +19,10 @@ from kvroute.client import KvrouteClient, KvrouteError, SyncLease
 from kvroute.client.nixl_transport import NixlEndpoint
 from kvroute.client.pools import Parallel
 from kvroute.engines.vllm.backends import checked_layouts
+from kvroute.engines.vllm.canary import NULL_BLOCK
 from kvroute.engines.vllm.digests import ConsumerChecks, ProducerDigests
 from kvroute.engines.vllm.layout import Layer, RankCache, describe
-from kvroute.engines.vllm.memory import NULL_BLOCK, RankMemory
+from kvroute.engines.vllm.memory import RankMemory
 from kvroute.engines.vllm.params import Settings, agent_name, parse_done
 from kvroute.engines.vllm.prefetch import Prefetcher
 from kvroute.engines.vllm.probe import Layout
