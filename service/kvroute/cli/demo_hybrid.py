@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvroute.cli.demo_canary import canary_command, canary_kv, pool_slots
+from kvroute.cli.demo_canary import canary_kv, pool_slots
 from kvroute.cli.demo_workers import TensorParallelRoles, WorkerSpec, answer_commands
 from kvroute.client.hybrid import HybridPool, MambaLayout, mamba2
 from kvroute.client.integrity import write_canary
@@ -215,15 +215,8 @@ def serve(spec: WorkerSpec[HybridModel], commands: Queue, replies: Queue) -> Non
             for request in spec.model.requests():
                 write_request(pool, spec.tp_rank, request, "src")
         doc = document(spec.model, spec.role, spec.tp_size, spec.tp_rank, pool, memory.descriptor())
-        flat = memory.tensor.numpy()
-        answer_commands(
-            spec,
-            DEPLOYMENT,
-            doc,
-            (commands, replies),
-            partial(verify, spec, pool, doc),
-            partial(canary_command, spec, DEPLOYMENT, flat, doc),
-        )
+        checks = partial(verify, spec, pool, doc)
+        answer_commands(spec, DEPLOYMENT, doc, (commands, replies), checks, memory.tensor.numpy())
     finally:
         del pool
         memory.close()

@@ -18,6 +18,7 @@ from itertools import pairwise
 from multiprocessing.queues import Queue
 from typing import Any, ClassVar, Generic, TypeVar
 
+import numpy as np
 import torch
 
 from kvroute.cli.demo_canary import canary_command, pool_slots
@@ -247,11 +248,13 @@ def answer_commands(
     document: dict[str, Any],
     queues: tuple[Queue, Queue],
     verify: Callable[[Any], dict[str, int]],
-    canary: Callable[[], tuple[Any, ...]] | None = None,
+    pool: np.ndarray | None = None,
 ) -> None:
     """Registers, keeps the lease and answers the demo's commands (verify, canary, then stop)
-    on ``queues`` (commands, replies)."""
+    on ``queues`` (commands, replies); ``pool`` (the rank's one pool, flat uint8) holds the canary
+    (``demo_canary``; None: the demo runs none)."""
     commands, replies = queues
+    canary = None if pool is None else partial(canary_command, spec, deployment, pool, document)
     with (
         KvrouteClient(spec.url, token=spec.token) as client,
         client.keep_lease(deployment, spec.instance, spec.tp_rank, document) as lease,
@@ -293,14 +296,9 @@ def serve(spec: WorkerSpec[Model], commands: Queue, replies: Queue) -> None:
         if spec.role == "context":
             fill(spec, pool, layouts)
         document = rank_doc(spec, pool, layouts, memory.descriptor())
-        flat = memory.tensor.numpy()
+        checks = partial(verify, spec, pool, layouts)
         answer_commands(
-            spec,
-            DEPLOYMENT,
-            document,
-            (commands, replies),
-            partial(verify, spec, pool, layouts),
-            partial(canary_command, spec, DEPLOYMENT, flat, document),
+            spec, DEPLOYMENT, document, (commands, replies), checks, memory.tensor.numpy()
         )
     finally:
         del pool
