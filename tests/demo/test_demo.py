@@ -62,15 +62,18 @@ def test_small_hybrid_demo_moves_blocks_and_state_and_refuses_other_ssm_heads() 
         "local=16 peer=32" in output
     )
     assert "4 tokens/block -> generation gen0 TP2, 8 tokens/block" in output
+    # The canary (attention KV and the Mamba2 state) attests both paths before any request moves.
+    assert "canary ctx0 -> gen0 rank 0: attested" in output
+    assert "canary ctx0 -> gen0 rank 1: attested" in output
     # Each job: one request's prompt after a 3-token cached prefix, starting mid-block on both
     # sides, and its state slot once.
     assert output.count("succeeded") == 2
     assert output.count("[3, 11)") == 2
-    # Every byte of both generation pools: 6 slots (2 requests x 2 blocks of 8 tokens + 1 state
-    # slot each) of max(KV block: 2 layers x K,V x 2 heads x 8 tokens x 16 x 2 bytes = 2048,
-    # state: 3 Mamba layers x (4 SSM heads x 4 x 4 x 2 + 24 conv channels x 3 x 2) = 816) bytes,
-    # per rank.
-    assert checked == 2 * 6 * 2048
+    # Every byte of both generation pools: 8 slots (2 requests x 2 blocks of 8 tokens + 1 state
+    # slot each, and the canary's state slot and block) of max(KV block: 2 layers x K,V x 2 heads
+    # x 8 tokens x 16 x 2 bytes = 2048, state: 3 Mamba layers x (4 SSM heads x 4 x 4 x 2 + 24 conv
+    # channels x 3 x 2) = 816) bytes, per rank.
+    assert checked == 2 * 8 * 2048
     # Each request's state reaches each generation rank from its two context ranks: 816 bytes.
     assert re.search(r"│\s*0\s*│\s*0, 1\s*│\s*0, 1\s*│\s*16\s*│\s*2,048\s*│\s*816\s*│", output), (
         output
@@ -87,6 +90,12 @@ def test_small_mla_cp_demo_spreads_tokens_over_generation_cp_ranks() -> None:
         "refused gen-bad: 422 context_parallel_layout_unsupported field=cp_layout local=zigzag "
         "peer=interleaved" in output
     )
+    # No canary under context parallelism, and the demo says so.
+    assert (
+        "no canary: gen0 TP1 x CP4 (interleave 1) uses context parallelism, whose KV the canary "
+        "cannot read in logical order yet (kv_rows: UnsupportedLayout)" in output
+    )
+    assert "canary ctx0" not in output
     # Every generation CP rank hears from the four context ranks (MLA replicates the latent over
     # TP); one elected context rank writes.
     assert len(re.findall(r"│\s*[0-3]\s*│\s*0, 1, 2, 3\s*│\s*0\s*│", output)) == 4, output
@@ -103,6 +112,9 @@ def test_small_mla_cp_zigzag_demo_moves_prefill_chunks_to_decode_cp_ranks() -> N
     output, _ = run_demo("--model", "mla-cp-zigzag", "--small", "--jobs", "2")
     assert "registered ctx0: context, TP2 x CP2, 4 live ranks" in output
     assert "TP2 x CP2 (zigzag chunks)" in output
+    assert (
+        "no canary: ctx0 TP2 x CP2 (zigzag chunks) and gen0 TP1 x CP4 (interleave 1) use" in output
+    )
     # Both context CP ranks (one elected TP replica each: ranks 0 and 1) write to every
     # generation CP rank: zig-zag chunks and interleave 1 share tokens on every pair.
     assert len(re.findall(r"│\s*[0-3]\s*│\s*0, 1, 2, 3\s*│\s*0, 1\s*│", output)) == 4, output

@@ -3,9 +3,11 @@
 Starts an embedded kvroute (SQLite in a temp directory, 127.0.0.1, a free port, random tokens),
 spawns context TP4 and generation TP2 worker processes with shared-memory pools (the generation
 side cutting tokens into larger blocks), registers them through ``kvroute.client``, shows a refused
-instance with its reason, fetches plans, runs token-range jobs on kvroute's worker pool (as a
-receiver holding a cached prefix would: ranges that start and end mid-block), verifies every byte
-in the receivers and prints a summary. Exits 1 if any byte is wrong or a job failed.
+instance with its reason, fetches plans, attests the path with a canary (``demo_canary``: attention
+KV, and recurrent state for hybrid models; the MLA demos say why they run none), runs token-range
+jobs on kvroute's worker pool (as a receiver holding a cached prefix would: ranges that start and
+end mid-block), verifies every byte in the receivers and prints a summary. Exits 1 if any byte is
+wrong, a canary failed or a job failed.
 ``--model llama`` (``demo_workers``) is a dense model with an Eagle draft whose prompt moves in
 chunks; ``--model hybrid`` (``demo_hybrid``) a Nemotron-H-like model whose Mamba2 state and
 attention KV share one pool, one job per request with its state slots; ``--model mla-cp``
@@ -293,9 +295,14 @@ def _model(args: argparse.Namespace) -> tuple[ModuleType, Any, list[dict[str, An
     return demo_workers, model, demo_workers.requests(model, args.jobs)
 
 
-def _attested(client: KvrouteClient, workers: Workers, model: Any) -> bool:
-    """The canary over ctx0 -> every gen0 rank, printed; False when a path failed."""
-    failures = demo_canary.attest(client, workers, model)
+def _attested(client: KvrouteClient, workers: Workers, demo: ModuleType, model: Any) -> bool:
+    """The canary over ctx0 -> every gen0 rank, printed (or why the path runs none); False when
+    a path failed."""
+    refusal = demo_canary.refusal(model)
+    if refusal is not None:
+        console.print(refusal, soft_wrap=True)  # one line, whatever the terminal's width
+        return True
+    failures = demo_canary.attest(client, workers, model, demo.DEPLOYMENT)
     for rank, failure in sorted(failures.items()):
         if failure is None:
             console.print(f"canary ctx0 -> gen0 rank {rank}: attested")
@@ -340,8 +347,8 @@ def run(args: argparse.Namespace) -> int:
                     demo.DEPLOYMENT, sender="ctx0", receiver="gen0", prompt_tokens=prompt
                 )
                 console.print(plan_table(plans, model))
-                # The dense demo attests its path with a canary before any request moves.
-                if demo.__name__.endswith(".demo_workers") and not _attested(admin, workers, model):
+                # The path is attested with a canary before any request moves.
+                if not _attested(admin, workers, demo, model):
                     return 1
                 with Progress(console=console) as progress:
                     statuses = run_jobs(admin, demo, model, requests, progress)

@@ -1,10 +1,17 @@
 """The demo's canary: before any request moves, the path from ctx0 to each gen0 rank is attested.
 
 Each context worker writes the canary (``client.integrity``) into the blocks it keeps back at the
-end of its pool, through its own layout; one transfer job moves those blocks with the real plan
-(16- or 4-token context blocks into 64- or 8-token generation blocks); each generation worker
-checks every byte through its own layout and reports the path's outcome to kvroute, which then
-shows it in ``GET .../kv-paths``, the pairs answer and the console.
+end of its pool, through its own layout, and for a model with recurrent state (the hybrid demo)
+into the state slot just before them; one transfer job moves those blocks and that state slot with
+the real plan (context blocks into larger generation blocks, the state slot pair once); each
+generation worker checks every byte through its own layout, attention rows and state units alike,
+and reports the path's outcome to kvroute, which then shows it in ``GET .../kv-paths``, the pairs
+answer and the console. The lead process and the workers agree on those slots without talking:
+both follow ``integrity.reserved_blocks`` and ``reserved_state_slot`` (the end of the pool), the
+workers from their registrations, the lead from the model (``reserved``).
+
+A model whose ranks use context parallelism (the MLA demos) runs none: ``kv_rows`` reads KV in
+logical order only without it (``UnsupportedLayout``), so ``refusal`` says why instead.
 """
 
 from __future__ import annotations
@@ -16,7 +23,13 @@ from typing import Any
 import numpy as np
 
 from kvroute.client import KvrouteClient
-from kvroute.client.integrity import check_canary, path_report, reserved_blocks, write_canary
+from kvroute.client.integrity import (
+    check_canary,
+    path_report,
+    reserved_blocks,
+    reserved_state_slot,
+    write_canary,
+)
 from kvroute.client.kv_rows import RequestKv
 from kvroute.geometry import RankRegistration, RequestBlocks, TokenRange, TokenWindow
 
@@ -28,51 +41,91 @@ def canary_tokens(model: Any) -> int:
     return math.lcm(model.tokens("context"), model.tokens("generation"))
 
 
-def canary_slots(model: Any, role: str) -> int:
-    """Blocks a worker keeps back for the canary, after the prompt's."""
+def canary_blocks(model: Any, role: str) -> int:
+    """Blocks of the canary on one side."""
     return canary_tokens(model) // model.tokens(role)
 
 
-def canary_command(spec: Any, pool: np.ndarray, document: dict[str, Any]) -> tuple[Any, ...]:
-    """A worker's part: the context side writes the canary, the generation side checks what it
-    received and reports the path (reply: the first wrong element's description, or None)."""
+def pool_slots(model: Any, role: str) -> int:
+    """A worker's pool: the requests' ``model.slots(role)`` slots, then the ones it keeps back for
+    the canary (a state slot where the model has recurrent state, then the canary's blocks)."""
+    return model.slots(role) + int(model.has_state) + canary_blocks(model, role)
+
+
+def reserved(model: Any, role: str) -> tuple[list[int], int | None]:
+    """The canary's blocks and state slot (None: no state) on one side: what
+    ``integrity.reserved_blocks`` and ``reserved_state_slot`` find from its registration."""
+    end, blocks = pool_slots(model, role), canary_blocks(model, role)
+    return list(range(end - blocks, end)), end - blocks - 1 if model.has_state else None
+
+
+def refusal(model: Any) -> str | None:
+    """Why the demo's path runs no canary (None: it runs one)."""
+    parallel = [
+        f"{instance} {model.label(role)}"
+        for role, instance in (("context", "ctx0"), ("generation", "gen0"))
+        if model.ranks(role) != model.tp(role)
+    ]
+    if not parallel:
+        return None
+    verb = "uses" if len(parallel) == 1 else "use"
+    return (
+        f"no canary: {' and '.join(parallel)} {verb} context parallelism, whose KV the canary "
+        "cannot read in logical order yet (kv_rows: UnsupportedLayout); every byte is still "
+        "verified after the jobs"
+    )
+
+
+def canary_kv(spec: Any, deployment: str, document: dict[str, Any], pool: np.ndarray) -> RequestKv:
+    """What a worker holds of the canary: its blocks and state slot in ``pool`` (the rank's one
+    pool, flat uint8), read and written through the layout of its registration ``document``."""
     reg = RankRegistration.from_json(
-        document, deployment="demo", instance=spec.instance, rank=spec.tp_rank
+        document, deployment=deployment, instance=spec.instance, rank=spec.tp_rank
     )
     tokens = range(canary_tokens(spec.model))
     blocks = reserved_blocks(reg, tokens)
+    return RequestKv(reg, {0: pool}, blocks, tokens, state_slot=reserved_state_slot(reg, tokens))
+
+
+def canary_command(
+    spec: Any, deployment: str, pool: np.ndarray, document: dict[str, Any]
+) -> tuple[Any, ...]:
+    """A worker's part: the context side writes the canary, the generation side checks what it
+    received and reports the path (reply: the first wrong element's description, or None)."""
+    kv = canary_kv(spec, deployment, document, pool)
     if spec.role == "context":
-        write_canary(RequestKv(reg, {0: pool}, blocks, tokens))
+        write_canary(kv)
         return ("canary", spec.tp_rank, None)
     started = time.perf_counter()
-    failure = check_canary(RequestKv(reg, {0: pool}, blocks, tokens))
+    failure = check_canary(kv)
     cost_ms = (time.perf_counter() - started) * 1e3
     with KvrouteClient(spec.url, token=spec.token) as client:
         report = path_report("ctx0", spec.instance, spec.tp_rank, "canary", failure, cost_ms)
-        client.report_kv_path("demo", report)
+        client.report_kv_path(deployment, report)
     return ("canary", spec.tp_rank, None if failure is None else failure.describe())
 
 
-def attest(client: KvrouteClient, workers: Any, model: Any) -> dict[int, str | None]:
+def canary_job(model: Any) -> RequestBlocks:
+    """The canary's transfer job: its blocks, its tokens from 0 and its state slot pair."""
+    (src, src_state), (dst, dst_state) = (reserved(model, r) for r in ("context", "generation"))
+    window = TokenWindow(TokenRange(0, canary_tokens(model)))
+    return RequestBlocks(src, dst, window, src_state, dst_state)
+
+
+def attest(
+    client: KvrouteClient, workers: Any, model: Any, deployment: str
+) -> dict[int, str | None]:
     """Runs the canary over the demo's path: generation rank -> its failure (None: attested)."""
     for rank in range(model.ranks("context")):
         workers.commands[("ctx0", rank)].put(("canary",))
     for _ in range(model.ranks("context")):
         workers.replies.get(timeout=REPLY_WAIT_S)
-    tokens = canary_tokens(model)
-    ends = {
-        role: model.slots(role) + canary_slots(model, role) for role in ("context", "generation")
-    }
     submitted = client.submit_transfer(
-        "demo",
+        deployment,
         sender="ctx0",
         receiver="gen0",
         receiver_ranks=list(range(model.ranks("generation"))),
-        blocks=RequestBlocks(
-            list(range(model.slots("context"), ends["context"])),
-            list(range(model.slots("generation"), ends["generation"])),
-            TokenWindow(TokenRange(0, tokens)),
-        ),
+        blocks=canary_job(model),
     )
     status = client.wait_transfer(submitted.id, limit_s=REPLY_WAIT_S)
     if status.state != "succeeded":

@@ -7,7 +7,9 @@ twice as large, so its slots are larger and a request needs fewer of them. Conte
 each request's blocks and state slot with a ground-truth pattern of global coordinates (request,
 layer, head or channel, prompt position, ...); each job moves one request's prompt after a cached
 prefix (a token range starting mid-block on both sides) and its state slot once, and generation
-TP2 ranks rebuild the pool they must hold from the same pattern and compare every byte.
+TP2 ranks rebuild the pool they must hold from the same pattern and compare every byte. Before any
+request moves, the canary (``demo_canary``) attests the path: attention KV in the blocks kept back
+at the end of each pool and the recurrent state in the slot just before them.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.queues import Queue
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from kvroute.cli.demo_canary import canary_kv, pool_slots
 from kvroute.cli.demo_workers import TensorParallelRoles, WorkerSpec, answer_commands
 from kvroute.client.hybrid import HybridPool, MambaLayout, mamba2
+from kvroute.client.integrity import write_canary
 from kvroute.client.memory import ShmPool
 from kvroute.client.pools import KvLayout, Parallel, rank_document
 from kvroute.geometry import Kind
@@ -34,6 +38,7 @@ CACHED_TOKENS = 3  # the generation side already holds each prompt's first token
 class HybridModel(TensorParallelRoles):
     """Model dimensions (Mamba2 and attention) and the two instances' TP."""
 
+    has_state: ClassVar[bool] = True
     layers: int
     attention: tuple[int, ...]
     kv_heads: int
@@ -65,8 +70,8 @@ class HybridModel(TensorParallelRoles):
         """Blocks of one request's prompt on a side."""
         return -(-self.prompt_tokens // self.tokens(role))
 
-    def num_slots(self, role: str) -> int:
-        """Every request's blocks and its state slot."""
+    def slots(self, role: str) -> int:
+        """Every request's blocks and its state slot (the pool keeps the canary's after them)."""
         return self.jobs * (self.blocks(role) + 1)
 
     def layouts(self, role: str, d_state: int | None = None) -> tuple[KvLayout, MambaLayout]:
@@ -83,9 +88,10 @@ class HybridModel(TensorParallelRoles):
         """One transfer per request: its prompt after the cached prefix, from its context blocks
         (the whole prompt, listed from token 0) to its generation blocks (upstream's suffix rule),
         and its state slot once. Each side keeps a request's blocks and then its state slot in
-        consecutive slots; the generation side numbers them from the end of its pool."""
+        consecutive slots; the generation side numbers them down from its last request slot (the
+        canary's slots follow, ``demo_canary.pool_slots``)."""
         src_step, dst_step = self.blocks("context") + 1, self.blocks("generation") + 1
-        mirror = self.num_slots("generation") - 1
+        mirror = self.slots("generation") - 1
         requests = []
         for job in range(self.jobs):
             dst = [mirror - (job * dst_step + b) for b in range(dst_step)]
@@ -163,7 +169,7 @@ def write_request(pool: HybridPool, tp_rank: int, request: dict[str, Any], side:
 
 def _pool(spec: WorkerSpec[HybridModel]) -> tuple[ShmPool, HybridPool]:
     kv, mamba = spec.model.layouts(spec.role)
-    slots = spec.model.num_slots(spec.role)
+    slots = pool_slots(spec.model, spec.role)  # the requests' slots, then the canary's
     stride = HybridPool.carve(kv, mamba, 1).slot_stride
     memory = ShmPool(spec.shm_name, stride * slots)
     memory.tensor.zero_()
@@ -186,12 +192,17 @@ def incompatible_document(model: HybridModel) -> dict[str, Any]:
 
 
 def verify(
-    spec: WorkerSpec[HybridModel], pool: HybridPool, requests: list[dict[str, Any]]
+    spec: WorkerSpec[HybridModel],
+    pool: HybridPool,
+    doc: dict[str, Any],
+    requests: list[dict[str, Any]],
 ) -> dict[str, int]:
-    """Every byte of the pool against the pool it must be: received requests, zeros elsewhere."""
+    """Every byte of the pool against the pool it must be: received requests, the canary (which
+    ran before them) as this rank's layout holds it (``doc``), zeros elsewhere."""
     expected = HybridPool.carve(pool.kv_layout, pool.mamba, pool.num_slots)
     for request in requests:
         write_request(expected, spec.tp_rank, request, "dst")
+    write_canary(canary_kv(spec, DEPLOYMENT, doc, expected.buffer.reshape(-1).numpy()))
     wrong = int((pool.buffer != expected.buffer).sum())
     return {"checked": pool.buffer.numel(), "wrong": wrong}
 
@@ -204,7 +215,8 @@ def serve(spec: WorkerSpec[HybridModel], commands: Queue, replies: Queue) -> Non
             for request in spec.model.requests():
                 write_request(pool, spec.tp_rank, request, "src")
         doc = document(spec.model, spec.role, spec.tp_size, spec.tp_rank, pool, memory.descriptor())
-        answer_commands(spec, DEPLOYMENT, doc, (commands, replies), partial(verify, spec, pool))
+        checks = partial(verify, spec, pool, doc)
+        answer_commands(spec, DEPLOYMENT, doc, (commands, replies), checks, memory.tensor.numpy())
     finally:
         del pool
         memory.close()

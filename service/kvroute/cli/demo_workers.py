@@ -16,11 +16,12 @@ from dataclasses import dataclass, replace
 from functools import partial
 from itertools import pairwise
 from multiprocessing.queues import Queue
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
+import numpy as np
 import torch
 
-from kvroute.cli.demo_canary import canary_command, canary_slots
+from kvroute.cli.demo_canary import canary_command, pool_slots
 from kvroute.client import KvrouteClient
 from kvroute.client.memory import ShmPool
 from kvroute.client.pools import KvLayout, Parallel, SharedKvPool, rank_document
@@ -34,9 +35,11 @@ CACHED_TOKENS = 3  # the generation side already holds the prompt's first tokens
 
 class TensorParallelRoles:
     """A demo model's TP per role (its ``context_tp`` and ``generation_tp`` fields), one rank a
-    TP rank; ``label`` names it in the demo's tables."""
+    TP rank; ``label`` names it in the demo's tables. ``has_state``: a request holds a
+    recurrent-state slot besides its blocks (so the canary keeps one back too)."""
 
     __slots__ = ()
+    has_state: ClassVar[bool] = False
     context_tp: int
     generation_tp: int
 
@@ -159,8 +162,7 @@ class WorkerSpec(Generic[M]):
 
 def _pool(spec: WorkerSpec[Model]) -> tuple[ShmPool, SharedKvPool, list[KvLayout]]:
     layouts = list(spec.model.layouts(spec.role))
-    # The prompt's blocks, then the ones kept back for the canary (``demo_canary``).
-    slots = spec.model.slots(spec.role) + canary_slots(spec.model, spec.role)
+    slots = pool_slots(spec.model, spec.role)  # the prompt's blocks, then the canary's
     stride = SharedKvPool.carve(layouts, 1).slot_stride
     memory = ShmPool(spec.shm_name, stride * slots)
     memory.tensor.zero_()
@@ -246,11 +248,13 @@ def answer_commands(
     document: dict[str, Any],
     queues: tuple[Queue, Queue],
     verify: Callable[[Any], dict[str, int]],
-    canary: Callable[[], tuple[Any, ...]] | None = None,
+    pool: np.ndarray | None = None,
 ) -> None:
     """Registers, keeps the lease and answers the demo's commands (verify, canary, then stop)
-    on ``queues`` (commands, replies)."""
+    on ``queues`` (commands, replies); ``pool`` (the rank's one pool, flat uint8) holds the canary
+    (``demo_canary``; None: the demo runs none)."""
     commands, replies = queues
+    canary = None if pool is None else partial(canary_command, spec, deployment, pool, document)
     with (
         KvrouteClient(spec.url, token=spec.token) as client,
         client.keep_lease(deployment, spec.instance, spec.tp_rank, document) as lease,
@@ -268,28 +272,33 @@ def answer_commands(
             replies.put(("verified", spec.tp_rank, verify(command[1])))
 
 
+def rank_doc(
+    spec: WorkerSpec[Model],
+    pool: SharedKvPool,
+    layouts: list[KvLayout],
+    memory: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The rank's registration document."""
+    return rank_document(
+        role=spec.role,
+        target=layouts[0],
+        num_draft_layers=1,
+        pools=[pool.describe(memory=memory)],
+        parallel=Parallel(tp_size=spec.tp_size, tp_rank=spec.tp_rank),
+        lease_seconds=30,
+    )
+
+
 def serve(spec: WorkerSpec[Model], commands: Queue, replies: Queue) -> None:
     """A worker process: own and fill the pool, register and keep the lease, answer commands."""
     memory, pool, layouts = _pool(spec)
     try:
         if spec.role == "context":
             fill(spec, pool, layouts)
-        document = rank_document(
-            role=spec.role,
-            target=layouts[0],
-            num_draft_layers=1,
-            pools=[pool.describe(memory=memory.descriptor())],
-            parallel=Parallel(tp_size=spec.tp_size, tp_rank=spec.tp_rank),
-            lease_seconds=30,
-        )
-        flat = memory.tensor.numpy()
+        document = rank_doc(spec, pool, layouts, memory.descriptor())
+        checks = partial(verify, spec, pool, layouts)
         answer_commands(
-            spec,
-            DEPLOYMENT,
-            document,
-            (commands, replies),
-            partial(verify, spec, pool, layouts),
-            partial(canary_command, spec, flat, document),
+            spec, DEPLOYMENT, document, (commands, replies), checks, memory.tensor.numpy()
         )
     finally:
         del pool
