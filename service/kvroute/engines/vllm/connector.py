@@ -25,12 +25,18 @@ if TYPE_CHECKING:
     import torch
 
 
-def has_state(kv_cache_config: Any) -> bool:
-    """Whether any layer keeps recurrent state (Mamba, Gated DeltaNet, lightning attention)."""
-    from vllm.v1.kv_cache_interface import MambaSpec
+def holds_back(kv_cache_config: Any) -> bool:
+    """Whether a hand-over stops one token short of the prompt: with recurrent state (Mamba,
+    Gated DeltaNet, lightning attention), which holds h(N) after N tokens and cannot be rewound,
+    and with sliding-window or chunked-local attention, whose blocks before the next token's window
+    vLLM frees (the producer before its hand-over, the consumer as it allocates a load), while
+    the consumer recomputes the prompt's last token, whose window reaches one token further back.
+    """
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-    return any(isinstance(group.kv_cache_spec, MambaSpec) for group in groups)
+    shrinking = (MambaSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
+    return any(isinstance(group.kv_cache_spec, shrinking) for group in groups)
 
 
 class KvrouteMetadata(KVConnectorMetadata):
@@ -58,7 +64,7 @@ class KvrouteConnector(KVConnectorBase_V1, SupportsHMA):
                 self.settings,
                 block_size,
                 groups,
-                backoff=1 if has_state(kv_cache_config) else 0,
+                backoff=1 if holds_back(kv_cache_config) else 0,
                 engine_id=transfer.engine_id or "",
             )
         else:

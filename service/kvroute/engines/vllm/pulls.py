@@ -396,8 +396,9 @@ class Pulls:
             if group in self.state_groups:  # the group's last block is the request's state slot
                 blocks = RequestBlocks([], [], TokenWindow(prompt_tokens=prompt), src[-1], dst[-1])
             else:
+                # Windows are measured from the first token computed here: the load's end.
                 tokens = TokenRange(*load.tokens)
-                window = TokenWindow(tokens, load.handover.first_token, 0, prompt)
+                window = TokenWindow(tokens, load.handover.first_token, 0, load.tokens[1])
                 blocks = RequestBlocks(src, dst, window)
             parts.append(
                 plan_descriptors(

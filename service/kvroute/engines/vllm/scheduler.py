@@ -39,9 +39,9 @@ class SchedulerSide:
     settings: Settings
     block_size: int
     group_ids: tuple[int, ...]  # the KV cache groups that transfer
-    # Prompt tokens a producer leaves for the consumer to compute: 1 with recurrent state, which
-    # holds h(N) after N tokens and cannot be rewound, while vLLM always recomputes a loaded
-    # prompt's last token; so the producer stops at h(N-1) and the consumer computes token N.
+    # Prompt tokens a hand-over leaves for the consumer to compute (``connector.holds_back``): 1
+    # with recurrent state or windowed attention, as vLLM always recomputes a loaded prompt's last
+    # token; so the producer stops at h(N-1) and the consumer computes token N.
     backoff: int = 0
     engine_id: str = ""  # vLLM's, new at every start: the hand-over names it (``Handover``)
     matched: dict[str, int] = field(default_factory=dict)  # request id -> local prefix hit
@@ -50,12 +50,16 @@ class SchedulerSide:
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if self.settings.producer:
-            self._hold_back(request)
+            self._hold_back(request, num_computed_tokens)
             return 0, False
         handover = Handover.from_params(request.kv_transfer_params)
         if handover is None:
             return 0, False
-        count = min(handover.prompt_tokens, len(request.prompt_token_ids)) - num_computed_tokens
+        # Where the producer holds back (``backoff``), so does this side: vLLM would count a window
+        # from the token after a wholly loaded prompt and drop the block holding the first token
+        # the recomputed last one attends to.
+        last = len(request.prompt_token_ids) - self.backoff
+        count = min(handover.prompt_tokens, last) - num_computed_tokens
         if count <= 0:
             self._release(request, handover)
             return 0, False
@@ -96,6 +100,9 @@ class SchedulerSide:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
+        if self.backoff and not params.get(HELD_BACK):
+            # Not held back (``_hold_back``): nothing a consumer may load; it computes the prompt.
+            return False, {"do_remote_prefill": False}
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None  # aborted or stopped: nothing for a consumer to continue
         groups = self._by_group(block_ids)
@@ -128,16 +135,18 @@ class SchedulerSide:
             for group, blocks in enumerate(block_ids)
         )
 
-    def _hold_back(self, request: Any) -> None:
+    def _hold_back(self, request: Any, num_computed_tokens: int) -> None:
         """Drops the prompt's last ``backoff`` tokens from a request to prefill for a consumer
-        (once: a preempted request is asked again); its one sampled token is never used."""
+        (once: a preempted request is asked again); its one sampled token is never used. Not
+        where the local prefix cache already holds what would be left (vLLM must compute at least
+        one token): that request is answered without a hand-over."""
         params = request.kv_transfer_params
         if (
             not self.backoff
             or not params
             or not params.get("do_remote_decode")
             or params.get(HELD_BACK)
-            or request.num_prompt_tokens <= self.backoff
+            or request.num_prompt_tokens - self.backoff <= max(num_computed_tokens, 0)
         ):
             return
         del request.prompt_token_ids[-self.backoff :]
