@@ -279,6 +279,19 @@ def test_a_byte_flipped_after_the_producer_s_digest_is_named(
     assert failure == (None if named is None else f"KV digest mismatch: {named}")
 
 
+def _canary_pair(
+    world: ModuleType, model: Path, aliased: bool, seed: int
+) -> tuple[Rank, Rank, Any]:
+    """A producer that wrote its canary, a consumer and what it checks of it (memory garbage
+    elsewhere)."""
+    producer = Rank(world, model, "p", aliased=aliased)
+    consumer = Rank(world, model, "d", aliased=aliased)
+    _fill(producer, seed)
+    _fill(consumer, seed + 1)
+    producer.memory.write_canary()
+    return producer, consumer, consumer.memory.canary_for({0: producer.document}, "p")
+
+
 def _pull_round(producer: Rank, consumer: Rank, canary: Any) -> None:
     """A canary round as the pulls make it: the consumer's block 0 zeroed under the round's
     views, then the producer's block 0 copied (whole pages: the round's bytes and more)."""
@@ -296,12 +309,7 @@ def test_the_canary_checks_every_group_in_rounds_of_views_apart_in_block_0(
     view against that image replayed from the producer's registration, one round per set of its
     views that do not overlap: full attention, the window, then conv and SSM state (apart in
     the page). Each layer in its own tensor, one round checks all four."""
-    producer = Rank(world, model, "p", aliased=aliased)
-    consumer = Rank(world, model, "d", aliased=aliased)
-    _fill(producer, 3)
-    _fill(consumer, 4)
-    producer.memory.write_canary()
-    canary = consumer.memory.canary_for({0: producer.document}, "p")
+    producer, consumer, canary = _canary_pair(world, model, aliased, 3)
     views = {v.view_id: v for v in consumer.memory.reg.views}
 
     def roles(round_: frozenset[int]) -> list[tuple[str, ...]]:
@@ -335,12 +343,7 @@ def test_a_round_whose_pull_moved_nothing_fails(world: ModuleType, model: Path) 
     """What the round before left in block 0 (the same bytes, aliased) does not pass for the
     window's canary: the round zeroes its views first, and the window's expected rows are the
     producer's image, not zeros."""
-    producer = Rank(world, model, "p", aliased=True)
-    consumer = Rank(world, model, "d", aliased=True)
-    _fill(producer, 5)
-    _fill(consumer, 6)
-    producer.memory.write_canary()
-    canary = consumer.memory.canary_for({0: producer.document}, "p")
+    producer, consumer, canary = _canary_pair(world, model, True, 5)
     _pull_round(producer, consumer, canary)
     assert consumer.memory.check_canary(canary) is None
     window = canary.following()

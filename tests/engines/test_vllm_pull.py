@@ -205,8 +205,8 @@ def canaries_checked(engine: Engine) -> None:
     """Polls the engine's workers until no canary is being pulled or checked."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        pulls = [worker.worker.pulls for worker in engine.workers]
-        if all(p.canary_run is None and not p.canaries for p in pulls):
+        runs = [worker.worker.pulls.canaries for worker in engine.workers]
+        if all(run is None or run.idle() for run in runs):
             return
         for worker in engine.workers:
             worker.get_finished(set())

@@ -25,7 +25,7 @@ even in the period form) cannot be cut: it moves the lists' common suffix of who
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -346,3 +346,22 @@ def _coalesce(rank: int, rows: np.ndarray) -> PeerDescriptors:
         (int(a), int(n), int(d)) for a, n, d in zip(src[first], merged, rows[first, 4], strict=True)
     )
     return PeerDescriptors(rank, local, remote, len(rows))
+
+
+def merged_transfer(parts: Sequence[NixlTransfer], writers: int) -> NixlTransfer:
+    """One transfer of several (a request's KV cache groups, each with its own block lists): each
+    sender rank's descriptors together, ``writers`` the whole plan's (every writer notifies)."""
+    by_rank: dict[int, list[PeerDescriptors]] = {}
+    for part in parts:
+        for peer in part.peers:
+            by_rank.setdefault(peer.rank, []).append(peer)
+    peers = tuple(
+        PeerDescriptors(
+            rank,
+            tuple(d for p in group for d in p.local),
+            tuple(d for p in group for d in p.remote),
+            sum(p.fragments for p in group),
+        )
+        for rank, group in sorted(by_rank.items())
+    )
+    return NixlTransfer(tuple(p for p in peers if p.local), writers)

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvroute.client.kv_digest import Mismatch
-from kvroute.client.nixl_descs import NixlTransfer, PeerDescriptors, PoolAddress, plan_descriptors
+from kvroute.client.nixl_descs import (
+    NixlTransfer,
+    PoolAddress,
+    merged_transfer,
+    plan_descriptors,
+)
 from kvroute.client.nixl_transport import NixlEndpoint, PendingPull, pool_addresses
 from kvroute.engines.vllm.canary import NULL_BLOCK, Canary
+from kvroute.engines.vllm.canary_runs import CanaryRuns
 from kvroute.engines.vllm.digests import Check, ConsumerChecks
 from kvroute.engines.vllm.params import Handover, agent_name, done_message
 from kvroute.engines.vllm.prefetch import Fetched, Prefetcher
@@ -73,16 +77,6 @@ class _Running:
 
 
 @dataclass
-class _CanaryRun:
-    """The canary being checked: one at a time per consumer rank, as every one lands in block 0."""
-
-    canary: Canary
-    spent_s: float = 0.0  # the rounds' pulls and checks so far
-    started: float = 0.0  # the current round's pull
-    check: Future[tuple[Mismatch | None, float]] | None = None
-
-
-@dataclass
 class Pulls:
     """A consumer rank's pulls in flight; ``poll()`` answers finished and failed request ids.
 
@@ -110,8 +104,7 @@ class Pulls:
     done: set[str] = field(default_factory=set)
     checking: dict[str, _Running] = field(default_factory=dict)  # pulled, digests compared
     refetched: dict[str, str] = field(default_factory=dict)  # instance -> engine id fetched for
-    canaries: list[Canary] = field(default_factory=list)  # waiting for block 0
-    canary_run: _CanaryRun | None = None
+    canaries: CanaryRuns | None = None  # with ``checks``: the canaries pulled into block 0
 
     def start(self, load: Load) -> None:
         """Posts the load's reads, or parks it until its producer's plan is fetched."""
@@ -214,7 +207,8 @@ class Pulls:
                 self._fail(running.load, detail)
                 self._forget(running.load.handover.instance)
         self._checked()
-        self._canary_checked()
+        if self.canaries is not None:
+            self._canary_round(self.canaries.checked())
         finished, self.done = self.done, set()
         return finished
 
@@ -242,72 +236,36 @@ class Pulls:
         if not canary.rounds:
             log.warning("kvroute: the canary from %s covers none of this rank's views", instance)
             return
-        self.canaries = [queued for queued in self.canaries if queued.instance != instance]
-        self.canaries.append(canary)
-        self._next_canary()
+        if self.canaries is None:
+            self.canaries = CanaryRuns(self.checks)
+        self._canary_round(self.canaries.add(canary))
 
-    def _next_canary(self) -> None:
-        if self.canary_run is None and self.canaries:
-            self.canary_run = _CanaryRun(self.canaries.pop(0))
-            self._canary_round()
-
-    def _canary_round(self) -> None:
+    def _canary_round(self, canary: Canary | None) -> None:
         """Zeroes this rank's block 0 under the round's views and pulls them: every group's null
         block on both sides."""
-        assert self.canary_run is not None
-        assert self.checks is not None
-        canary = self.canary_run.canary
+        if canary is None or self.checks is None or self.canaries is None:
+            return
         self.checks.memory.clear(canary)
         blocks = ((NULL_BLOCK,),) * (max(self.group_views, default=0) + 1)
         request_id = CANARY + canary.instance
         handover = Handover(canary.instance, request_id, blocks, 0, canary.tokens)
         mine = self.checks.memory.reg.tokens_per_block
         load = Load(request_id, handover, blocks, (0, canary.tokens), mine, canary)
-        self.canary_run.started = time.monotonic()
+        self.canaries.pulling()
         self.waiting[request_id] = (load, time.monotonic() + self.timeout_s)
 
     def _canary_pulled(self, state: str) -> None:
-        run = self.canary_run
-        assert run is not None
-        assert self.checks is not None
+        assert self.canaries is not None
         if state != "DONE":  # a transport failure, not a layout's: the next pairing tries again
-            log.warning("kvroute: the canary pull from %s did not complete (%s)",
-                        run.canary.instance, state)  # fmt: skip
-            self._canary_ended()
-            return
-        run.spent_s += time.monotonic() - run.started
-        run.check = self.checks.check_canary(run.canary)
-
-    def _canary_checked(self) -> None:
-        """A round checked: the path fails at its first wrong element, is attested after the
-        last round, or the next round is pulled."""
-        run = self.canary_run
-        if run is None or run.check is None or not run.check.done():
-            return
-        assert self.checks is not None
-        try:
-            failure, check_s = run.check.result()
-        except Exception:  # a reader's bug is not the path's failure: said, and not reported
-            log.exception("kvroute: checking the canary from %s failed", run.canary.instance)
-            self._canary_ended()
-            return
-        run.spent_s += check_s
-        if failure is not None or run.canary.last:
-            self.checks.report_canary(run.canary, failure, run.spent_s)
-            self._canary_ended()
-            return
-        run.canary, run.check = run.canary.following(), None
-        self._canary_round()
-
-    def _canary_ended(self) -> None:
-        self.canary_run = None
-        self._next_canary()
+            log.warning("kvroute: a canary pull did not complete (%s)", state)
+        self._canary_round(self.canaries.pulled(state == "DONE"))
 
     def _fail(self, load: Load, detail: str) -> None:
         if load.request_id.startswith(CANARY):  # no request's blocks: nothing to recompute
             log.warning("kvroute: the canary pull from %s failed: %s", load.handover.instance,
                         detail)  # fmt: skip
-            self._canary_ended()
+            if self.canaries is not None:
+                self._canary_round(self.canaries.ended())
             return
         log.warning("kvroute pull of %s from %s failed: %s", load.request_id,
                     load.handover.instance, detail)  # fmt: skip
@@ -408,7 +366,7 @@ class Pulls:
                     blocks=blocks,
                 )
             )
-        return _merged(parts, plan.expected_writers)
+        return merged_transfer(parts, plan.expected_writers)
 
 
 def _check(running: _Running) -> Check:
@@ -437,20 +395,3 @@ def _only_views(plan: Plan, views: set[int]) -> Plan:
         for peer in plan.peers
     )
     return replace(plan, peers=peers)
-
-
-def _merged(parts: Sequence[NixlTransfer], writers: int) -> NixlTransfer:
-    by_rank: dict[int, list[PeerDescriptors]] = {}
-    for part in parts:
-        for peer in part.peers:
-            by_rank.setdefault(peer.rank, []).append(peer)
-    peers = tuple(
-        PeerDescriptors(
-            rank,
-            tuple(d for p in group for d in p.local),
-            tuple(d for p in group for d in p.remote),
-            sum(p.fragments for p in group),
-        )
-        for rank, group in sorted(by_rank.items())
-    )
-    return NixlTransfer(tuple(p for p in peers if p.local), writers)
