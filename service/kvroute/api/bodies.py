@@ -95,21 +95,27 @@ def _no_constant(name: str) -> Any:
 
 
 def _check_shape(value: Any) -> None:
-    """At most ``MAX_JSON_DEPTH`` levels and ``MAX_JSON_VALUES`` values, without recursion."""
-    if not isinstance(value, dict | list):
+    """At most ``MAX_JSON_DEPTH`` levels and ``MAX_JSON_VALUES`` values, without recursion: one
+    level at a time, so a value's depth is its level's (``json.loads`` makes dicts and lists only,
+    whose exact types are tested: the walk visits every value of a document)."""
+    if type(value) is not dict and type(value) is not list:
         return
     seen = 1
-    stack: list[tuple[dict[str, Any] | list[Any], int]] = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        seen += len(node)
+    level: list[Any] = [value]
+    depth = 1
+    while level:
+        below: list[Any] = []
+        for node in level:
+            seen += len(node)
+            for child in node.values() if type(node) is dict else node:
+                if type(child) is dict or type(child) is list:
+                    below.append(child)
         if seen > MAX_JSON_VALUES:
             raise _too_complex()
-        for child in node.values() if isinstance(node, dict) else node:
-            if isinstance(child, dict | list):
-                if depth >= MAX_JSON_DEPTH:
-                    raise _too_deep()
-                stack.append((child, depth + 1))
+        if below and depth >= MAX_JSON_DEPTH:
+            raise _too_deep()
+        level = below
+        depth += 1
 
 
 def _too_complex() -> ProblemError:

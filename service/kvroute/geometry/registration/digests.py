@@ -18,9 +18,13 @@ if TYPE_CHECKING:
     from kvroute.geometry.registration.model import RankRegistration
 
 
+# ``json.dumps(doc, sort_keys=True, separators=(",", ":"))`` without an encoder built per call.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+
+
 def canonical_json(doc: Mapping[str, Any]) -> str:
     """Sorted keys, no spaces: equal documents give equal strings."""
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return _CANONICAL.encode(doc)
 
 
 def canonical(reg: RankRegistration) -> str:

@@ -59,7 +59,9 @@ class _Reader:
     bounds are ``limits``' ``"<schema>.<key>"`` (for ``builtins.`` see ``reading.Members``)."""
 
     def __init__(self, obj: Any, path: str, schema: str) -> None:
-        if not isinstance(obj, Mapping):
+        # A parsed document's objects are dicts: their exact type is tested before the ABC's
+        # (much slower) check, which other mappings still pass.
+        if type(obj) is not dict and not isinstance(obj, Mapping):
             raise _invalid(path or "document", "must be an object", _short(obj))
         self.obj = obj
         self.path = path
@@ -99,12 +101,15 @@ class _Reader:
         self, key: str, *, pattern: re.Pattern[str] | None = None, max_len: builtins.int = 4096
     ) -> str:
         value = self.obj.get(key)
-        field = self._field(key)
         if not isinstance(value, str):
-            raise _invalid(field, f"must be a string, got {_short(value)}", _short(value))
+            raise _invalid(
+                self._field(key), f"must be a string, got {_short(value)}", _short(value)
+            )
         low, high = STRING_BOUNDS.get(f"{self.schema}.{key}", (0, max_len))
         if not low <= len(value) <= high or (pattern is not None and not pattern.fullmatch(value)):
-            raise _invalid(field, f"is not a valid value: {_short(value)}", _short(value))
+            raise _invalid(
+                self._field(key), f"is not a valid value: {_short(value)}", _short(value)
+            )
         return value
 
     def opt_str(self, key: builtins.str, **kwargs: Any) -> builtins.str | None:
@@ -134,11 +139,14 @@ class _Reader:
         low, high = ARRAY_BOUNDS[f"{self.schema}.{key}"]
         low = low if min_items is None else min_items
         value = self.obj.get(key)
-        field = self._field(key)
         if not isinstance(value, list):
-            raise _invalid(field, f"must be an array, got {_short(value)}", _short(value))
+            raise _invalid(
+                self._field(key), f"must be an array, got {_short(value)}", _short(value)
+            )
         if not low <= len(value) <= high:
-            raise _invalid(field, f"must have {low}..{high} items, got {len(value)}", len(value))
+            raise _invalid(
+                self._field(key), f"must have {low}..{high} items, got {len(value)}", len(value)
+            )
         return value
 
     def child(self, key: builtins.str, schema: builtins.str) -> _Reader:
@@ -179,6 +187,9 @@ def _parse_pool(r: _Reader) -> Pool:
 
 
 _SLOT_BOUNDS = (INTEGER_BOUNDS["View.layers[].layer"], INTEGER_BOUNDS["View.layers[].offset"])
+# ``LayerSlot(layer, offset)`` without the named tuple's ``__new__`` in Python (the same tuple):
+# a rank's views hold a slot per layer.
+_new_slot = tuple.__new__
 
 
 def _parse_view(r: _Reader) -> View:
@@ -188,12 +199,12 @@ def _parse_view(r: _Reader) -> View:
             raise _invalid(
                 f"{r._field('roles')}[{index}]", f"is not a role name: {_short(role)}", _short(role)
             )
-    layers = []
+    layers: list[LayerSlot] = []
     (layer_low, layer_high), (offset_low, offset_high) = _SLOT_BOUNDS
     for index, slot in enumerate(r.list("layers")):
         # A slot per layer of the view: read in place when well formed, through a reader (which
         # names the field that is not) otherwise.
-        if isinstance(slot, Mapping):
+        if type(slot) is dict or isinstance(slot, Mapping):
             layer, offset = slot.get("layer"), slot.get("offset")
             if (
                 type(layer) is int
@@ -201,7 +212,7 @@ def _parse_view(r: _Reader) -> View:
                 and layer_low <= layer <= layer_high
                 and offset_low <= offset <= offset_high
             ):
-                layers.append(LayerSlot(layer, offset))
+                layers.append(_new_slot(LayerSlot, (layer, offset)))
                 continue
         reader = r.item("layers", index, "View.layers[]")
         layers.append(LayerSlot(reader.int("layer"), reader.int("offset")))
@@ -304,7 +315,7 @@ def _parse_views(r: _Reader) -> tuple[View, ...]:
     slots = sum(
         len(v["layers"])
         for v in views
-        if isinstance(v, Mapping) and isinstance(v.get("layers"), list)
+        if (type(v) is dict or isinstance(v, Mapping)) and isinstance(v.get("layers"), list)
     )
     if slots > MAX_LAYER_SLOTS:
         raise _invalid(

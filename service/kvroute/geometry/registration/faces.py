@@ -169,11 +169,51 @@ def class_digest(reg: RankRegistration) -> str:
 
 def face_digest(face: RankFace) -> str:
     """sha256 of every geometry field of the face, names left out, views as a multiset."""
-    return _digest(face)
+    return _memoized(_face_key(face), face)
+
+
+def _face_key(face: RankFace) -> tuple[Any, ...]:
+    """The values of the face's digested fields, its views' as tuples in their order (a view
+    order not seen before only misses the memo): equal keys, equal digests."""
+    ranks = tuple(getattr(face, name) for name, _, _ in _digested_fields(RankFace))
+    views = tuple(
+        tuple(getattr(view, name) for name, _, _ in _digested_fields(ViewFace))
+        for view in face.views
+    )
+    return (RankFace, ranks, views)
+
+
+# Digests already taken, by the values they were taken of. A fleet's ranks fall in a few classes
+# (every rank of a PP stage of its instances shares one) however their slots are laid out, so a
+# registration's class and instance digests are nearly always found here. Values equal as Python
+# values are equal as JSON here: every field has one type (the document's parser sees to it).
+DIGEST_MEMO_SIZE = 4096
+_digests: dict[Any, str] = {}
+
+
+def _memoized(key: Any, value: Any) -> str:
+    try:
+        digest = _digests.get(key)
+    except TypeError:  # an unhashable member: digested every time
+        return _digest(value)
+    if digest is None:
+        digest = _digest(value)
+        if len(_digests) >= DIGEST_MEMO_SIZE:
+            _digests.pop(next(iter(_digests), None), None)  # the oldest entry
+        _digests[key] = digest
+    return digest
+
+
+# ``json.dumps`` with these arguments, without building an encoder per call (same output).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+_SORT_KEY = json.JSONEncoder(sort_keys=True)
+# Types ``_plain`` returns as they are (exact types: an Enum member, even an int or str one, is
+# digested as its value, so it must not take the shortcuts below).
+_AS_IS = frozenset({int, str, bool, type(None)})
 
 
 def _digest(face: Any) -> str:
-    canonical = json.dumps(_plain(face), sort_keys=True, separators=(",", ":"))
+    canonical = _CANONICAL.encode(_plain(face))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -181,15 +221,23 @@ def _plain(value: Any) -> Any:
     """JSON of a face, generic over its fields so that a field added to a face is digested.
 
     Every registration is digested on admission, and a face has a node per layer of every view:
-    the common nodes (scalars, tuples) are tested first, and each dataclass's fields are listed
-    once per type (``_digested_fields``)."""
+    the common nodes (scalars, and tuples and sets of scalars, such as a view's layers, whose
+    members' types are tested in one pass in C) are tested first, and each dataclass's fields
+    are listed once per type (``_digested_fields``)."""
+    kind = type(value)
+    if kind in _AS_IS:
+        return value
     if isinstance(value, Enum):
         return value.value
     if value is None or isinstance(value, bool | int | str):
         return value
     if isinstance(value, tuple):
+        if kind is tuple and _AS_IS.issuperset(map(type, value)):
+            return list(value)
         return [_plain(member) for member in value]
     if isinstance(value, frozenset):
+        if _AS_IS.issuperset(map(type, value)):
+            return sorted(value)
         return sorted(_plain(member) for member in value)
     if is_dataclass(value) and not isinstance(value, type):
         plain = {}
@@ -215,7 +263,7 @@ def _digested_fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
 def _member(metadata: Any, value: Any) -> Any:
     plain = _plain(value)
     if metadata.get("unordered"):
-        return sorted(plain, key=lambda item: json.dumps(item, sort_keys=True))
+        return sorted(plain, key=_SORT_KEY.encode)
     return plain
 
 
@@ -256,7 +304,7 @@ def instance_digest(reg: RankRegistration) -> str:
         reg.kv_quantization,
         views,
     )
-    return _digest(face)
+    return _memoized(face, face)
 
 
 def view_signature(

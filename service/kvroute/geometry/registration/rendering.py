@@ -25,7 +25,8 @@ def render_view(view: View) -> dict[str, Any]:
         "owner": view.owner.value,
         "buffers_per_layer": view.buffers_per_layer,
         "bytes_per_layer": view.bytes_per_layer,
-        "layers": [{"layer": s.layer, "offset": s.offset} for s in view.layers],
+        # A slot per layer: unpacked rather than read by name (a registration renders twice).
+        "layers": [{"layer": layer, "offset": offset} for layer, offset in view.layers],
     }
     for key in (
         "num_kv_heads",
