@@ -188,20 +188,26 @@ def _face_key(face: RankFace) -> tuple[Any, ...]:
 # registration's class and instance digests are nearly always found here. Values equal as Python
 # values are equal as JSON here: every field has one type (the document's parser sees to it).
 DIGEST_MEMO_SIZE = 4096
-_digests: dict[Any, str] = {}
 
 
-def _memoized(key: Any, value: Any) -> str:
+@dataclass(frozen=True)
+class _Keyed:
+    """A face keyed by its digested values (``lru_cache`` hashes and compares the key only)."""
+
+    key: Any
+    face: Any = field(compare=False, hash=False)
+
+
+@functools.lru_cache(maxsize=DIGEST_MEMO_SIZE)
+def _digest_of(keyed: _Keyed) -> str:
+    return _digest(keyed.face)
+
+
+def _memoized(key: Any, face: Any) -> str:
     try:
-        digest = _digests.get(key)
+        return _digest_of(_Keyed(key, face))
     except TypeError:  # an unhashable member: digested every time
-        return _digest(value)
-    if digest is None:
-        digest = _digest(value)
-        if len(_digests) >= DIGEST_MEMO_SIZE:
-            _digests.pop(next(iter(_digests), None), None)  # the oldest entry
-        _digests[key] = digest
-    return digest
+        return _digest(face)
 
 
 # ``json.dumps`` with these arguments, without building an encoder per call (same output).
