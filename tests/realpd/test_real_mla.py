@@ -35,6 +35,9 @@ pytestmark = [
 ]
 BLOCK = 16
 NEAR_TIE = 1e-3  # nats: measured flips lie at 2e-5 to 3e-4
+# Named: on a CPU with AMX vLLM prefers AMX_MLA, which loads no float32 weights ("expect weight
+# to be bfloat16, float16, int8, ...": the engine does not start).
+MLA_BACKEND = "CPU_MLA"
 # CPU_MLA's cache write views a layer's cache as one run of rows: the layers of a block must not
 # interleave (the connector's default, BLHNC, is refused at start-up by the probe).
 LAYER_OUTERMOST = {"kv_cache_layout": "LBHNC"}
@@ -58,10 +61,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, engines_alone: None) -> It
                 **({"kv_digest_rate": 1.0} if role == "kv_producer" else {}),
             }
             cluster.engine(name, model, block_size=BLOCK, core=core, kvroute=kvroute, role=role,
-                           extra=extra)  # fmt: skip
+                           extra=extra, attention_backend=MLA_BACKEND)  # fmt: skip
         # The connector's default block-outermost layout, which CPU_MLA's cache write cannot use.
         cluster.engine("refused", model, block_size=BLOCK, core="1", kvroute=kvroute,
-                       role="kv_producer", deployment="refused")  # fmt: skip
+                       role="kv_producer", deployment="refused",
+                       attention_backend=MLA_BACKEND)  # fmt: skip
         cluster.wait_ready(list(ENGINES), "/health", 600)
         yield cluster
     finally:
