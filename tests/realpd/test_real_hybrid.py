@@ -139,9 +139,10 @@ def first_difference(got: list[int], expected: list[int]) -> int:
 
 def test_the_canary_attested_every_view_in_rounds(cluster: Cluster) -> None:
     """The consumer's groups alias in vLLM's null block, so it pulled and checked the producer's
-    canary in rounds of views that do not overlap there (attention, then each Gated DeltaNet
-    layer's conv and SSM state): every view it registered, attested. Runs after the pair above,
-    whose first hand-over paired the two."""
+    canary in rounds of views that do not overlap there (each Gated DeltaNet layer's conv and SSM
+    state, and attention). Runs after the pair above, whose first hand-over paired the two.
+    Skipped on this module's AMX condition, so not yet run on a real engine (the rounds are, in
+    ``test_real_windows``)."""
     log = cluster.processes["c"].log.read_text(errors="replace")
     registered = re.search(r"kvroute: c rank 0 registered in \S+ as \S+ \((\d+) views", log)
     attested = re.search(r"the canary from p to c rank 0 attested (\d+) views in (\d+) rounds", log)
@@ -149,6 +150,9 @@ def test_the_canary_attested_every_view_in_rounds(cluster: Cluster) -> None:
     assert attested is not None, cluster.processes["c"].tail()
     views, rounds = int(attested[1]), int(attested[2])
     print(f"qwen3_next canary: {views} views of {registered[1]} in {rounds} rounds")
-    assert views == int(registered[1])
-    assert rounds == 4  # the attention layer's view, then each of the 3 GDN layers' two
+    # Every group aliases from byte 0, so its views need a round of their own: more than the one
+    # view one round covered before. Exact counts are not asserted: an attention view whose
+    # blocks hold another token count than the rank's (vLLM pads attention pages to the state's)
+    # is left to the digests, and said so in the log.
+    assert 2 <= rounds <= views <= int(registered[1])
     assert "canary" not in "".join(re.findall(r".*failed.*", log))
