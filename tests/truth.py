@@ -193,30 +193,32 @@ class Truth:
 
 def _in_region(
     kind: str,
-    interior: tuple[str, tuple[tuple[int, int], ...]] | None,
+    interior: tuple[str, tuple[tuple[int, ...], ...]] | None,
     b: int,
     sizes: tuple[int, int, int],
     at: tuple[np.ndarray, np.ndarray, np.ndarray],
 ) -> np.ndarray:
     """Offset in a layer region of byte ``k`` of head ``j``'s token ``tok`` in buffer ``b``: nhd
     token-major, hnd and replicated (one pseudo-head) head-major, and a declared interior as its
-    definition says (a head's buffer tile ``[planes][tokens / group][group x row / planes]``, plane
-    ``p`` holding bytes ``[p x row / planes, (p + 1) x row / planes)`` of each token; inside a
-    group, token-major: any order both sides share would do)."""
+    definition says (a head's buffer tile ``[planes][tokens / group][pieces][group][row / (planes x
+    pieces)]``: plane ``p`` holds bytes ``[p x row / planes, (p + 1) x row / planes)`` of each
+    token; inside a plane, a group of tokens is one run of their chunks cut in ``pieces``, piece by
+    piece, token by token inside each)."""
     (h, t, u), (j, tok, k) = sizes, at
     if kind == "nhd":
         return b * h * t * u + tok * (h * u) + j * u + k
     if interior is None:
         return b * h * t * u + j * (t * u) + tok * u + k
     order, tilings = interior
-    planes, group = tilings[b]
+    planes, group, *rest = tilings[b]
+    pieces = rest[0] if rest else 1
     buffers = len(tilings)
     tile = (j * buffers + b) * t * u if order == "head_buffer" else (b * h + j) * t * u
     chunk = u // planes
+    piece = chunk // pieces
     plane, inside = k // chunk, k % chunk
-    return (
-        tile + plane * t * chunk + (tok // group) * group * chunk + (tok % group) * chunk + inside
-    )
+    run = tile + plane * t * chunk + (tok // group) * group * chunk
+    return run + (inside // piece) * group * piece + (tok % group) * piece + inside % piece
 
 
 def background(layout: Layout) -> dict[int, np.ndarray]:

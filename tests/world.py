@@ -66,11 +66,12 @@ class Side:
     quantization: tuple[tuple[str, Any], ...] = ()  # the document's kv_quantization members
     cp_layout: str = "interleaved"  # or prefill chunks: "contiguous", "zigzag"
     prompt_tokens: int = 0  # the prompt the chunks split (chunked layouts)
-    # (class index, interior): "head_buffer" or "buffer_head" and one (planes, token_group) per
-    # buffer, for hnd classes whose blocks this side lays out other than [buffers][heads][tokens]
-    interiors: tuple[tuple[int, tuple[str, tuple[tuple[int, int], ...]]], ...] = ()
+    # (class index, interior): "head_buffer" or "buffer_head" and one (planes, token_group) or
+    # (planes, token_group, group_planes) per buffer, for hnd classes whose blocks this side lays
+    # out other than [buffers][heads][tokens]
+    interiors: tuple[tuple[int, tuple[str, tuple[tuple[int, ...], ...]]], ...] = ()
 
-    def interior(self, c: int) -> tuple[str, tuple[tuple[int, int], ...]] | None:
+    def interior(self, c: int) -> tuple[str, tuple[tuple[int, ...], ...]] | None:
         return dict(self.interiors).get(c)
 
     @property
@@ -309,7 +310,7 @@ def _view_doc(side: Side, c: int, cls: ViewClass, layout: Layout) -> dict[str, A
         order, tilings = interior
         view["interior"] = {
             "order": order,
-            "tilings": [{"planes": p, "token_group": g} for p, g in tilings],
+            "tilings": [_tiling(*tiling) for tiling in tilings],
         }
     if cls.dtype:
         view["dtype"] = cls.dtype
@@ -337,3 +338,10 @@ def admitted(
     check_registration(senders[0], senders[1:], receivers)
     check_registration(receivers[-1], receivers[:-1], senders)
     return senders, sender_layouts, receivers, receiver_layouts
+
+
+def _tiling(planes: int, group: int, pieces: int = 1) -> dict[str, int]:
+    doc = {"planes": planes, "token_group": group}
+    if pieces != 1:
+        doc["group_planes"] = pieces
+    return doc

@@ -1,5 +1,5 @@
-"""The layout probe against a cache write written out here: vLLM's CPU ``vec`` layout (per head,
-K transposed, then V), at one and at two KV heads per rank.
+"""The layout probe against cache writes written out here: vLLM's CPU ``vec`` layout (per head,
+K transposed, then V), at one and at two KV heads per rank, and its ``amx`` tiles (bfloat16).
 
 With one head per rank (TP equal to the KV heads) "heads outside the buffers" and "heads inside"
 are the same bytes; the probe finds the first and must accept the contract's second, as the real
@@ -28,6 +28,35 @@ def cpu_vec_write(key, value, cache, slots) -> None:  # type: ignore[no-untyped-
             for d in range(row // 2):
                 flat[h * 2 * tile + d * tokens + slot] = key[t, h, d]
                 flat[h * 2 * tile + tile + slot * (row // 2) + d] = value[t, h, d]
+
+
+def cpu_amx_write(key, value, cache, slots) -> None:  # type: ignore[no-untyped-def]
+    """Per head, K as [tokens / 16][head_size / 2][16][2] (element pairs across 16 tokens), then V
+    as [head_size / 16][tokens / 2][16][2] (16 elements across pairs of tokens)."""
+    _, heads, tokens, row = cache.shape
+    size = row // 2
+    flat = cache.as_strided((heads * tokens * row,), (1,))
+    tile = tokens * size
+    for h in range(heads):
+        k_at, v_at = h * 2 * tile, h * 2 * tile + tile
+        for t, slot in enumerate(slots.tolist()):
+            for d in range(size):
+                k = (slot // 16) * 16 * size + (d // 2) * 32 + (slot % 16) * 2 + d % 2
+                v = (d // 16) * tokens * 16 + (slot // 2) * 32 + (d % 16) * 2 + slot % 2
+                flat[k_at + k] = key[t, h, d]
+                flat[v_at + v] = value[t, h, d]
+
+
+def test_the_amx_tiles_match_the_cpu_contract_exactly() -> None:
+    from kvroute.engines.vllm.backends import contract
+    from kvroute.engines.vllm.probe import probe
+    from kvroute.geometry import Tiling
+
+    found = probe(cpu_amx_write, heads=2, tokens=TOKENS, head_size=HEAD_SIZE,
+                  dtype=torch.bfloat16, device="cpu").layout  # fmt: skip
+    assert found == contract("CPU_ATTN", "amx", HEAD_SIZE, element_size=2)
+    assert found.interior is not None
+    assert found.interior.tilings == (Tiling(1, 16, HEAD_SIZE // 2), Tiling(1, 2, 16))
 
 
 def found_for(heads: int):  # type: ignore[no-untyped-def]

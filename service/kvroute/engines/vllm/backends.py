@@ -5,9 +5,10 @@ strides (which every backend allocates alike): FlashAttention, FlashInfer and Tr
 token row of ``[blocks, heads, tokens, 2 x head_size]`` into K then V (``transpose(1, 2).split``);
 the CPU backend views the same tensor as ``[blocks, heads, 2 x tokens, head_size]`` and splits the
 token axis, so each head holds all its K rows then all its V rows, K transposed (``vec``/``vec16``
-ISAs: element ``d`` of token ``t`` at K-row ``d``, column ``t``). The ``amx`` ISA tiles K per 16
-tokens (``[tokens / 16][head_size / 2][16][2]``) and V per 16 elements, which kvroute's interiors
-cannot state yet: such an engine is refused at start-up rather than planned wrongly.
+ISAs: element ``d`` of token ``t`` at K-row ``d``, column ``t``). The ``amx`` ISA (bfloat16 on a
+CPU with AMX) packs both for its tile instructions: K as ``[tokens / 16][head_size / 2][16][2]``
+(pairs of elements across 16 tokens), V as ``[head_size / 16][tokens / 2][16][2]`` (16 elements
+across pairs of tokens); an interior states both as token groups cut into pieces (``Tiling``).
 
 At start-up ``check_layer`` writes a scratch block through the layer's own cache update and
 compares where the bytes landed with the contract; any difference stops the engine.
@@ -40,20 +41,28 @@ class Checked:
     probe_seconds: float
 
 
-def contract(backend: str, isa: str | None, head_size: int, order: Kind = Kind.HND) -> Layout:
+def contract(
+    backend: str, isa: str | None, head_size: int, order: Kind = Kind.HND, element_size: int = 2
+) -> Layout:
     """The layout a backend's kernels read (``order``: head- or token-major, as the layer's
-    strides place them); refuses a backend (or ISA) kvroute does not know."""
+    strides place them; ``element_size``: bytes per element of the cache); refuses a backend (or
+    ISA) kvroute does not know."""
     if backend in ROW_SPLIT:
         return Layout(order, 1)
     if backend == "CPU_ATTN":
         if isa in CPU_TRANSPOSED_K:
             tilings = (Tiling(planes=head_size), Tiling())
             return Layout(Kind.HND, 2, Interior(HeadOrder.HEAD_BUFFER, tilings))
+        if isa == "amx":
+            # VNNI tiles pack 4 bytes (two bfloat16 elements): K as packs across 16 tokens, V
+            # as 16 elements across as many tokens as a pack holds (vLLM picks amx for bfloat16).
+            pack = max(1, 4 // element_size)
+            key = Tiling(token_group=16, group_planes=head_size // pack)
+            value = Tiling(head_size // 16, pack, 16 if pack > 1 else 1)
+            return Layout(Kind.HND, 2, Interior(HeadOrder.HEAD_BUFFER, (key, value)))
         raise LayoutProbeError(
-            f"attention backend CPU_ATTN with ISA {isa!r}: kvroute knows the vec and vec16 "
-            "layouts (K transposed per head, then V); amx tiles K per 16 tokens, which a view's "
-            "interior cannot state yet. Start vLLM where the backend picks vec "
-            "(float16/float32, or a CPU without AMX)"
+            f"attention backend CPU_ATTN with ISA {isa!r}: kvroute knows the vec, vec16 and amx "
+            "layouts; nothing is guessed"
         )
     raise LayoutProbeError(
         f"attention backend {backend} is not one whose cache layout kvroute knows "
@@ -79,7 +88,8 @@ def check_layer(layer: Any, name: str, tensor: Any, spec: Any) -> Checked:
     """Probes one attention layer through its own cache update; raises on any contradiction."""
     backend = layer.attn_backend.get_name()
     order, _ = attention_layout(tensor, name)
-    expected = contract(backend, getattr(layer, "isa", None), spec.head_size, order)
+    isa = getattr(layer, "isa", None)
+    expected = contract(backend, isa, spec.head_size, order, tensor.element_size())
 
     def write(key: Any, value: Any, cache: Any, slots: Any) -> None:
         layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
@@ -87,7 +97,7 @@ def check_layer(layer: Any, name: str, tensor: Any, spec: Any) -> Checked:
     found = probe_spec(write, spec, tensor)
     if not found.layout.same_bytes(expected, spec.num_kv_heads):
         raise LayoutProbeError(
-            f"layer {name}: attention backend {backend} (ISA {getattr(layer, 'isa', None)}): "
+            f"layer {name}: attention backend {backend} (ISA {isa}): "
             f"its contract says "
             f"{expected.describe()}, but its cache update wrote {found.layout.describe()}"
         )

@@ -23,7 +23,7 @@ from kvroute.geometry import HeadOrder, Interior, Kind, Tiling
 
 # write(key, value, cache, slot_mapping): the backend's cache update for tokens [N, H, D].
 Write = Callable[[Any, Any, Any, Any], None]
-GROUPS = (1, 2, 4, 8)
+GROUPS = (1, 2, 4, 8, 16)
 
 
 class LayoutProbeError(RuntimeError):
@@ -190,8 +190,15 @@ def _match(found: tuple[np.ndarray, ...], heads: int, tokens: int, head_size: in
         major = head * tokens + token if kind is Kind.HND else token * heads + head
         if np.array_equal(position, (major * 2 + kv) * head_size + element):
             return Layout(kind, 1)
-    planes = [p for p in range(1, head_size + 1) if head_size % p == 0]
-    tilings = [Tiling(p, g) for g in GROUPS for p in planes if tokens % g == 0]
+    # Simplest first (ungrouped, then fewer pieces), so a layout two tilings describe alike is
+    # registered in one spelling, the one the contract names.
+    tilings = [
+        Tiling(p, g, pieces)
+        for g in GROUPS
+        if tokens % g == 0
+        for p in _divisors(head_size)
+        for pieces in (_divisors(head_size // p) if g > 1 else (1,))
+    ]
     tile = tokens * head_size
     for order in HeadOrder:
         outer = order is HeadOrder.HEAD_BUFFER
@@ -210,8 +217,12 @@ def _match(found: tuple[np.ndarray, ...], heads: int, tokens: int, head_size: in
 def _tiled(tiling: Tiling, at: tuple[np.ndarray, ...], tokens: int, head_size: int) -> bool:
     start, token, element, position = at
     chunk = head_size // tiling.planes
-    group = tiling.token_group
+    group, piece = tiling.token_group, chunk // tiling.group_planes
+    inside = element % chunk
     run = start + (element // chunk) * tokens * chunk + (token // group) * group * chunk
-    if group == 1:
-        return bool(np.array_equal(position, run + element % chunk))
-    return bool(((position >= run) & (position < run + group * chunk)).all())
+    placed = run + (inside // piece) * group * piece + (token % group) * piece + inside % piece
+    return bool(np.array_equal(position, placed))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

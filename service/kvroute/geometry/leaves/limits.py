@@ -80,6 +80,7 @@ INTEGER_BOUNDS: dict[str, tuple[int, int]] = {
     "View.kv_group": (0, MAX_KV_GROUP),
     "Tiling.planes": (1, MAX_HEAD_DIM),
     "Tiling.token_group": (1, MAX_TOKENS_PER_BLOCK),
+    "Tiling.group_planes": (1, MAX_HEAD_DIM),
     "View.layers[].layer": (0, MAX_LAYERS - 1),
     "View.layers[].offset": (0, MAX_BYTES),
     "KvQuantization.scale_block": (1, MAX_HEAD_DIM),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -114,19 +114,28 @@ class Pool:
 @dataclass(frozen=True, slots=True)
 class Tiling:
     """How one buffer (K or V) of one head lays out a block's tokens: ``[planes][tokens /
-    token_group][token_group x row / planes]``.
+    token_group][group_planes][token_group][row / (planes x group_planes)]``.
 
     Plane ``p`` holds bytes ``[p x row / planes, (p + 1) x row / planes)`` of every token's row (``row``:
-    the bytes of one token-head in the buffer), tokens in order. ``planes > 1`` is a transposed or
-    VNNI-packed K (vLLM's CPU kernels); ``token_group > 1`` packs that many consecutive tokens into
-    one run whose inner order is the engine's own, so a group is never split.
+    the bytes of one token-head in the buffer), tokens in order. ``planes > 1`` is a transposed K
+    (vLLM's CPU ``vec`` kernels: one plane per element). Inside a plane, ``token_group``
+    consecutive tokens are packed into one run, which holds their chunks cut again into
+    ``group_planes`` pieces, piece by piece and token by token inside each: vLLM's ``amx`` kernels
+    keep K as pairs of elements across 16 tokens (``token_group`` 16, ``group_planes`` head_size /
+    2) and V as 16 elements across pairs of tokens (``planes`` head_size / 16, ``token_group`` 2,
+    ``group_planes`` 16). A group is never split by a transfer.
     """
 
     planes: int = 1
     token_group: int = 1
+    # Optional in digests (left out while 1): ranks registered before it keep their classes.
+    group_planes: int = field(default=1, metadata={"optional": True})
 
     def to_json(self) -> dict[str, int]:
-        return {"planes": self.planes, "token_group": self.token_group}
+        doc = {"planes": self.planes, "token_group": self.token_group}
+        if self.group_planes != 1:
+            doc["group_planes"] = self.group_planes
+        return doc
 
 
 class HeadOrder(StrEnum):

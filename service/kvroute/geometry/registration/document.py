@@ -246,7 +246,11 @@ def _interior(r: _Reader) -> Interior | None:
     for index in range(len(r.list("tilings"))):
         tiling = r.item("tilings", index, "Tiling")
         tilings.append(
-            Tiling(tiling.int("planes", default=1), tiling.int("token_group", default=1))
+            Tiling(
+                tiling.int("planes", default=1),
+                tiling.int("token_group", default=1),
+                tiling.int("group_planes", default=1),
+            )
         )
     interior = Interior(r.enum("order", HeadOrder), tuple(tilings))
     return None if interior.trivial else interior

@@ -40,8 +40,9 @@ if TYPE_CHECKING:
 # digested as multisets (a stage fails when any view fails, whatever the order of the views).
 NAME = {"name": True}
 UNORDERED = {"unordered": True}
-# ``OPTIONAL`` fields are left out of the digest while None, so ranks that do not declare them keep
-# the class digest they had before the field existed (stored classes stay valid).
+# ``OPTIONAL`` fields are left out of the digest while None or at their declared default (a count's
+# 1), so ranks that do not declare them keep the class digest they had before the field existed
+# (stored classes stay valid).
 OPTIONAL = {"optional": True}
 
 
@@ -175,10 +176,9 @@ def face_digest(face: RankFace) -> str:
 def _face_key(face: RankFace) -> tuple[Any, ...]:
     """The values of the face's digested fields, its views' as tuples in their order (a view
     order not seen before only misses the memo): equal keys, equal digests."""
-    ranks = tuple(getattr(face, name) for name, _, _ in _digested_fields(RankFace))
+    ranks = tuple(getattr(face, name) for name, *_ in _digested_fields(RankFace))
     views = tuple(
-        tuple(getattr(view, name) for name, _, _ in _digested_fields(ViewFace))
-        for view in face.views
+        tuple(getattr(view, name) for name, *_ in _digested_fields(ViewFace)) for view in face.views
     )
     return (RankFace, ranks, views)
 
@@ -247,9 +247,9 @@ def _plain(value: Any) -> Any:
         return sorted(_plain(member) for member in value)
     if is_dataclass(value) and not isinstance(value, type):
         plain = {}
-        for name, metadata, optional in _digested_fields(type(value)):
+        for name, metadata, optional, default in _digested_fields(type(value)):
             member = getattr(value, name)
-            if not (optional and member is None):
+            if not (optional and (member is None or member == default)):
                 plain[name] = _member(metadata, member)
         return plain
     # A type with no canonical form here would make equal faces digest apart, or worse, alike.
@@ -257,10 +257,10 @@ def _plain(value: Any) -> Any:
 
 
 @functools.cache
-def _digested_fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
-    """(name, metadata, optional) of each field of a face dataclass that is digested."""
+def _digested_fields(cls: type) -> tuple[tuple[str, Any, bool, Any], ...]:
+    """(name, metadata, optional, default) of each field of a face dataclass that is digested."""
     return tuple(
-        (item.name, item.metadata, bool(item.metadata.get("optional")))
+        (item.name, item.metadata, bool(item.metadata.get("optional")), item.default)
         for item in fields(cls)
         if not item.metadata.get("name")
     )
