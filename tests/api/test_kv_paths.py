@@ -69,6 +69,16 @@ async def test_a_failed_canary_excludes_the_pair_until_a_side_registers_again(
     assert excluded["local"] == {"rank": 0, "element": ELEMENT}
     (path,) = await paths(client)
     assert (path["state"], path["reported"], path["element"]) == ("failed", "failed", ELEMENT)
+    # A request whose digests agree (or another canary) over the same registrations does not
+    # lift the failure: the worker is answered with it, and the pair stays out.
+    status, body = await report(client, state="attested", source="digest")
+    assert (status, body["state"], body["source"], body["element"]) == (
+        201,
+        "failed",
+        "canary",
+        ELEMENT,
+    )
+    assert [c["context"] for c in by_instance(await pairs(client), "gen0")["pairs"]] == ["ctx1"]
     # The producer registers again (a changed document, a new generation): the failure no
     # longer holds, the pair is routable, and the path waits for its next canary.
     changed = placed()

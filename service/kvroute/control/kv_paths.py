@@ -1,9 +1,10 @@
 """KV integrity per transfer path (``store.kv_paths``): workers report canary and digest outcomes,
 operators and routers read them, and the pairs answer leaves out a pair with a failed path.
 
-A pair (generation instance, context instance) is excluded while any consumer rank's latest
-outcome with that producer is a failure that still holds (``kv_path_failed``); a re-registration
-of either side makes the outcome stale, which lifts the exclusion until the next canary reports.
+A pair (generation instance, context instance) is excluded while any consumer rank's outcome with
+that producer is a failure that still holds (``kv_path_failed``): later attestations for the same
+registrations do not lift it; a re-registration of either side makes the outcome stale, which lifts
+the exclusion until the next canary reports.
 """
 
 from __future__ import annotations

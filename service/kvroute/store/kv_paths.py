@@ -6,7 +6,10 @@ rank and of the consumer rank, read in the same transaction under the deployment
 racing a re-registration is either before it (and read back stale) or after it. A failure appends
 a ``kv_path_failed`` event in that transaction. Reads judge each outcome against the live
 generations: a path whose producer or consumer registered again since (or is gone) reads ``stale``
-and must be attested again; it is neither trusted nor excluded.
+and must be attested again; it is neither trusted nor excluded. A failure holds for the
+registrations it was found with: a later ``attested`` report for the same generations (a request
+whose digests agreed, a canary) does not lift it, since bytes that were moved wrong once say
+more about the path than any number that were moved right; only a re-registration does.
 """
 
 from __future__ import annotations
@@ -54,8 +57,9 @@ async def _live(session: Any, deployment: str, instance: str, now: datetime) -> 
 async def record_path(
     sessionmaker: SessionMaker, deployment: str, report: PathReport, *, now: datetime
 ) -> wire.KvPath:
-    """Stores ``report`` as the path's latest outcome; ``NotFound`` when the producer has no live
-    rank or the consumer rank is not live."""
+    """Stores ``report`` as the path's outcome, unless it attests a path whose failure still holds
+    (the failure is answered); ``NotFound`` when the producer has no live rank or the consumer
+    rank is not live."""
     async with sessionmaker.begin() as session:
         await repo.lock_deployment(session, deployment)
         producer = await _live(session, deployment, report.producer, now)
@@ -85,11 +89,27 @@ async def record_path(
             "cost_ms": report.cost_ms,
             "reported_at": now,
         }
+        if report.state == "attested":
+            held = await _held_failure(session, key, row)
+            if held is not None:
+                return _path(held, "failed")
         await session.execute(delete(KvPathRow).where(*key))
         await session.execute(insert(KvPathRow).values(**row))
         if report.state == "failed":
             await events.append(await session.connection(), deployment, [_failed(row)], now)
     return _path(row, report.state)
+
+
+async def _held_failure(session: Any, key: tuple[Any, ...], row: dict[str, Any]) -> Any:
+    """The path's stored failure when it holds for the generations ``row`` is stamped with."""
+    stored = (await session.execute(select(KvPathRow.__table__).where(*key))).mappings().first()
+    if stored is None or stored["state"] != "failed":
+        return None
+    same = (
+        stored["consumer_generation"] == row["consumer_generation"]
+        and dict(stored["producer_generations"]) == row["producer_generations"]
+    )
+    return dict(stored) if same else None
 
 
 def _failed(row: dict[str, Any]) -> events.Change:
