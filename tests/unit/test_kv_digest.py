@@ -9,10 +9,11 @@ interiors and replicated views; neither is derived from kvroute's code.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.client.kv_digest import Grid, KvDigest, kv_digest
+from kvroute.client.kv_digest import Grid, KvDigest, Mismatch, kv_digest
 from kvroute.client.kv_rows import REPLICATED_HEAD, RequestKv, RowKey, place_rows, read_rows
 from kvroute.geometry import RankRegistration
 from tests.truth import Truth
@@ -169,3 +170,19 @@ def test_a_grid_counts_its_edges_back_from_the_anchor_whatever_the_start() -> No
     assert grid.cuts(range(50, 77)) == [(0, 6), (6, 14), (14, 22), (22, 27)]
     assert grid.cuts(range(48, 56)) == [(0, 8)]
     assert grid.cuts(range(79, 80)) == [(0, 1)]
+
+
+def test_a_chunk_the_producer_did_not_cut_alike_is_refused_not_skipped() -> None:
+    """A consumer that received tokens 0-290 against a producer's digests of 0-300 (256-token
+    chunks) would compare only the first chunk: its last 34 tokens would pass unchecked."""
+    key = RowKey("target", "key,value", 0, 0, 0)
+    sent = KvDigest((0, 300), 256, rows={key: [1, 2]})
+    assert sent.first_mismatch(KvDigest((0, 300), 256, rows={key: [1, 2]})) is None
+    assert sent.first_mismatch(KvDigest((0, 300), 256, rows={key: [1, 3]})) == Mismatch(
+        key, (256, 300)
+    )
+    with pytest.raises(ValueError, match="tokens 256-290 are a chunk of the consumer's"):
+        sent.first_mismatch(KvDigest((0, 290), 256, rows={key: [1, 9]}))
+    # A series that starts later on the consumer's side (a window) leaves its first span alone.
+    late = KvDigest((0, 300), 256, rows={key: [7, 2]}, firsts={key: 100})
+    assert sent.first_mismatch(late) is None

@@ -114,13 +114,22 @@ class KvDigest:
     def first_mismatch(self, received: KvDigest) -> Mismatch | None:
         """Compares ``received`` (a consumer's) against these (the producer's) on the series both
         hold, in key order: a row series chunk by chunk over the chunks both cut alike (the same
-        tokens), then the state units. A series the producer lacks is not compared."""
+        tokens), then the state units. A series the producer lacks is not compared. Only a
+        series' first span may be the consumer's alone (a window starting later on one side);
+        any later one the producer did not cut alike raises, rather than leave received tokens
+        unchecked."""
         if received.chunk != self.chunk:
             raise ValueError(f"digests by {received.chunk} compared with {self.chunk}")
         for key in sorted(received.rows.keys() & self.rows.keys()):
             sent = self.spans(key)
-            for span, got in received.spans(key).items():
-                if span in sent and sent[span] != got:
+            for index, (span, got) in enumerate(received.spans(key).items()):
+                if span not in sent:
+                    if index:
+                        raise ValueError(
+                            f"{key.label()}: tokens {span[0]}-{span[1]} are a chunk of the "
+                            "consumer's digests the producer did not cut alike"
+                        )
+                elif sent[span] != got:
                     return Mismatch(key, span)
         for unit in sorted(received.states.keys() & self.states.keys()):
             if received.states[unit] != self.states[unit]:
