@@ -13,8 +13,13 @@ ${imports if imports else ""}
 
 revision: str = ${repr(up_revision)}
 down_revision: str | Sequence[str] | None = ${repr(down_revision)}
+## Alembic reads branch_labels and depends_on as None when absent: written only when given.
+% if branch_labels:
 branch_labels: str | Sequence[str] | None = ${repr(branch_labels)}
+% endif
+% if depends_on:
 depends_on: str | Sequence[str] | None = ${repr(depends_on)}
+% endif
 
 
 def upgrade() -> None:

@@ -12,8 +12,6 @@ from alembic import op
 
 revision: str = "5619afde1dd7"
 down_revision: str | Sequence[str] | None = None
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

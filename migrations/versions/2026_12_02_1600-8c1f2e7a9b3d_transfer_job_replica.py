@@ -12,8 +12,6 @@ from alembic import op
 
 revision: str = "8c1f2e7a9b3d"
 down_revision: str | Sequence[str] | None = "5619afde1dd7"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

@@ -16,8 +16,6 @@ from kvroute.store.migrate import recompute_geometry_classes
 
 revision: str = "3d9e41c7a2b5"
 down_revision: str | Sequence[str] | None = "8c1f2e7a9b3d"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

@@ -15,8 +15,6 @@ from alembic import op
 
 revision: str = "b7e2c4d1f9a0"
 down_revision: str | Sequence[str] | None = "3d9e41c7a2b5"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 COLUMNS = (
     "tokens_start",

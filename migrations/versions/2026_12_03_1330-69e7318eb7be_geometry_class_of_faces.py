@@ -18,8 +18,6 @@ from kvroute.store.migrate import recompute_geometry_classes
 
 revision: str = "69e7318eb7be"
 down_revision: str | Sequence[str] | None = "b7e2c4d1f9a0"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

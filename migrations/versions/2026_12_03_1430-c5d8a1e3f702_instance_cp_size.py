@@ -20,8 +20,6 @@ from kvroute.store.migrate import recompute_geometry_classes
 
 revision: str = "c5d8a1e3f702"
 down_revision: str | Sequence[str] | None = "69e7318eb7be"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

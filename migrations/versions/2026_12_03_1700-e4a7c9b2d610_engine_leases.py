@@ -14,8 +14,6 @@ from alembic import op
 
 revision: str = "e4a7c9b2d610"
 down_revision: str | Sequence[str] | None = "c5d8a1e3f702"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

@@ -15,8 +15,6 @@ from alembic import op
 
 revision: str = "4e1b7d2a9c60"
 down_revision: str | Sequence[str] | None = "e4a7c9b2d610"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

@@ -15,8 +15,6 @@ from alembic import op
 
 revision: str = "f2b8d4e6a913"
 down_revision: str | Sequence[str] | None = "4e1b7d2a9c60"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

@@ -18,8 +18,6 @@ from alembic import op
 
 revision: str = "a7c3e5f1b824"
 down_revision: str | Sequence[str] | None = "f2b8d4e6a913"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 OLD_INDEX = "ix_ranks_deployment_role_lease_expires_at"
 CLASS_INDEX = "ix_ranks_deployment_role_geometry_class_instance_rank"

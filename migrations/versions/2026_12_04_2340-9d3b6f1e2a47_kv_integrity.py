@@ -16,8 +16,6 @@ from alembic import op
 
 revision: str = "9d3b6f1e2a47"
 down_revision: str | Sequence[str] | None = "a7c3e5f1b824"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

@@ -17,8 +17,6 @@ from alembic import op
 
 revision: str = "6a2f9c4e8b13"
 down_revision: str | Sequence[str] | None = "9d3b6f1e2a47"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 KEY = ("deployment", "instance", "rank")
 

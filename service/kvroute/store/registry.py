@@ -19,7 +19,7 @@ import dataclasses
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, case, delete, func, select
+from sqlalchemy import ColumnElement, and_, case, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute
 
@@ -45,6 +45,17 @@ from kvroute.store.rejections import (
 )
 
 INSTANCE_SUMMARY_FIELDS = tuple(field.name for field in dataclasses.fields(wire.InstanceSummary))
+
+
+def _rank_is(deployment: str, instance: str, rank: int) -> ColumnElement[bool]:
+    """One rank's row, by its key."""
+    return and_(
+        RankRow.deployment == deployment, RankRow.instance == instance, RankRow.rank == rank
+    )
+
+
+def _not_registered(deployment: str, instance: str, rank: int) -> NotFound:
+    return NotFound(f"rank {rank} of instance {instance!r} in {deployment!r} is not registered")
 
 
 async def record_rejection(
@@ -99,14 +110,12 @@ async def heartbeat_refusal(
         row = (
             await connection.execute(
                 select(RankRow.lease_expires_at, RankRow.engine_lease, RankRow.fenced_at).where(
-                    RankRow.deployment == deployment,
-                    RankRow.instance == instance,
-                    RankRow.rank == rank,
+                    _rank_is(deployment, instance, rank)
                 )
             )
         ).first()
     if row is None:
-        return NotFound(f"rank {rank} of instance {instance!r} in {deployment!r} is not registered")
+        return _not_registered(deployment, instance, rank)
     found = row.lease_expires_at
     if row.engine_lease is not None and row.fenced_at is None and found > now:
         return HeldByEngineLease(
@@ -127,15 +136,11 @@ async def get_rank(
             await session.execute(
                 select(RankRow, RankDocumentRow.document)
                 .join_from(RankRow, RankDocumentRow)
-                .where(
-                    RankRow.deployment == deployment,
-                    RankRow.instance == instance,
-                    RankRow.rank == rank,
-                )
+                .where(_rank_is(deployment, instance, rank))
             )
         ).first()
     if found is None:
-        raise NotFound(f"rank {rank} of instance {instance!r} in {deployment!r} is not registered")
+        raise _not_registered(deployment, instance, rank)
     row, document = found
     return wire.Rank(
         deployment=row.deployment,
@@ -164,15 +169,11 @@ async def delete_rank(
         await repo.lock_deployment(session, deployment)
         deleted = await session.scalar(
             delete(RankRow)
-            .where(
-                RankRow.deployment == deployment, RankRow.instance == instance, RankRow.rank == rank
-            )
+            .where(_rank_is(deployment, instance, rank))
             .returning(RankRow.generation)
         )
         if deleted is None:
-            raise NotFound(
-                f"rank {rank} of instance {instance!r} in {deployment!r} is not registered"
-            )
+            raise _not_registered(deployment, instance, rank)
         await repo.delete_empty_instances(session, deployment)
         changes = events.rank_changes("rank_deleted", [(instance, rank, deleted)], reason="deleted")
         await events.append(await session.connection(), deployment, changes, now or _now())
