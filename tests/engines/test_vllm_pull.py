@@ -47,6 +47,7 @@ PRODUCERS = [
     {"deployment": "llama4", "instance": "p-again", "model": LLAMA4, "tp": 2, "heads": 4, "block_size": 16},
     {"deployment": "llama4", "instance": "p-digest", "model": LLAMA4, "tp": 2, "heads": 4, "block_size": 16,
      "extra": {"kv_digest_rate": 1.0}},
+    {"deployment": "llama4", "instance": "p-canary", "model": LLAMA4, "tp": 2, "heads": 4, "block_size": 16},
 ]  # fmt: skip
 
 
@@ -75,7 +76,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer
     process.start()
     try:
         ready = replies.get(timeout=REPLY_S)
-        assert ready == ("ready", ["p-again", "p-digest", "p-gone", "p-tp2", "p-tp3"]), ready
+        assert ready == ("ready", ["p-again", "p-canary", "p-digest", "p-gone", "p-tp2", "p-tp3"])
         yield server, Producers(commands, replies), root
     finally:
         commands.put(("stop",))
@@ -338,6 +339,34 @@ def test_sampled_digests_agree_and_a_byte_flipped_after_the_write_is_recomputed(
     with KvrouteClient(server.url, token=WORKER_TOKEN) as client:
         pairs = client.pairs("llama4", generation="d-tp1").generation[0]
         assert {e.context: e.code for e in pairs.excluded}.get("p-digest") == "kv_path_failed"
+
+
+def test_a_byte_flipped_in_the_producer_s_canary_fails_the_path_and_its_pairing(
+    world: Any, llama4_consumer: Engine
+) -> None:
+    """A fault in the canary block (vLLM's null block) of a producer no consumer has paired with
+    yet: the consumer's first hand-over from it pulls the canary with the real plan and NIXL,
+    names the flipped element, and reports the path failed, so the pairs answer (and the proxy)
+    leaves the pair out. The request itself moved right bytes (its blocks are not the canary's)."""
+    from kvroute.client import KvrouteClient
+
+    server, producers, _ = world
+    # Rank 1 holds global heads 2 and 3; canary token 3, layer 1, its head 0 (global 2), K
+    # element 5.
+    assert producers.ask("flip_canary", "p-canary", (1, 1, 0, 3, 5)) == ("flipped", "canary")
+    tokens = list(range(800, 840))
+    _, _, params = producers.ask("prefill", "p-canary", "prefill-canary", tokens)
+    _, errors = pull(llama4_consumer, "decode-canary", tokens, params)
+    assert errors == set()
+    expect(llama4_consumer, "decode-canary", range(40))
+    path = reported_path(world, "p-canary", "d-tp1", llama4_consumer, "failed")
+    assert path.source == "canary"
+    assert path.element is not None
+    element = (path.element["layer"], path.element["head"], path.element["kv"])
+    assert (*element, path.element["token"]) == (1, 2, "K", 3), path.element
+    with KvrouteClient(server.url, token=WORKER_TOKEN) as client:
+        pairs = client.pairs("llama4", generation="d-tp1").generation[0]
+        assert {e.context: e.code for e in pairs.excluded}.get("p-canary") == "kv_path_failed"
 
 
 def test_a_request_aborted_before_its_load_frees_the_producer_s_blocks_at_once(

@@ -74,6 +74,10 @@ def _handle(engines: dict[str, Any], command: str, *args: Any) -> tuple[Any, ...
         instance, request_id, where = args
         _flip(engines[instance], request_id, where)
         return ("flipped", request_id)
+    if command == "flip_canary":
+        instance, where = args
+        _flip_cell(engines[instance], 0, where)  # vLLM's null block, where the canary lives
+        return ("flipped", "canary")
     if command == "drop":
         _crash(engines[args[0]])
         return ("dropped", args[0])
@@ -115,10 +119,7 @@ def _await_sent(engine: Any, request_id: str) -> list[int]:
 def _flip(engine: Any, request_id: str, where: tuple[int, int, int, int, int]) -> None:
     """Flips the low bit of one element of ``request_id``'s blocks on one rank, once every rank
     has stored its digest of them: a fault after the write, which only a digest can see."""
-    import torch
-
     from kvroute.client import KvrouteClient
-    from tests.engines.engine import layer_name
 
     rank, layer, head, token, element = where
     settings = engine.workers[0].worker.settings
@@ -130,5 +131,16 @@ def _flip(engine: Any, request_id: str, where: tuple[int, int, int, int, int]) -
             assert time.monotonic() < deadline, f"no digests of {request_id}"
             time.sleep(0.02)
     block = engine.block_ids(request_id)[token // engine.block_size]
-    cell = engine.caches[rank][layer_name(layer)][block, head, token % engine.block_size]
+    _flip_cell(engine, block, (rank, layer, head, token % engine.block_size, element))
+
+
+def _flip_cell(engine: Any, block: int, where: tuple[int, int, int, int, int]) -> None:
+    """Flips the low bit of element ``element`` (K before V) of one token-head row of ``block``
+    on one rank (``where``: rank, layer, the rank's head, token in the block, element)."""
+    import torch
+
+    from tests.engines.engine import layer_name
+
+    rank, layer, head, token, element = where
+    cell = engine.caches[rank][layer_name(layer)][block, head, token]
     cell.view(torch.int16)[element] ^= 1
