@@ -16,8 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvroute.cli import demo_canary, demo_hybrid, demo_workers  # noqa: E402
+from kvroute.cli import demo_canary, demo_hybrid, demo_mla, demo_workers  # noqa: E402
 from kvroute.cli.demo_hybrid import HybridModel  # noqa: E402
+from kvroute.cli.demo_mla import MlaModel  # noqa: E402
 from kvroute.cli.demo_workers import WorkerSpec  # noqa: E402
 from kvroute.client.hybrid import HybridPool  # noqa: E402
 from kvroute.client.integrity import (  # noqa: E402
@@ -223,3 +224,103 @@ def _failure(path: HybridPath, rank: int) -> tuple[Any, Any]:
     failure = check_canary(demo_canary.canary_kv(spec, "d", doc, _flat(pool)))
     assert failure is not None
     return failure.key, failure.byte if failure.tokens is None else failure.tokens
+
+
+class MlaPath:
+    """A small MLA demo's ranks with context parallelism, in process memory: each context rank
+    writes the canary into the blocks it keeps back; ``move`` runs the canary job's real plan
+    into every generation CP rank."""
+
+    def __init__(self, model: MlaModel) -> None:
+        self.model = model
+        self.specs: dict[str, list[WorkerSpec[MlaModel]]] = {}
+        self.pools: dict[str, list[torch.Tensor]] = {}
+        self.docs: dict[str, list[dict[str, Any]]] = {}
+        self.regs: dict[str, list[RankRegistration]] = {}
+        for role, instance in ROLES:
+            size = demo_canary.pool_slots(model, role) * model.layers * model.layer_bytes(role)
+            ranks = range(model.ranks(role))
+            self.specs[role] = [_spec(model, role, instance, r) for r in ranks]
+            self.pools[role] = [torch.zeros(size, dtype=torch.uint8) for _ in ranks]
+            self.docs[role] = [demo_mla.document(model, role, r) for r in ranks]
+            self.regs[role] = [
+                RankRegistration.from_json(d, deployment="d", instance=instance, rank=r)
+                for r, d in enumerate(self.docs[role])
+            ]
+        for spec, pool, doc in self.sides("context"):
+            write_canary(demo_canary.canary_kv(spec, "d", doc, pool.numpy()))
+
+    def sides(self, role: str) -> list[tuple[WorkerSpec[MlaModel], torch.Tensor, dict[str, Any]]]:
+        return list(zip(self.specs[role], self.pools[role], self.docs[role], strict=True))
+
+    def words(self, role: str, rank: int) -> torch.Tensor:
+        """A rank's whole pool as int16 words [slot, layer, token, element]."""
+        model = self.model
+        shape = (demo_canary.pool_slots(model, role), model.layers, model.tokens(role), -1)
+        return self.pools[role][rank].view(torch.int16).view(shape)
+
+    def move(self) -> None:
+        job = demo_canary.canary_job(self.model)
+        span = job.window.tokens
+        request = Request(list(job.src), list(job.dst), span, (0, 0), (), span.end)
+        layout = Layout({}, pools={0: self._pool("context")})
+        sender_pools = {r: {0: p.numpy()} for r, p in enumerate(self.pools["context"])}
+        for reg, pool in zip(self.regs["generation"], self.pools["generation"], strict=True):
+            plan = build_plan(self.regs["context"], reg, prompt_tokens=span.end)
+            into = {0: pool.numpy()}
+            out, _ = execute(
+                plan.to_json(period=True), sender_pools, dict.fromkeys(sender_pools, layout),
+                Layout({}, pools={0: self._pool("generation")}), request, into=into,
+            )  # fmt: skip
+            pool.numpy()[:] = out[0]
+
+    def _pool(self, role: str) -> tuple[int, int, int]:
+        slot = self.model.layers * self.model.layer_bytes(role)
+        return slot, slot, demo_canary.pool_slots(self.model, role)
+
+    def checks(self) -> list[str | None]:
+        found = []
+        for spec, pool, doc in self.sides("generation"):
+            failure = check_canary(demo_canary.canary_kv(spec, "d", doc, pool.numpy()))
+            found.append(None if failure is None else failure.describe())
+        return found
+
+
+def canary_chunk(model: MlaModel, cp_rank: int) -> list[int]:
+    """A context CP rank's canary positions in local order: the demo's own chunking
+    (``MlaModel.chunk``, torch.tensor_split) of the canary, a prompt of its own."""
+    canary = replace(model, prompt_tokens=demo_canary.canary_tokens(model))
+    return [int(token) for token in canary.chunk(cp_rank)]
+
+
+@pytest.mark.parametrize("base", [demo_mla.SMALL, demo_mla.SMALL_ZIGZAG], ids=["tp4", "zigzag"])
+def test_the_mla_canary_reaches_each_generation_cp_rank_s_own_positions(base: MlaModel) -> None:
+    """Generation TP1 x CP4 (interleave 1): canary token t lands on CP rank t % 4 at local
+    position t // 4, whichever context CP rank (zig-zag chunks) held it; every rank attests, and
+    its words there are the context side's (read through the demo's tensors)."""
+    path = MlaPath(base)
+    path.move()
+    assert path.checks() == [None] * 4
+    tokens = demo_canary.canary_tokens(base)
+    (src_block, *_), _ = demo_canary.reserved(base, "context")
+    (dst_block, *_), _ = demo_canary.reserved(base, "generation")
+    chunks = [canary_chunk(base, r) for r in range(base.context_cp)]
+    for token in range(tokens):
+        rank, local = token % base.generation_cp, token // base.generation_cp
+        holder = next(r for r, chunk in enumerate(chunks) if token in chunk)
+        src_local = chunks[holder].index(token)
+        src = path.words("context", holder)[src_block, :, src_local]
+        assert torch.equal(path.words("generation", rank)[dst_block, :, local], src), token
+        assert src.any()
+
+
+def test_a_byte_flipped_in_a_zigzag_chunk_fails_only_the_cp_rank_holding_its_token() -> None:
+    """Context CP rank 1 holds tokens 2-5 of the 8-token canary (zig-zag: chunks 1 and 2 of 4);
+    its local position 1 is token 3, which generation CP rank 3 holds: only rank 3 fails, at
+    layer 2, token 3."""
+    path = MlaPath(demo_mla.SMALL_ZIGZAG)
+    assert canary_chunk(path.model, 1) == [2, 3, 4, 5]
+    (block, *_), _ = demo_canary.reserved(path.model, "context")
+    path.words("context", 1)[block, 2, 1, 5] ^= 0x0100
+    path.move()
+    assert path.checks() == [None, None, None, "target latent layer 2 replicated K, token 3"]

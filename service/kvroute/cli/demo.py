@@ -296,12 +296,7 @@ def _model(args: argparse.Namespace) -> tuple[ModuleType, Any, list[dict[str, An
 
 
 def _attested(client: KvrouteClient, workers: Workers, demo: ModuleType, model: Any) -> bool:
-    """The canary over ctx0 -> every gen0 rank, printed (or why the path runs none); False when
-    a path failed."""
-    refusal = demo_canary.refusal(model)
-    if refusal is not None:
-        console.print(refusal, soft_wrap=True)  # one line, whatever the terminal's width
-        return True
+    """The canary over ctx0 -> every gen0 rank, printed; False when a path failed."""
     failures = demo_canary.attest(client, workers, model, demo.DEPLOYMENT)
     for rank, failure in sorted(failures.items()):
         if failure is None:

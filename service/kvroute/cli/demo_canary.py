@@ -10,8 +10,9 @@ answer and the console. The lead process and the workers agree on those slots wi
 both follow ``integrity.reserved_blocks`` and ``reserved_state_slot`` (the end of the pool), the
 workers from their registrations, the lead from the model (``reserved``).
 
-A model whose ranks use context parallelism (the MLA demos) runs none: ``kv_rows`` reads KV in
-logical order only without it (``UnsupportedLayout``), so ``refusal`` says why instead.
+With context parallelism (the MLA demos) the canary is a prompt of its own from token 0: each CP
+rank writes or checks the positions it holds, at its local positions (``kv_rows.held_positions``),
+and the canary's block lists are the local blocks every CP rank of one TP position shares.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def canary_tokens(model: Any) -> int:
 
 
 def canary_blocks(model: Any, role: str) -> int:
-    """Blocks of the canary on one side."""
-    return canary_tokens(model) // model.tokens(role)
+    """Blocks of the canary on one side: the local blocks of the CP rank holding most of it."""
+    tokens = canary_tokens(model)
+    return model.placement(role, tokens).last_block_end(tokens, model.tokens(role))
 
 
 def pool_slots(model: Any, role: str) -> int:
@@ -57,23 +59,6 @@ def reserved(model: Any, role: str) -> tuple[list[int], int | None]:
     ``integrity.reserved_blocks`` and ``reserved_state_slot`` find from its registration."""
     end, blocks = pool_slots(model, role), canary_blocks(model, role)
     return list(range(end - blocks, end)), end - blocks - 1 if model.has_state else None
-
-
-def refusal(model: Any) -> str | None:
-    """Why the demo's path runs no canary (None: it runs one)."""
-    parallel = [
-        f"{instance} {model.label(role)}"
-        for role, instance in (("context", "ctx0"), ("generation", "gen0"))
-        if model.ranks(role) != model.tp(role)
-    ]
-    if not parallel:
-        return None
-    verb = "uses" if len(parallel) == 1 else "use"
-    return (
-        f"no canary: {' and '.join(parallel)} {verb} context parallelism, whose KV the canary "
-        "cannot read in logical order yet (kv_rows: UnsupportedLayout); every byte is still "
-        "verified after the jobs"
-    )
 
 
 def canary_kv(spec: Any, deployment: str, document: dict[str, Any], pool: np.ndarray) -> RequestKv:
@@ -108,7 +93,9 @@ def canary_command(
 def canary_job(model: Any) -> RequestBlocks:
     """The canary's transfer job: its blocks, its tokens from 0 and its state slot pair."""
     (src, src_state), (dst, dst_state) = (reserved(model, r) for r in ("context", "generation"))
-    window = TokenWindow(TokenRange(0, canary_tokens(model)))
+    tokens = canary_tokens(model)
+    # From token 0 on both lists, a prompt of its own (chunked CP places tokens by its length).
+    window = TokenWindow(TokenRange(0, tokens), 0, 0, tokens)
     return RequestBlocks(src, dst, window, src_state, dst_state)
 
 

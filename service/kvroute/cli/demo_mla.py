@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from kvroute.cli.demo_canary import pool_slots
 from kvroute.cli.demo_workers import TensorParallelRoles, WorkerSpec, answer_commands
 from kvroute.client.memory import ShmPool
+from kvroute.geometry import Spread
 
 DEPLOYMENT = "demo-mla-cp"
 CACHED_TOKENS = 3  # the generation side already holds the prompt's first tokens
@@ -68,6 +70,15 @@ class MlaModel(TensorParallelRoles):
 
     def ranks(self, role: str) -> int:
         return self.tp(role) * self.cp(role)
+
+    def placement(self, role: str, prompt_tokens: int) -> Spread:
+        """A rank's tokens: dealt ``interleave`` at a time, or in chunks of ``prompt_tokens``."""
+        cp, layout = self.cp(role), self.layout(role)
+        if cp == 1:
+            return Spread()
+        if layout == "interleaved":
+            return Spread(cp, 0, self.interleave)
+        return Spread(cp, 0, 1, layout, prompt_tokens)
 
     def label(self, role: str) -> str:
         cp, layout = self.cp(role), self.layout(role)
@@ -151,7 +162,7 @@ def document(
     pool: dict[str, Any] = {
         "pool_id": 0,
         "slot_bytes": layer_bytes * model.layers,
-        "num_slots": model.slots(role),
+        "num_slots": pool_slots(model, role),  # the requests' slots, then the canary's
     }
     if memory is not None:
         pool["memory"] = memory
@@ -201,9 +212,11 @@ def incompatible_document(model: MlaModel) -> dict[str, Any]:
 
 
 def _words(pool: torch.Tensor, model: MlaModel, role: str) -> torch.Tensor:
-    """The pool as int16 words [slot, layer, token, element]."""
+    """The requests' slots of the pool (the canary's follow) as int16 words [slot, layer,
+    token, element]."""
     shape = (model.slots(role), model.layers, model.tokens(role), model.latent)
-    return pool.view(torch.int16).view(shape)
+    size = model.slots(role) * model.layers * model.layer_bytes(role)
+    return pool[:size].view(torch.int16).view(shape)
 
 
 def fill(model: MlaModel, pool: torch.Tensor, cp_rank: int) -> None:
@@ -244,7 +257,7 @@ def serve(spec: WorkerSpec[MlaModel], commands: Queue, replies: Queue) -> None:
     """A worker process (``spec.tp_rank`` is its rank number): own and fill the pool, register
     and keep the lease, answer commands."""
     model = spec.model
-    size = model.slots(spec.role) * model.layers * model.layer_bytes(spec.role)
+    size = pool_slots(model, spec.role) * model.layers * model.layer_bytes(spec.role)
     memory = ShmPool(spec.shm_name, size)
     try:
         pool = memory.tensor
@@ -252,7 +265,8 @@ def serve(spec: WorkerSpec[MlaModel], commands: Queue, replies: Queue) -> None:
         if spec.role == "context":
             fill(model, pool, spec.tp_rank % model.context_cp)
         doc = document(model, spec.role, spec.tp_rank, memory.descriptor())
-        answer_commands(spec, DEPLOYMENT, doc, (commands, replies), partial(verify, spec, pool))
+        verified = partial(verify, spec, pool)
+        answer_commands(spec, DEPLOYMENT, doc, (commands, replies), verified, pool.numpy())
     finally:
         del pool
         memory.close()

@@ -25,7 +25,7 @@ from kvroute.cli.demo_canary import canary_command, pool_slots
 from kvroute.client import KvrouteClient
 from kvroute.client.memory import ShmPool
 from kvroute.client.pools import KvLayout, Parallel, SharedKvPool, rank_document
-from kvroute.geometry import Kind, Owner
+from kvroute.geometry import Kind, Owner, Spread
 
 DEPLOYMENT = "demo"
 COMMAND_WAIT_S = 300.0
@@ -51,6 +51,10 @@ class TensorParallelRoles:
 
     def label(self, role: str) -> str:
         return f"TP{self.tp(role)}"
+
+    def placement(self, role: str, prompt_tokens: int) -> Spread:
+        """Which prompt tokens a rank of ``role`` holds, and where: all, in order (no CP)."""
+        return Spread()
 
 
 @dataclass(frozen=True, slots=True)

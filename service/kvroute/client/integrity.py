@@ -20,13 +20,19 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from kvroute.client.kv_digest import Mismatch
-from kvroute.client.kv_rows import RequestKv, RowKey, covered_views, place_rows, read_rows
+from kvroute.client.kv_rows import (
+    RequestKv,
+    RowKey,
+    covered_views,
+    place_held_rows,
+    read_held_rows,
+)
 from kvroute.client.kv_state import StateKey, place_state, read_state, state_views
 from kvroute.geometry import RankRegistration
 
@@ -41,13 +47,14 @@ def canary_tokens(producer: RankRegistration, consumer: RankRegistration) -> ran
 
 def reserved_blocks(reg: RankRegistration, tokens: range) -> list[int]:
     """The blocks a rank keeps for the canary: the last ones of its block pool (an engine gives
-    them to no request), in order."""
+    them to no request), in order; with context parallelism, the local blocks of the CP rank of
+    its TP position holding most of the canary's tokens (one list serves them all)."""
     views = [view for view in reg.views if not view.is_state]
     if not views:
         return []
     tpb = reg.tokens(views[0])
     slots = min(reg.pools_by_id[view.pool_id].num_slots for view in views)
-    count = -(-len(tokens) // tpb)
+    count = reg.placement(tokens.stop).last_block_end(tokens.stop, tpb)
     if count > slots:
         raise ValueError(f"{reg.label()}: the canary needs {count} blocks, the pool has {slots}")
     return list(range(slots - count, slots))
@@ -67,13 +74,14 @@ def reserved_state_slot(reg: RankRegistration, tokens: range) -> int | None:
     return slot
 
 
-def pattern(key: RowKey, tokens: range, width: int) -> np.ndarray:
-    """``[tokens, width]`` canary bytes of one row series: a multiplicative mix of the series,
-    the prompt position and the byte, so a byte from another layer, head, token, K/V or offset
-    differs from the one expected (but for a 1-in-256 coincidence per byte, never a whole row)."""
+def pattern(key: RowKey, tokens: Sequence[int] | np.ndarray, width: int) -> np.ndarray:
+    """``[tokens, width]`` canary bytes of one row series at prompt positions ``tokens``: a
+    multiplicative mix of the series, the prompt position and the byte, so a byte from another
+    layer, head, token, K/V or offset differs from the one expected (but for a 1-in-256
+    coincidence per byte, never a whole row)."""
     name = zlib.crc32(f"{key.owner}/{key.roles}".encode())
     series = ((name * 4099 + key.layer) * 8191 + key.head + 1) * 3 + key.buffer
-    token = np.arange(tokens.start, tokens.stop, dtype=np.uint64)[:, None]
+    token = np.asarray(tokens, dtype=np.uint64).reshape(-1, 1)
     return _mix(series, token, np.arange(width, dtype=np.uint64)[None, :])
 
 
@@ -96,7 +104,8 @@ def filler(pool: int, first: int, end: int) -> np.ndarray:
 class CanaryContent(Protocol):
     """What a checked canary must hold, per logical series (None: not checked)."""
 
-    def rows(self, key: RowKey, held: range, width: int) -> np.ndarray | None: ...
+    def rows(self, key: RowKey, held: np.ndarray, width: int) -> np.ndarray | None:
+        """The rows of a series at prompt positions ``held``."""
 
     def state(self, key: StateKey, size: int) -> np.ndarray | None: ...
 
@@ -104,7 +113,7 @@ class CanaryContent(Protocol):
 class Pattern:
     """The content ``write_canary`` writes: ``pattern`` and ``state_pattern``."""
 
-    def rows(self, key: RowKey, held: range, width: int) -> np.ndarray | None:
+    def rows(self, key: RowKey, held: np.ndarray, width: int) -> np.ndarray | None:
         return pattern(key, held, width)
 
     def state(self, key: StateKey, size: int) -> np.ndarray | None:
@@ -122,9 +131,8 @@ def _mix(series: int, token: np.ndarray, byte: np.ndarray) -> np.ndarray:
 
 def write_canary(kv: RequestKv) -> None:
     """The producer's side: the pattern into ``kv.blocks`` (and the state canary into
-    ``kv.state_slot``) through the rank's layout."""
-    shapes = {key: rows.shape[1] for key, rows in read_rows(kv)}
-    place_rows(kv, {key: pattern(key, kv.tokens, w) for key, w in shapes.items()})
+    ``kv.state_slot``) through the rank's layout (a CP rank: the positions it holds)."""
+    place_held_rows(kv, pattern)
     if kv.state_slot is not None:
         slot = kv.state_slot
         sizes = {key: len(data) for key, data in read_state(kv.reg, kv.pools, slot)}
@@ -139,10 +147,8 @@ def check_canary(kv: RequestKv, content: CanaryContent = PATTERN) -> Mismatch | 
     is what ``content`` says (the pattern, by default). A windowed view is checked from
     ``kv.firsts`` on (the tokens the pair moved: ``kv_rows.window_firsts(reg, len(tokens),
     producer ranks)``)."""
-    tokens = kv.tokens
     first: tuple[tuple[int, int, int, int], Mismatch] | None = None
-    for key, rows in read_rows(kv):
-        held = range(tokens.stop - rows.shape[0], tokens.stop)
+    for key, held, rows in read_held_rows(kv):
         expected = content.rows(key, held, rows.shape[1])
         if expected is None:
             continue
@@ -151,7 +157,7 @@ def check_canary(kv: RequestKv, content: CanaryContent = PATTERN) -> Mismatch | 
         else:
             wrong = np.flatnonzero((rows != expected).any(axis=1))
         if len(wrong):
-            token = held.start + int(wrong[0])
+            token = int(held[wrong].min()) if len(held) else 0
             order = (key.layer, key.head, token, key.buffer)
             if first is None or order < first[0]:
                 first = (order, Mismatch(key, (token, token + 1)))

@@ -10,7 +10,10 @@ Covered: block views (hnd with or without a declared interior, nhd, replicated) 
 context parallelism, sliding-window views included: the two sides of one request hold different
 extents of a windowed view, so ``window_firsts`` names each windowed view's first held token (by
 the geometry's own window rule) and ``read_rows`` reads such a view from there on. Recurrent
-state is read per request slot by ``kv_state``.
+state is read per request slot by ``kv_state``. A rank with context parallelism holds only some
+prompt positions, at local positions of its own (``Spread``): ``read_held_rows`` and
+``place_held_rows`` read and write them for the canary, a prompt from token 0 (digests, which cut
+series in chunks of consecutive tokens, still refuse such ranks).
 
 What a rank holds of one request is one ``RequestKv`` (registration, pools, blocks, tokens, the
 windowed views' first tokens, the state slot), which the row readers, the canary and the digests
@@ -19,13 +22,13 @@ take alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from kvroute.geometry import Kind, RankRegistration, View, window_start
+from kvroute.geometry import Kind, LayerSlot, RankRegistration, View, window_start
 from kvroute.geometry.checks.matching import match_view
 from kvroute.geometry.checks.pairs import pair_window
 from kvroute.geometry.leaves.heads import head_range
@@ -231,3 +234,85 @@ def place_rows(kv: RequestKv, content: Mapping[RowKey, np.ndarray]) -> None:
 
 def roles_of(view: View) -> str:
     return ",".join(sorted(view.roles))
+
+
+def held_positions(reg: RankRegistration, tokens: range) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt positions, local positions) of the ``tokens`` a rank holds, in local order: all of
+    them at their own positions without context parallelism; with it, a prompt of
+    ``tokens.stop`` tokens from token 0 (chunked layouts place tokens by the prompt's length)."""
+    spread = reg.placement(tokens.stop)
+    if spread.trivial:
+        positions = np.arange(tokens.start, tokens.stop, dtype=np.int64)
+        return positions, positions
+    if tokens.start:
+        raise ValueError(f"{reg.label()}: a CP rank's rows are read from token 0, not {tokens}")
+    held = [token for token in tokens if spread.holds(token)]
+    local = np.array([spread.local(token) for token in held], dtype=np.int64)
+    order = np.argsort(local, kind="stable")
+    return np.array(held, dtype=np.int64)[order], local[order]
+
+
+def read_held_rows(kv: RequestKv) -> Iterator[tuple[RowKey, np.ndarray, np.ndarray]]:
+    """Each covered row series as (prompt positions, ``[positions, row]`` uint8 rows): what
+    ``read_rows`` yields, with the positions its rows hold, for a CP rank too."""
+    if kv.reg.cp_size == 1:
+        for key, rows in read_rows(kv):
+            yield key, np.arange(kv.tokens.stop - len(rows), kv.tokens.stop), rows
+        return
+    for view, slots, (positions, local) in _held_views(kv):
+        for slot, rows in _layer_rows(kv, view, slots):
+            for j, head in enumerate(global_heads(kv.reg, view)):
+                for buf in range(view.buffers_per_layer):
+                    key = RowKey(view.owner.value, roles_of(view), slot.layer, head, buf)
+                    yield key, positions, np.ascontiguousarray(rows[j, buf][local])
+
+
+def place_held_rows(
+    kv: RequestKv, content: Callable[[RowKey, np.ndarray, int], np.ndarray]
+) -> None:
+    """Writes ``content(key, positions, row bytes)`` into the rows a rank holds of ``kv.tokens``
+    through its layout, leaving every other byte of its blocks as it was (a CP rank's last block
+    may be part-filled)."""
+    if kv.reg.cp_size == 1:
+        widths = {key: rows.shape[1] for key, rows in read_rows(kv)}
+        positions = np.arange(kv.tokens.start, kv.tokens.stop)
+        place_rows(kv, {key: content(key, positions, width) for key, width in widths.items()})
+        return
+    for view, slots, (positions, local) in _held_views(kv):
+        pool = kv.reg.pools_by_id[view.pool_id]
+        where = _to_rows(
+            kv.reg, view, np.arange(len(slots) * view.bytes_per_layer).reshape(len(slots), -1)
+        )
+        for slot in view.layers:
+            whole = _regions(kv.pools[view.pool_id], pool.slot_stride, slot.offset,
+                             view.bytes_per_layer, pool.num_slots)  # fmt: skip
+            region = whole[slots].reshape(-1)
+            for j, head in enumerate(global_heads(kv.reg, view)):
+                for buf in range(view.buffers_per_layer):
+                    key = RowKey(view.owner.value, roles_of(view), slot.layer, head, buf)
+                    at = where[j, buf][local]  # [held tokens, row]: byte indices in the blocks
+                    region[at] = content(key, positions, at.shape[1])
+            whole[slots] = region.reshape(len(slots), -1)
+
+
+def _held_views(kv: RequestKv) -> Iterator[tuple[View, np.ndarray, tuple[np.ndarray, np.ndarray]]]:
+    """A CP rank's covered views, each with the slots of the local blocks holding its tokens and
+    (prompt positions, local positions) of those tokens."""
+    positions, local = held_positions(kv.reg, kv.tokens)
+    for view in [v for v in kv.reg.views if not v.is_state and _heads_known(kv.reg, v)]:
+        if view.sliding_window is not None:
+            raise UnsupportedLayout(f"{view.label()}: a window's rows on a CP rank")
+        count = -(-(int(local.max(initial=-1)) + 1) // kv.reg.tokens(view))
+        if count > len(kv.blocks):
+            raise ValueError(f"{kv.reg.label()}: its tokens need {count} blocks, {kv.blocks} given")
+        yield view, np.asarray(kv.blocks[:count], dtype=np.int64), (positions, local)
+
+
+def _layer_rows(
+    kv: RequestKv, view: View, slots: np.ndarray
+) -> Iterator[tuple[LayerSlot, np.ndarray]]:
+    pool = kv.reg.pools_by_id[view.pool_id]
+    for slot in view.layers:
+        whole = _regions(kv.pools[view.pool_id], pool.slot_stride, slot.offset,
+                         view.bytes_per_layer, pool.num_slots)  # fmt: skip
+        yield slot, _to_rows(kv.reg, view, whole[slots])

@@ -139,9 +139,9 @@ class Expected:
                 _merge(state, ((key, data.copy()) for key, data in read_state(reg, pools, slot)))
         return cls(rows, state)
 
-    def rows(self, key: RowKey, held: range, width: int) -> np.ndarray | None:
-        found = self.rows_by_key.get(key)
-        return None if found is None else found[held.start : held.stop]
+    def rows(self, key: RowKey, held: np.ndarray, width: int) -> np.ndarray | None:
+        found = self.rows_by_key.get(key)  # rows of positions 0, 1, ...: the block's tokens
+        return None if found is None else found[held]
 
     def state(self, key: StateKey, size: int) -> np.ndarray | None:
         return self.state_by_key.get(key)
