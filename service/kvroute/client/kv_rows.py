@@ -299,6 +299,8 @@ def _held_views(kv: RequestKv) -> Iterator[tuple[View, np.ndarray, tuple[np.ndar
     """A CP rank's covered views, each with the slots of the local blocks holding its tokens and
     (prompt positions, local positions) of those tokens."""
     positions, local = held_positions(kv.reg, kv.tokens)
+    if not len(local):  # a prompt shorter than this rank's first chunk or deal
+        return
     for view in [v for v in kv.reg.views if not v.is_state and _heads_known(kv.reg, v)]:
         if view.sliding_window is not None:
             raise UnsupportedLayout(f"{view.label()}: a window's rows on a CP rank")
