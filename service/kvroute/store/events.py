@@ -119,7 +119,7 @@ def appending_values(deployment: str, changes: Sequence[Change], at: datetime) -
 
 def _appending_values(deployment: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     values: dict[str, Any] = {"key_deployment": deployment, "count": len(rows)}
-    values.update(bulk.arrays(EVENTS, rows, EVENT_COLUMNS, "changes"))
+    values.update(bulk.arrays(EVENTS, rows, EVENT_COLUMNS, "changes", numbered="position"))
     return values
 
 
