@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import event, select
@@ -22,6 +23,7 @@ from kvroute.control.registry import Registry
 from kvroute.geometry import GeometryError, RankRegistration
 from kvroute.geometry.checks.classes import VerdictMemo
 from kvroute.geometry.checks.instance import InstanceMemo
+from kvroute.store import events
 from kvroute.store.admission import admit_batch, prepare
 from kvroute.store.engine import SessionMaker
 from kvroute.store.models import InstanceRow, PoolRow, RankRow, ViewRow
@@ -186,5 +188,54 @@ async def test_a_batch_costs_the_statements_of_one_admission(
     ]
     assert await statements(many) == one
     if engine.dialect.name == "postgresql":
-        # the lock, the judgement with its fences, the peers, the rows, the events
-        assert one == 5
+        # the lock, the judgement with its fences, the peers, the rows with their events
+        assert one == 4
+
+
+async def test_a_batch_logs_what_readers_see_with_the_generations_it_counted(
+    sessionmaker: SessionMaker,
+) -> None:
+    """The batch's events (on PostgreSQL written by the storing statement itself): a new rank and
+    a changed document with the generation the batch counted, a rank live again with its own, a
+    renewal of a live rank nothing; then one ``plans_invalidated`` per instance, in order."""
+    cache, memo, agreed = RegistrationCache(sessionmaker), {}, {}
+
+    def reg(instance: str, rank: int, lease: int) -> RankRegistration:
+        role = "context" if instance.startswith("ctx") else "generation"
+        return registration("logged", instance, rank, role=role, tp_size=2, lease_seconds=lease)
+
+    async def admit(batch: list[RankRegistration], now: datetime) -> list[tuple]:
+        for candidate in batch:
+            await prepare(candidate)
+        result = await admit_batch(sessionmaker, batch, Caches(cache, memo, agreed), now=now)
+        assert not result.deferred
+        return [_outcome(outcome) for outcome in result.outcomes]
+
+    first = [reg("ctx0", 0, 300), reg("ctx0", 1, 300), reg("gen0", 0, 30)]
+    assert await admit(first, T0) == [("admitted", 1, True)] * 3
+    later = T0 + timedelta(seconds=60)  # gen0's rank 0 has expired, ctx0's ranks are live
+    second = [reg("ctx0", 0, 300), reg("ctx0", 1, 31), reg("gen0", 0, 30), reg("gen0", 1, 30)]
+    assert await admit(second, later) == [
+        ("admitted", 1, False),  # renewed: no event
+        ("admitted", 2, False),  # a changed document: a new generation
+        ("admitted", 1, False),  # live again
+        ("admitted", 1, True),
+    ]
+    logged = [
+        (event.revision, event.kind, event.instance, event.rank, event.generation, event.data)
+        for event in await events.read_after(sessionmaker, "logged", 0, 100)
+    ]
+    invalidated = {"reason": "rank_registered"}
+    assert logged == [
+        (1, "rank_registered", "ctx0", 0, 1, None),
+        (2, "rank_registered", "ctx0", 1, 1, None),
+        (3, "rank_registered", "gen0", 0, 1, None),
+        (4, "plans_invalidated", "ctx0", None, None, invalidated),
+        (5, "plans_invalidated", "gen0", None, None, invalidated),
+        (6, "rank_registered", "ctx0", 1, 2, None),
+        (7, "rank_registered", "gen0", 0, 1, None),
+        (8, "rank_registered", "gen0", 1, 1, None),
+        (9, "plans_invalidated", "ctx0", None, None, invalidated),
+        (10, "plans_invalidated", "gen0", None, None, invalidated),
+    ]
+    assert await events.current_revision(sessionmaker, "logged") == 10

@@ -17,7 +17,8 @@ Inside the deployment lock (``ranks.lock_deployment``) a batch of candidates of 
 4. checks the candidates in order, each against the members of its instance and the class
    representatives of the opposite role as the candidates admitted before it left them (exactly
    the answers admitting them one by one would give), verdicts memoized per class pair;
-5. writes the admitted ones with a fixed number of statements (``rank_writes``).
+5. writes the admitted ones and their events with a fixed number of statements (``rank_writes``;
+   on PostgreSQL the events travel in the storing statement).
 
 A candidate that replaces a live rank with a document of another class ends the batch after it:
 that class's next member was never read, so later candidates could not be checked against it.
@@ -159,26 +160,31 @@ async def _admit(
     if not admitted:  # a refusal changes nothing: not checked_at, no fence, no deployment row
         await connection.rollback()
         return BatchResult([outcome for outcome in outcomes if outcome is not None], deferred)
-    stored = await write_admitted(connection, [(reg, old) for _, reg, old in admitted], at, terms)
+    stored = await write_admitted(
+        connection,
+        [(reg, old) for _, reg, old in admitted],
+        at,
+        terms,
+        _registered([reg for _, reg, _ in admitted], peers, at),
+    )
     for (position, _, _), outcome in zip(admitted, stored, strict=True):
         outcomes[position] = outcome
-    await events.append(connection, deployment, _registered(admitted, stored, peers, at), at)
     return BatchResult([outcome for outcome in outcomes if outcome is not None], deferred)
 
 
 def _registered(
-    admitted: Sequence[tuple[int, RankRegistration, Existing | None]],
-    stored: Sequence[RegisterOutcome],
-    peers: Peers,
-    at: datetime,
+    admitted: Sequence[RankRegistration], peers: Peers, at: datetime
 ) -> list[events.Change]:
-    """Events of the admissions a reader sees: a new rank, a new generation, or a rank live
-    again (a renewal of a live rank with the same document changes nothing it sees)."""
-    news = []
-    for (_, reg, _), outcome in zip(admitted, stored, strict=True):
+    """Events of the admissions a reader sees: a new rank, a new generation (a document other
+    than the stored one: its generation is counted by the write, so it is None here), or a rank
+    live again (a renewal of a live rank with the same document changes nothing it sees)."""
+    news: list[tuple[str, int, int | None]] = []
+    for reg in admitted:
         old = peers.rows.get(reg.key)
-        if old is None or old[0] != outcome.generation or old[3] <= at:
-            news.append((reg.instance, reg.rank, outcome.generation))
+        if old is None or old[1] != reg.canonical_digest:
+            news.append((reg.instance, reg.rank, None))
+        elif old[3] <= at:
+            news.append((reg.instance, reg.rank, old[0]))
     return events.rank_changes("rank_registered", news)
 
 

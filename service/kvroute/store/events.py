@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, delete, func, insert, or_, select, true, update
+from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, true, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from kvroute import wire
@@ -75,21 +75,9 @@ async def append(
     exists); returns the deployment's new revision, or None when there was nothing to append."""
     if not changes:
         return None
-    rows = [
-        {
-            "deployment": deployment,
-            "at": at,
-            "kind": change.kind,
-            "instance": change.instance,
-            "rank": change.rank,
-            "generation": change.generation,
-            "data": change.data or None,
-        }
-        for change in changes
-    ]
+    rows = _rows(deployment, changes, at)
     if dialect_of(connection).arrays:
-        values = {"key_deployment": deployment, "count": len(rows)}
-        values.update(bulk.arrays(EVENTS, rows, EVENT_COLUMNS, "changes"))
+        values = _appending_values(deployment, rows)
         return int((await connection.execute(_appending_statement(), values)).scalar_one())
     revision = (
         await connection.execute(
@@ -109,10 +97,45 @@ async def append(
 EVENT_COLUMNS = ("deployment", "at", "kind", "instance", "rank", "generation", "data")
 
 
+def _rows(deployment: str, changes: Sequence[Change], at: datetime) -> list[dict[str, Any]]:
+    return [
+        {
+            "deployment": deployment,
+            "at": at,
+            "kind": change.kind,
+            "instance": change.instance,
+            "rank": change.rank,
+            "generation": change.generation,
+            "data": change.data or None,
+        }
+        for change in changes
+    ]
+
+
+def appending_values(deployment: str, changes: Sequence[Change], at: datetime) -> dict[str, Any]:
+    """The parameters of ``appending_ctes`` that append ``changes``."""
+    return _appending_values(deployment, _rows(deployment, changes, at))
+
+
+def _appending_values(deployment: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    values: dict[str, Any] = {"key_deployment": deployment, "count": len(rows)}
+    values.update(bulk.arrays(EVENTS, rows, EVENT_COLUMNS, "changes", numbered="position"))
+    return values
+
+
 @functools.cache
 def _appending_statement() -> Any:
-    """PostgreSQL: the revision counted up by ``count``, the changes numbered below it and
-    stored, and ``NOTIFY kvroute_events`` sent (delivered at commit), in one statement."""
+    """PostgreSQL: ``append`` in one statement; returns the new revision."""
+    numbered, stored = appending_ctes()
+    return select(numbered.c.revision).add_cte(stored)
+
+
+def appending_ctes(generations: Any = None) -> tuple[Any, Any]:
+    """PostgreSQL: the revision counted up by ``count``, the changes numbered below it and stored,
+    and ``NOTIFY kvroute_events`` sent (delivered at commit), as two CTEs that a write can carry in
+    its own statement (``numbered`` returns the new revision; parameters from
+    ``appending_values``). ``generations``: a selectable of (instance, rank, generation) counted
+    earlier in the same statement; a change without a generation takes its rank's from it."""
     numbered = (
         update(DEPLOYMENTS)
         .where(DEPLOYMENTS.c.name == bindparam("key_deployment"))
@@ -121,14 +144,24 @@ def _appending_statement() -> Any:
         .cte("numbered")
     )
     rows = bulk.unnest_rows(EVENTS, EVENT_COLUMNS, "changes", numbered="position")
-    stored = insert(EVENTS).from_select(
-        [*EVENT_COLUMNS, "revision"],
-        select(
-            *bulk.values(EVENTS, rows, EVENT_COLUMNS),
-            numbered.c.revision - bindparam("count") + rows.c.position,
-        ).join_from(rows, numbered, true()),  # one revision row for every change
-    )
-    return select(numbered.c.revision).add_cte(stored.cte("stored"))
+    columns = bulk.values(EVENTS, rows, EVENT_COLUMNS)
+    numbering = numbered.c.revision - bindparam("count") + rows.c.position
+    if generations is None:
+        chosen = select(*columns, numbering).join_from(rows, numbered, true())
+    else:
+        at = EVENT_COLUMNS.index("generation")
+        columns[at] = func.coalesce(rows.c.generation, generations.c.generation)
+        chosen = (
+            select(*columns, numbering)
+            .join_from(rows, numbered, true())
+            .outerjoin(
+                generations,
+                and_(generations.c.instance == rows.c.instance, generations.c.rank == rows.c.rank),
+            )
+        )
+    # ``numbered`` has one row: one revision for every change
+    stored = insert(EVENTS).from_select([*EVENT_COLUMNS, "revision"], chosen)
+    return numbered, stored.cte("stored")
 
 
 def notifies(engine: AsyncEngine) -> bool:

@@ -4,17 +4,16 @@ The caller holds the deployment lock and has checked every rank. Each write's ru
 (the generation counted up, the instance created or re-stated, the rows inserted); the dialect
 (``store.dialect``) says how its rows travel. Where rows travel as arrays (PostgreSQL) the new
 documents of a batch (generation counters, instance rows, rank rows, their documents, pools and
-views) are one
-statement of data-modifying CTEs over ``unnest``ed arrays (``bulk``): one round trip, one prepared
-text whatever the batch size. Elsewhere (SQLite, where statements cost no round trip) each write is
-one ``executemany``. Either way a batch of sixteen admissions costs the statements of one.
+views) and the batch's events (``events.appending_ctes``) are one statement of data-modifying CTEs
+over ``unnest``ed arrays (``bulk``): one round trip, one prepared text whatever the batch size.
+Elsewhere (SQLite, where statements cost no round trip) each write is one ``executemany``. Either way a batch of sixteen admissions costs the statements of one.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -31,7 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from kvroute.geometry import RankRegistration
-from kvroute.store import bulk
+from kvroute.store import bulk, events
 from kvroute.store import ranks as repo
 from kvroute.store.dialect import POSTGRES, Dialect, dialect_of
 from kvroute.store.engine_leases import LeaseTerms, own_terms
@@ -78,10 +77,13 @@ async def write_admitted(
     admitted: Sequence[tuple[RankRegistration, Existing | None]],
     at: datetime,
     terms: Sequence[LeaseTerms] | None = None,
+    changes: Sequence[events.Change] = (),
 ) -> list[RegisterOutcome]:
     """Stores checked ranks (in order) under their lease terms (default: each its own lease from
     ``at``); an identical document only renews its lease (and attaches it to the engine lease it
-    names, or detaches it)."""
+    names, or detaches it). Appends ``changes`` to the deployment's event log (the deployment row
+    exists): a change of a rank stored with a new document and without a generation gets the one
+    counted here."""
     if terms is None:
         terms = [own_terms(reg, at) for reg, _ in admitted]
     renewed = [
@@ -103,7 +105,12 @@ async def write_admitted(
     generations: dict[tuple[str, int], int] = {}
     if changed:
         await _delete_replaced(connection, [reg for reg, old, _ in changed if old is not None])
-        generations = await _store(connection, changed, at)
+        generations, appended = await _store(connection, changed, at, changes)
+        if appended:
+            changes = ()
+    if changes:
+        deployment = admitted[0][0].deployment
+        await events.append(connection, deployment, _numbered(changes, generations), at)
     outcomes = []
     for (reg, old), term, same in zip(admitted, terms, renewed, strict=True):
         generation = old.generation if same and old else generations[reg.key]
@@ -136,12 +143,28 @@ async def _renew(
     )
 
 
+def _numbered(
+    changes: Sequence[events.Change], generations: dict[tuple[str, int], int]
+) -> list[events.Change]:
+    """``changes`` with the generations counted by ``_store`` where they had none (the rule the
+    storing statement applies when it appends them itself)."""
+    numbered = []
+    for change in changes:
+        counted = None
+        if change.generation is None and change.instance is not None and change.rank is not None:
+            counted = generations.get((change.instance, change.rank))
+        numbered.append(change if counted is None else replace(change, generation=counted))
+    return numbered
+
+
 async def _store(
     connection: AsyncConnection,
     changed: Sequence[tuple[RankRegistration, Existing | None, LeaseTerms]],
     at: datetime,
-) -> dict[tuple[str, int], int]:
-    """Stores the new documents (their old rows already deleted); returns their generations."""
+    changes: Sequence[events.Change],
+) -> tuple[dict[tuple[str, int], int], bool]:
+    """Stores the new documents (their old rows already deleted); returns their generations, and
+    whether ``changes`` were appended too (in the same statement, where rows travel as arrays)."""
     documents = {reg.key: reg.to_json() for reg, _, _ in changed}
     ranks = [{**_key(reg), **_rank_values(reg, term, at)} for reg, _, term in changed]
     stored = [{**_key(reg), "document": documents[reg.key]} for reg, _, _ in changed]
@@ -159,9 +182,10 @@ async def _store(
     instances = _instance_rows(regs, at)
     dialect = dialect_of(connection)
     if dialect.arrays:
-        return await _store_in_one_statement(
-            connection, regs, instances, ranks, (stored, pools, views)
+        generations = await _store_in_one_statement(
+            connection, regs, instances, ranks, (stored, pools, views), changes, at
         )
+        return generations, True
     generations = await _next_generations(connection, dialect, regs)
     await connection.execute(_restated(dialect.insert(INSTANCES)), instances)
     for row in ranks:
@@ -172,7 +196,7 @@ async def _store(
         await connection.execute(insert(POOLS), pools)
     if views:
         await connection.execute(insert(VIEWS), views)
-    return generations
+    return generations, False
 
 
 async def _store_in_one_statement(
@@ -181,8 +205,11 @@ async def _store_in_one_statement(
     instances: Sequence[dict[str, Any]],
     ranks: Sequence[dict[str, Any]],
     parts: tuple[Sequence[dict[str, Any]], ...],
+    changes: Sequence[events.Change],
+    at: datetime,
 ) -> dict[tuple[str, int], int]:
-    """``parts``: the ranks' documents, pools and views."""
+    """``parts``: the ranks' documents, pools and views; ``changes`` are appended in the same
+    statement."""
     stored, pools, views = parts
     values = {
         **bulk.arrays(GENERATIONS, [_key(reg) for reg in regs], KEY, "counted"),
@@ -192,7 +219,9 @@ async def _store_in_one_statement(
         **bulk.arrays(POOLS, pools, POOL_COLUMNS, "pool_rows"),
         **bulk.arrays(VIEWS, views, VIEW_COLUMNS, "view_rows"),
     }
-    rows = await connection.execute(_storing_statement(), values)
+    if changes:
+        values.update(events.appending_values(regs[0].deployment, changes, at))
+    rows = await connection.execute(_storing_statement(appending=bool(changes)), values)
     return {(instance, rank): generation for instance, rank, generation in rows}
 
 
@@ -204,10 +233,12 @@ VIEW_COLUMNS = tuple(column.name for column in VIEWS.c)
 
 
 @functools.cache
-def _storing_statement() -> Any:
+def _storing_statement(appending: bool = False) -> Any:
     """PostgreSQL: each rank's generation counted up (numbers are never reused, not even after a
-    delete), its instance created or re-stated, its row, document, pools and views inserted; returns
-    (instance, rank, generation) per rank. Built once: its text fits every batch size."""
+    delete), its instance created or re-stated, its row, document, pools and views inserted, and
+    with ``appending`` the batch's events appended (``events.appending_ctes``: one round trip
+    fewer under the deployment lock); returns (instance, rank, generation) per rank. Built once
+    per form: its text fits every batch size."""
     counted = bulk.unnest_rows(GENERATIONS, KEY, "counted")
     counter = POSTGRES.insert(GENERATIONS).from_select(
         [*KEY, "generation"], select(*counted.c, literal(1, BigInteger()))
@@ -226,7 +257,7 @@ def _storing_statement() -> Any:
         following,
         and_(following.c.instance == rows.c.instance, following.c.rank == rows.c.rank),
     )
-    writes = (
+    writes = [
         restated.cte("instances_written"),
         insert(RANKS)
         .from_select([*KEY, *RANK_VALUES, "generation"], numbered)
@@ -234,7 +265,9 @@ def _storing_statement() -> Any:
         bulk.insert_rows(DOCUMENTS, DOCUMENT_COLUMNS, "document_rows").cte("documents_written"),
         bulk.insert_rows(POOLS, POOL_COLUMNS, "pool_rows").cte("pools_written"),
         bulk.insert_rows(VIEWS, VIEW_COLUMNS, "view_rows").cte("views_written"),
-    )
+    ]
+    if appending:
+        writes += events.appending_ctes(following)
     return select(following.c.instance, following.c.rank, following.c.generation).add_cte(*writes)
 
 
