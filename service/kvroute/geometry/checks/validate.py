@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvroute.geometry.leaves.errors import GeometryError
 from kvroute.geometry.leaves.heads import declared_total_problem
-from kvroute.geometry.leaves.parts import CpLayout, Kind, Owner, Role, Tiling, View
+from kvroute.geometry.leaves.parts import CpLayout, Kind, Owner, Role, View
 from kvroute.geometry.registration.identity import check_scale_views
 
 if TYPE_CHECKING:
@@ -306,18 +306,15 @@ def _check_interior(field: str, view: View, heads: int, tokens: int) -> None:
                 tiling.planes,
                 row,
             )
-        if tiling.group_planes > 1 and (tiling.token_group == 1 or row % _cuts(tiling)):
-            chunk = row // tiling.planes
-            why = (
-                "group_planes needs token_group > 1"
-                if tiling.token_group == 1
-                else f"a plane's {chunk}-byte chunk of a token cannot be cut into that many pieces"
-            )
+        pieces, chunk = tiling.group_planes, row // tiling.planes
+        if pieces > 1 and (tiling.token_group == 1 or chunk % pieces):
+            grouped = tiling.token_group > 1
+            why = f"cannot cut a plane's {chunk}-byte chunk" if grouped else "needs token_group > 1"
             raise _self_error(
                 "interior_group_planes_not_divisible",
-                f"{view.label()}: group_planes {tiling.group_planes}: {why}",
+                f"{view.label()}: group_planes {pieces} {why}",
                 f"{where}.group_planes",
-                tiling.group_planes,
+                pieces,
                 chunk,
             )
         if tokens % tiling.token_group:
@@ -329,10 +326,6 @@ def _check_interior(field: str, view: View, heads: int, tokens: int) -> None:
                 tiling.token_group,
                 tokens,
             )
-
-
-def _cuts(tiling: Tiling) -> int:
-    return tiling.planes * tiling.group_planes
 
 
 def _check_state_view(field: str, view: View) -> None:
