@@ -13,7 +13,7 @@ from kvroute.client.integrity import path_report
 from kvroute.client.kv_digest import Grid, KvDigest, Mismatch
 from kvroute.client.kv_rows import RowKey
 from kvroute.client.kv_state import StateKey
-from tests.api.conftest import WORKER, register
+from tests.api.conftest import ADMIN, WORKER, register
 from tests.api.test_pairs import by_instance, pairs, placed
 
 Client = TestClient[web.Request, web.Application]
@@ -180,3 +180,17 @@ async def test_state_elements_and_hybrid_digests_are_accepted(client: Client) ->
     response = await client.post("/v1/deployments/llama/kv-digests", json=upload, headers=WORKER)
     assert response.status == 422
     assert "step" in (await response.json())["detail"]
+
+
+async def test_an_instance_deleted_for_good_takes_its_paths_with_it(client: Client) -> None:
+    """Deleting an instance (or its last rank) drops the paths it is a side of; the others stay."""
+    await two_pairs(client)
+    for producer in ("ctx0", "ctx1"):
+        status, body = await report(client, producer=producer, state="failed", element=ELEMENT)
+        assert status == 201, body
+    deleted = await client.delete("/v1/deployments/llama/instances/ctx0/ranks/0", headers=ADMIN)
+    assert deleted.status == 204
+    assert [p["producer"] for p in await paths(client)] == ["ctx1"]
+    deleted = await client.delete("/v1/deployments/llama/instances/gen0", headers=ADMIN)
+    assert deleted.status == 204
+    assert await paths(client) == []

@@ -15,7 +15,7 @@ from sqlalchemy import Update, bindparam, delete, exists, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from kvroute.store.dialect import dialect_of
-from kvroute.store.models import InstanceRow, RankRow
+from kvroute.store.models import InstanceRow, KvPathRow, RankRow
 
 
 async def lock_deployment(session: AsyncSession, deployment: str) -> None:
@@ -89,4 +89,19 @@ async def delete_empty_instances(session: AsyncSession, deployment: str) -> None
     )
     await session.execute(
         delete(InstanceRow).where(InstanceRow.deployment == deployment, ~has_rank)
+    )
+    await forget_paths(session, deployment)
+
+
+async def forget_paths(session: AsyncSession, deployment: str) -> None:
+    """Drops the KV paths (``kv_paths``) whose producer or consumer instance is gone: an instance
+    deleted for good would otherwise leave them behind, stale, in every answer. One that comes
+    back is a new registration, whose paths are attested again."""
+
+    def gone(name: Any) -> Any:
+        return ~exists().where(InstanceRow.deployment == deployment, InstanceRow.name == name)
+
+    paths = KvPathRow.deployment == deployment
+    await session.execute(
+        delete(KvPathRow).where(paths, gone(KvPathRow.producer) | gone(KvPathRow.consumer))
     )

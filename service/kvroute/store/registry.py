@@ -199,6 +199,7 @@ async def delete_instance(
         )
         if deleted == 0:
             raise NotFound(f"instance {instance!r} of deployment {deployment!r} does not exist")
+        await repo.forget_paths(session, deployment)
         changes = events.rank_changes("rank_deleted", gone, reason="instance_deleted")
         await events.append(await session.connection(), deployment, changes, now or _now())
 
