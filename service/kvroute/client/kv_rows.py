@@ -186,21 +186,13 @@ def read_rows(kv: RequestKv) -> Iterator[tuple[RowKey, np.ndarray]]:
         held = held_tokens(view, kv.tokens, kv.firsts)
         if not held:
             continue
-        pool = reg.pools_by_id[view.pool_id]
         first, count = _block_span(reg, view, held)
         slots = np.asarray(kv.blocks[first : first + count], dtype=np.int64)
         skip = held.start - first * reg.tokens(view)
-        heads = global_heads(reg, view)
-        for slot in view.layers:
-            whole = _regions(
-                kv.pools[view.pool_id], pool.slot_stride, slot.offset, view.bytes_per_layer,
-                pool.num_slots,
-            )  # fmt: skip
+        for slot, whole in _layer_regions(kv, view):
             rows = _to_rows(reg, view, whole[slots])[:, :, skip : skip + len(held)]
-            for j, head in enumerate(heads):
-                for buf in range(view.buffers_per_layer):
-                    key = RowKey(view.owner.value, roles_of(view), slot.layer, head, buf)
-                    yield key, np.ascontiguousarray(rows[j, buf])
+            for j, buf, key in _series(reg, view, slot.layer):
+                yield key, np.ascontiguousarray(rows[j, buf])
 
 
 def place_rows(kv: RequestKv, content: Mapping[RowKey, np.ndarray]) -> None:
@@ -211,7 +203,6 @@ def place_rows(kv: RequestKv, content: Mapping[RowKey, np.ndarray]) -> None:
     if kv.firsts:
         raise ValueError("place_rows writes every view from tokens.start; firsts were given")
     for view in covered_views(reg):
-        pool = reg.pools_by_id[view.pool_id]
         first, count = _block_span(reg, view, tokens)
         tpb = reg.tokens(view)
         if tokens.start % tpb or len(tokens) != count * tpb:
@@ -219,16 +210,10 @@ def place_rows(kv: RequestKv, content: Mapping[RowKey, np.ndarray]) -> None:
         slots = np.asarray(kv.blocks[first : first + count], dtype=np.int64)
         # Where each logical byte goes: the row shape of an index array, whatever copies it took.
         where = _to_rows(reg, view, np.arange(count * view.bytes_per_layer).reshape(count, -1))
-        for slot in view.layers:
+        for slot, whole in _layer_regions(kv, view):
             region = np.zeros(count * view.bytes_per_layer, dtype=np.uint8)
-            for j, head in enumerate(global_heads(reg, view)):
-                for buf in range(view.buffers_per_layer):
-                    key = RowKey(view.owner.value, roles_of(view), slot.layer, head, buf)
-                    region[where[j, buf]] = content[key]
-            whole = _regions(
-                kv.pools[view.pool_id], pool.slot_stride, slot.offset, view.bytes_per_layer,
-                pool.num_slots,
-            )  # fmt: skip
+            for j, buf, key in _series(reg, view, slot.layer):
+                region[where[j, buf]] = content[key]
             whole[slots] = region.reshape(count, -1)
 
 
@@ -260,11 +245,10 @@ def read_held_rows(kv: RequestKv) -> Iterator[tuple[RowKey, np.ndarray, np.ndarr
             yield key, np.arange(kv.tokens.stop - len(rows), kv.tokens.stop), rows
         return
     for view, slots, (positions, local) in _held_views(kv):
-        for slot, rows in _layer_rows(kv, view, slots):
-            for j, head in enumerate(global_heads(kv.reg, view)):
-                for buf in range(view.buffers_per_layer):
-                    key = RowKey(view.owner.value, roles_of(view), slot.layer, head, buf)
-                    yield key, positions, np.ascontiguousarray(rows[j, buf][local])
+        for slot, whole in _layer_regions(kv, view):
+            rows = _to_rows(kv.reg, view, whole[slots])
+            for j, buf, key in _series(kv.reg, view, slot.layer):
+                yield key, positions, np.ascontiguousarray(rows[j, buf][local])
 
 
 def place_held_rows(
@@ -279,19 +263,14 @@ def place_held_rows(
         place_rows(kv, {key: content(key, positions, width) for key, width in widths.items()})
         return
     for view, slots, (positions, local) in _held_views(kv):
-        pool = kv.reg.pools_by_id[view.pool_id]
         where = _to_rows(
             kv.reg, view, np.arange(len(slots) * view.bytes_per_layer).reshape(len(slots), -1)
         )
-        for slot in view.layers:
-            whole = _regions(kv.pools[view.pool_id], pool.slot_stride, slot.offset,
-                             view.bytes_per_layer, pool.num_slots)  # fmt: skip
+        for slot, whole in _layer_regions(kv, view):
             region = whole[slots].reshape(-1)
-            for j, head in enumerate(global_heads(kv.reg, view)):
-                for buf in range(view.buffers_per_layer):
-                    key = RowKey(view.owner.value, roles_of(view), slot.layer, head, buf)
-                    at = where[j, buf][local]  # [held tokens, row]: byte indices in the blocks
-                    region[at] = content(key, positions, at.shape[1])
+            for j, buf, key in _series(kv.reg, view, slot.layer):
+                at = where[j, buf][local]  # [held tokens, row]: byte indices in the blocks
+                region[at] = content(key, positions, at.shape[1])
             whole[slots] = region.reshape(len(slots), -1)
 
 
@@ -310,11 +289,18 @@ def _held_views(kv: RequestKv) -> Iterator[tuple[View, np.ndarray, tuple[np.ndar
         yield view, np.asarray(kv.blocks[:count], dtype=np.int64), (positions, local)
 
 
-def _layer_rows(
-    kv: RequestKv, view: View, slots: np.ndarray
-) -> Iterator[tuple[LayerSlot, np.ndarray]]:
+def _layer_regions(kv: RequestKv, view: View) -> Iterator[tuple[LayerSlot, np.ndarray]]:
+    """Each layer of a view with its region in every slot of the view's pool (``_regions``)."""
     pool = kv.reg.pools_by_id[view.pool_id]
     for slot in view.layers:
         whole = _regions(kv.pools[view.pool_id], pool.slot_stride, slot.offset,
                          view.bytes_per_layer, pool.num_slots)  # fmt: skip
-        yield slot, _to_rows(kv.reg, view, whole[slots])
+        yield slot, whole
+
+
+def _series(reg: RankRegistration, view: View, layer: int) -> Iterator[tuple[int, int, RowKey]]:
+    """(head index on the rank, buffer, key) of each row series one layer of a view holds."""
+    roles = roles_of(view)
+    for j, head in enumerate(global_heads(reg, view)):
+        for buf in range(view.buffers_per_layer):
+            yield j, buf, RowKey(view.owner.value, roles, layer, head, buf)
