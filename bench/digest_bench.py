@@ -8,6 +8,10 @@ order); the baseline is ``numpy.copyto`` of the same number of contiguous bytes 
 Last, a canary's CPU cost per path on each layout: writing the pattern into one reserved block
 through the layout and checking every byte of it (the pull itself is one block of the real plan).
 
+A GPU rank's request is digested through a stage (``client.pool_access.DevicePools``): its blocks
+gathered from the device into host arrays first. ``--device`` names where the pool lives for that
+line (``cpu``: a torch tensor of host memory, so the gather is a host copy; ``cuda`` on a GPU).
+
 Then recurrent state: one request's state slot of a Mamba2 model like Nemotron-H 8B (48 Mamba2
 layers, 128 SSM heads x 64 dims x 128 states bf16 = 16 KiB per head, conv sections [x | B | C] of
 8192, 1024 and 1024 channels x 3 taps bf16) per rank at ``--state-tp`` 1 and 2: digested per
@@ -15,6 +19,7 @@ logical unit (``kv_state``: one xxh3-64 per SSM head and per conv section part),
 canary's write and check, against ``numpy.copyto`` of the slot's bytes.
 
     .venv/bin/python bench/digest_bench.py [--tokens 8192] [--repeat 3] [--state-tp 1,2]
+        [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -131,6 +136,36 @@ def state_bench(tp: int, repeat: int) -> None:
     )
 
 
+def staged_bench(
+    pool: np.ndarray,
+    slots: int,
+    blocks: list[int],
+    tokens: int,
+    device: str,
+    repeat: int,
+    copy: float,
+) -> None:
+    """The hnd request digested through a stage of its blocks (a GPU rank's way)."""
+    import torch
+
+    from kvroute.client.pool_access import DevicePools
+
+    pools = DevicePools({0: torch.from_numpy(pool).view(slots, -1).to(device)})
+    reg = registration("hnd", slots)
+    size = len(blocks) * LAYERS * LAYER_BYTES
+
+    def through() -> object:
+        staged = pools.stage(blocks)
+        return kv_digest(RequestKv(reg, staged.pools, staged.blocks(blocks), range(tokens)))
+
+    gathered = best(lambda: pools.stage(blocks), repeat)
+    took = best(through, repeat)
+    print(
+        f"staged from {device:<4} gather {size / gathered / 1e9:6.2f} GB/s  gather + digest hnd "
+        f"{size / took / 1e9:6.2f} GB/s  {took * 1e3:7.1f} ms  x{took / copy:.1f} memcpy"
+    )
+
+
 def best(run: Callable[[], object], repeat: int) -> float:
     return min(timings(run, repeat))
 
@@ -140,6 +175,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--state-tp", default="1,2", help="mamba TPs of the state bench")
+    parser.add_argument("--device", default="cpu", help="where the staged line's pool lives")
     args = parser.parse_args()
     blocks_needed = -(-args.tokens // TPB)
     slots = blocks_needed + 8
@@ -159,6 +195,7 @@ def main() -> None:
             f"digest {layout:<18} {size / took / 1e9:6.2f} GB/s  "
             f"{took * 1e3:7.1f} ms  x{took / copy:.1f} memcpy"
         )
+    staged_bench(pool, slots, blocks, args.tokens, args.device, args.repeat, copy)
     block, tokens = [slots - 1], range(TPB)
     for layout in INTERIORS:
         reg = registration(layout, slots)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared check of the transfer data plane on a GPU machine (< 5 minutes):
 # installs what is missing WITHOUT touching torch (the preinstalled torch is used as is), then runs
-# the cuda-marked transfer tests and the transfer benchmark on CPU and CUDA.
+# the cuda-marked transfer tests (the data plane, and digests' staging of device memory), the
+# transfer benchmark on CPU and CUDA, and the digest benchmark's gather from the device.
 #   bash bench/gpu_check.sh            (PYTHON=/path/to/python to choose the interpreter)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,4 +50,6 @@ echo "== cuda-marked transfer tests"
 timeout 150 "$PY" -m pytest tests/transfer -m cuda -q -rs -p no:cacheprovider || status=1
 echo "== transfer benchmark"
 timeout 120 "$PY" bench/transfer_bench.py --device all || status=1
+echo "== a GPU rank's digest: its blocks staged from the device"
+(cd bench && timeout 90 "$PY" digest_bench.py --tokens 2048 --state-tp "" --device cuda) || status=1
 exit $status

@@ -8,6 +8,11 @@ registration the connector's (``rank_cache``). A request's bytes reach the consu
 place them: each group's own block list, the window's blocks only (vLLM's null block before it),
 the state in the slot its list ends with; they are moved by whole-slot copies, not kvroute's code.
 Expected keys, window starts and element names are written out by hand from those dimensions.
+
+"staged" ranks reach their memory as a GPU rank's (``client.pool_access.DevicePools``: the
+slots a use reads gathered into host arrays of their own, written back after the canary's
+writes), here over CPU tensors of the same bytes, so every gather, remapped block list and
+write-back is checked against the same hand-written expectations.
 """
 
 from __future__ import annotations
@@ -68,7 +73,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 class Rank:
     """One rank of the hybrid model: vLLM's tensors, the connector's registration and memory."""
 
-    def __init__(self, world: ModuleType, model: Path, instance: str, *, aliased: bool) -> None:
+    def __init__(
+        self, world: ModuleType, model: Path, instance: str, *, aliased: bool, staged: bool = False
+    ) -> None:
+        from kvroute.client.pool_access import DevicePools, HostPools
         from kvroute.engines.vllm.memory import RankMemory
         from kvroute.engines.vllm.worker import rank_cache
 
@@ -80,6 +88,15 @@ class Rank:
         memory = RankMemory.of(self.document, ("hybrid", instance, 0), cache.addresses,
                                cache.mem_type, cache.group_views, cache.state_groups)  # fmt: skip
         assert memory is not None
+        if staged:  # the same bytes, through the staging a GPU rank's memory takes
+            host = HostPools(cache.addresses).pools
+            tensors = {
+                pool: torch.from_numpy(host[pool]).view(at.num_slots, at.slot_stride)
+                for pool, at in cache.addresses.items()
+            }
+            memory = RankMemory.over(
+                memory.reg, DevicePools(tensors), cache.group_views, cache.state_groups
+            )
         self.memory = memory
         assert cache.state_groups == {2}
 
@@ -146,12 +163,22 @@ def _move(producer: Rank, consumer: Rank) -> None:
                 consumer.slot(index, dst)[:] = producer.slot(index, src)
 
 
-@pytest.fixture(params=[True, False], ids=["aliased", "side-by-side"])
+LAYOUTS = [  # (aliased, staged)
+    pytest.param(True, False, id="aliased"),
+    pytest.param(False, False, id="side-by-side"),
+    pytest.param(True, True, id="aliased-staged"),
+]
+
+
+@pytest.fixture(params=[(True, False), (False, False), (True, True)],
+                ids=["aliased", "side-by-side", "aliased-staged"])  # fmt: skip
 def pair(world: ModuleType, model: Path, request: pytest.FixtureRequest) -> tuple[Rank, Rank]:
     """A producer and a consumer rank, their groups laid out by vLLM's planner (aliased) or side
-    by side (the layout kvroute registers today: it refuses overlapping views)."""
-    producer = Rank(world, model, "p", aliased=request.param)
-    consumer = Rank(world, model, "d", aliased=request.param)
+    by side (the layout kvroute registers today: it refuses overlapping views), their memory
+    read in place or staged (a GPU rank's way)."""
+    aliased, staged = request.param
+    producer = Rank(world, model, "p", aliased=aliased, staged=staged)
+    consumer = Rank(world, model, "d", aliased=aliased, staged=staged)
     _fill(producer, 1)
     _fill(consumer, 2)
     producer.memory.write_canary()  # the null block, which the window's list names, differs
@@ -280,12 +307,12 @@ def test_a_byte_flipped_after_the_producer_s_digest_is_named(
 
 
 def _canary_pair(
-    world: ModuleType, model: Path, aliased: bool, seed: int
+    world: ModuleType, model: Path, aliased: bool, seed: int, staged: bool = False
 ) -> tuple[Rank, Rank, Any]:
     """A producer that wrote its canary, a consumer and what it checks of it (memory garbage
     elsewhere)."""
-    producer = Rank(world, model, "p", aliased=aliased)
-    consumer = Rank(world, model, "d", aliased=aliased)
+    producer = Rank(world, model, "p", aliased=aliased, staged=staged)
+    consumer = Rank(world, model, "d", aliased=aliased, staged=staged)
     _fill(producer, seed)
     _fill(consumer, seed + 1)
     producer.memory.write_canary()
@@ -300,16 +327,16 @@ def _pull_round(producer: Rank, consumer: Rank, canary: Any) -> None:
         consumer.slot(index, 0)[:] = producer.slot(index, 0)
 
 
-@pytest.mark.parametrize("aliased", [True, False])
+@pytest.mark.parametrize(("aliased", "staged"), LAYOUTS)
 def test_the_canary_checks_every_group_in_rounds_of_views_apart_in_block_0(
-    world: ModuleType, model: Path, aliased: bool
+    world: ModuleType, model: Path, aliased: bool, staged: bool
 ) -> None:
     """vLLM's planner lays the groups over the same bytes, so block 0 holds one image: the
     producer's pattern of full attention over a filler of every view. The consumer checks each
     view against that image replayed from the producer's registration, one round per set of its
     views that do not overlap: full attention, the window, then conv and SSM state (apart in
     the page). Each layer in its own tensor, one round checks all four."""
-    producer, consumer, canary = _canary_pair(world, model, aliased, 3)
+    producer, consumer, canary = _canary_pair(world, model, aliased, 3, staged)
     views = {v.view_id: v for v in consumer.memory.reg.views}
 
     def roles(round_: frozenset[int]) -> list[tuple[str, ...]]:
@@ -339,11 +366,14 @@ def test_the_canary_checks_every_group_in_rounds_of_views_apart_in_block_0(
     assert found.describe() == "target ssm layer 2 SSM head 3, byte 9"
 
 
-def test_a_round_whose_pull_moved_nothing_fails(world: ModuleType, model: Path) -> None:
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+def test_a_round_whose_pull_moved_nothing_fails(
+    world: ModuleType, model: Path, staged: bool
+) -> None:
     """What the round before left in block 0 (the same bytes, aliased) does not pass for the
     window's canary: the round zeroes its views first, and the window's expected rows are the
     producer's image, not zeros."""
-    producer, consumer, canary = _canary_pair(world, model, True, 5)
+    producer, consumer, canary = _canary_pair(world, model, True, 5, staged)
     _pull_round(producer, consumer, canary)
     assert consumer.memory.check_canary(canary) is None
     window = canary.following()
@@ -357,3 +387,24 @@ def test_a_round_whose_pull_moved_nothing_fails(world: ModuleType, model: Path) 
     found = consumer.memory.check_canary(window)
     assert found is not None
     assert found.describe() == "target key,value layer 1 head 0 K, token 0"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a device is reachable here")
+def test_device_memory_out_of_reach_is_said_once_and_left_unchecked(
+    world: ModuleType, model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank whose cache is device memory where no device can be reached (no CUDA here) moves
+    KV without digests or a canary, and the log says why, rather than the engine failing."""
+    from kvroute.engines.vllm.memory import RankMemory
+    from kvroute.engines.vllm.worker import rank_cache
+
+    config = world.vllm_config(model, extra=EXTRA)
+    kv_cache_config = _separate()
+    cache = rank_cache(config, kv_cache_config, world.allocate(config, kv_cache_config))
+    with caplog.at_level("WARNING"):
+        memory = RankMemory.of({**cache.document, "role": "context"}, ("hybrid", "p", 0),
+                               cache.addresses, "VRAM", cache.group_views, cache.state_groups)  # fmt: skip
+    assert memory is None
+    [said] = [r.getMessage() for r in caplog.records if "KV digests" in r.getMessage()]
+    assert "cannot read p rank 0's VRAM" in said
+    assert "pulls sampled requests unchecked" in said

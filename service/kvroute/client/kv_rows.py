@@ -290,11 +290,13 @@ def _held_views(kv: RequestKv) -> Iterator[tuple[View, np.ndarray, tuple[np.ndar
 
 
 def _layer_regions(kv: RequestKv, view: View) -> Iterator[tuple[LayerSlot, np.ndarray]]:
-    """Each layer of a view with its region in every slot of the view's pool (``_regions``)."""
-    pool = kv.reg.pools_by_id[view.pool_id]
+    """Each layer of a view with its region in every slot of the view's pool (``_regions``):
+    the slots ``kv.pools`` holds (a stage of some slots holds fewer than the pool)."""
+    pool, data = kv.reg.pools_by_id[view.pool_id], kv.pools[view.pool_id]
     for slot in view.layers:
-        whole = _regions(kv.pools[view.pool_id], pool.slot_stride, slot.offset,
-                         view.bytes_per_layer, pool.num_slots)  # fmt: skip
+        held = (len(data) - slot.offset - view.bytes_per_layer) // pool.slot_stride + 1
+        whole = _regions(data, pool.slot_stride, slot.offset, view.bytes_per_layer,
+                         max(0, min(pool.num_slots, held)))  # fmt: skip
         yield slot, whole
 
 

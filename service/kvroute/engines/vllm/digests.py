@@ -16,9 +16,10 @@ reported to kvroute as a failed path (the pairs answer then leaves the pair out,
 ``kvroute_kv_digest_mismatch_total`` follow) and logged with the first wrong element.
 
 Digests cover every KV cache group that transfers (``memory``: full attention, sliding windows
-over the tokens each side holds, recurrent state as one request state per group) and read host
-memory (a CPU engine's cache, ``mem_type`` DRAM); elsewhere a marked request is pulled unchecked,
-and said so once in the log.
+over the tokens each side holds, recurrent state as one request state per group). A CPU engine's
+cache is read in place, a GPU engine's through the slots each use stages on the host
+(``client.pool_access``); where the device cannot be reached, a marked request is pulled
+unchecked, and said so once in the log.
 """
 
 from __future__ import annotations
