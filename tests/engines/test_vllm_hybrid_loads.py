@@ -1,6 +1,8 @@
 """What a hybrid consumer rank does around a load, on host memory and a stub of its pulls: it zeroes
 the slots the load's tokens land in before the reads (vLLM zeroes the attention blocks it
-allocates, not a connector's load's), and reports a failed load by request id, not block ids."""
+allocates, not a connector's load's), and reports a failed load by request id, not block ids.
+A GPU rank zeroes through its staged pools (``client.pool_access.DevicePools``), here over a CPU
+tensor of the same bytes."""
 
 from __future__ import annotations
 
@@ -25,15 +27,24 @@ class _Pulls:
         return errors
 
 
-def _worker(groups: dict[int, set[int]], state: set[int]) -> tuple[Any, Any]:
+def _worker(
+    groups: dict[int, set[int]], state: set[int], mem_type: str = "DRAM"
+) -> tuple[Any, Any]:
     from kvroute.client.nixl_descs import PoolAddress
+    from kvroute.client.pool_access import DevicePools, HostPools
     from kvroute.engines.vllm.layout import RankCache
     from kvroute.engines.vllm.worker import Worker
 
     memory = (ctypes.c_uint8 * (STRIDE * SLOTS))(*([0xAB] * (STRIDE * SLOTS)))
-    worker = Worker.__new__(Worker)  # no engine: only the cache and the pulls are read
+    worker = Worker.__new__(Worker)  # no engine: only the cache, pools and pulls are read
     address = PoolAddress(ctypes.addressof(memory), STRIDE, SLOTS, 0)
-    worker.cache = RankCache({}, {0: address}, "DRAM", groups, state)
+    worker.cache = RankCache({}, {0: address}, mem_type, groups, state)
+    worker.pools = HostPools({0: address})
+    if mem_type != "DRAM":
+        import torch
+
+        pool = torch.from_numpy(worker.pools.pools[0]).view(SLOTS, STRIDE)
+        worker.pools = DevicePools({0: pool})
     worker.pulls = None
     return worker, memory
 
@@ -45,10 +56,13 @@ def _load(blocks: tuple[tuple[int, ...], ...], tokens: tuple[int, int]) -> Any:
     return Load("r1", Handover("p", "r1", blocks, 0, tokens[1]), blocks, tokens, 16)
 
 
-def test_a_hybrid_load_zeroes_its_block_slots_but_not_state_prefix_or_null_ones() -> None:
+@pytest.mark.parametrize("mem_type", ["DRAM", "VRAM"])
+def test_a_hybrid_load_zeroes_its_block_slots_but_not_state_prefix_or_null_ones(
+    mem_type: str,
+) -> None:
     # Group 0 attention: block 3 holds a local prefix hit (tokens 0-15), 4 and 5 are loaded.
     # Group 1 state: slot 6 is written whole by the pull. Block 0 is the null block (canary).
-    worker, memory = _worker({0: {0}, 1: {1}}, {1})
+    worker, memory = _worker({0: {0}, 1: {1}}, {1}, mem_type)
     worker._zero_fresh(_load(((3, 4, 5, 0), (6,)), (16, 40)))
     zeroed = {s for s in range(SLOTS) if not any(memory[s * STRIDE : (s + 1) * STRIDE])}
     assert zeroed == {4, 5}

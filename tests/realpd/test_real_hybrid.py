@@ -91,6 +91,11 @@ def test_a_pair_generates_the_consumer_s_first_token_and_drifts_only_after(
     the one at 0 at a tie of 1/64 nats). A state or KV read from the wrong place would change the
     first token of most prompts by far more than a tie. Every byte moved is attested by digest
     (``kv_digest_rate`` 1)."""
+    check_pair(cluster, "qwen3_next p -> c")
+
+
+def check_pair(cluster: Cluster, label: str) -> None:
+    """Engine ``p`` hands every chosen prompt to ``c``; the checks above."""
     producer, consumer = url(cluster, "p"), url(cluster, "c")
     before = metric(consumer, HITS)
     started = time.monotonic()
@@ -105,7 +110,7 @@ def test_a_pair_generates_the_consumer_s_first_token_and_drifts_only_after(
     first = {i: first_difference(got[i], expected[i]) for i in wrong}
     gaps = {i: near_tie(consumer, CHOSEN[i], expected[i], got[i]) for i in wrong if first[i] == 0}
     mismatches = metric(url(cluster, "kvroute"), "kvroute_kv_digest_mismatch_total")
-    print(f"qwen3_next p -> c ({len(CHOSEN)} prompts of {min(map(len, CHOSEN))}-"
+    print(f"{label} ({len(CHOSEN)} prompts of {min(map(len, CHOSEN))}-"
           f"{max(map(len, CHOSEN))} tokens, bfloat16): {len(CHOSEN) - len(wrong)}/{len(CHOSEN)} "
           f"identical in {handed_s:.1f} s; the others first differ at generated token "
           f"{[(len(CHOSEN[i]), first[i]) for i in wrong]} (prompt length, position), at the "
@@ -135,13 +140,18 @@ def test_the_canary_attested_every_view_in_rounds(cluster: Cluster) -> None:
     canary in rounds of views that do not overlap there (each Gated DeltaNet layer's conv and SSM
     state, and attention). Runs after the pair above, whose first hand-over paired the two (7
     views in 4 rounds on a CPU without AMX, 2026-12-06)."""
+    check_canary(cluster, "qwen3_next")
+
+
+def check_canary(cluster: Cluster, label: str) -> None:
+    """Consumer ``c``'s rank 0 attested every view it registered of ``p``'s canary, in rounds."""
     log = cluster.processes["c"].log.read_text(errors="replace")
     registered = re.search(r"kvroute: c rank 0 registered in \S+ as \S+ \((\d+) views", log)
     attested = re.search(r"the canary from p to c rank 0 attested (\d+) views in (\d+) rounds", log)
     assert registered is not None, cluster.processes["c"].tail()
     assert attested is not None, cluster.processes["c"].tail()
     views, rounds = int(attested[1]), int(attested[2])
-    print(f"qwen3_next canary: {views} views of {registered[1]} in {rounds} rounds")
+    print(f"{label} canary: {views} views of {registered[1]} in {rounds} rounds")
     # Every group aliases from byte 0, so its views need rounds of their own, and every view the
     # rank registered is checked (the attention blocks hold the rank's 288 tokens here; a view
     # whose blocks held another count would be left to the digests, and said so in the log).

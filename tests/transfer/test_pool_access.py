@@ -62,6 +62,9 @@ def test_a_stage_written_back_changes_its_slots_only() -> None:
     expected = before.reshape(12, 64).copy()
     expected[5] = 0xAB
     assert np.array_equal(data.reshape(12, 64), expected)
+    pools.zero([11, 0])  # a hybrid load's fresh slots
+    expected[[0, 11]] = 0
+    assert np.array_equal(data.reshape(12, 64), expected)
 
 
 def test_host_pools_are_the_registered_memory_itself() -> None:
@@ -78,8 +81,8 @@ def test_host_pools_are_the_registered_memory_itself() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_memory_is_staged_through_its_registered_address() -> None:
     """A pool of device memory viewed through its address (as the vLLM connector registers a GPU
-    rank's cache): the stage holds its slots' bytes, and a written-back stage changes them on the
-    device and nothing else."""
+    rank's cache): the stage holds its slots' bytes, and a written-back stage or a zeroing changes
+    them on the device and nothing else."""
     device = torch.device("cuda", 0)
     rng = np.random.default_rng(11)
     host = rng.integers(0, 256, (16, 256), dtype=np.uint8)
@@ -91,4 +94,7 @@ def test_device_memory_is_staged_through_its_registered_address() -> None:
     staged.pools[0][:256] = 0  # slot 0, as a canary round's zeroing
     pools.write_back(staged)
     host[0] = 0
+    assert np.array_equal(pool.cpu().numpy(), host)
+    pools.zero([15])
+    host[15] = 0
     assert np.array_equal(pool.cpu().numpy(), host)

@@ -54,11 +54,21 @@ class PoolAccess(Protocol):
     def write_back(self, staged: Staged) -> None:
         """Makes what was written into ``staged`` the pools' own bytes."""
 
+    def zero(self, slots: Iterable[int]) -> None:
+        """Zeroes ``slots`` of every pool, whole."""
+
+
+def pool_access(addresses: Mapping[int, PoolAddress], mem_type: str) -> PoolAccess:
+    """Host memory (NIXL ``DRAM``) in place, device memory staged; raises where the device cannot
+    be reached (no CUDA in this torch)."""
+    return HostPools(addresses) if mem_type == "DRAM" else DevicePools.at(addresses)
+
 
 class HostPools:
     """Host memory (a CPU engine's cache), read and written in place."""
 
     def __init__(self, addresses: Mapping[int, PoolAddress]) -> None:
+        self.addresses = dict(addresses)
         self.pools = {
             pool: np.ctypeslib.as_array(
                 (ctypes.c_uint8 * (at.slot_stride * at.num_slots)).from_address(at.base)
@@ -71,6 +81,11 @@ class HostPools:
 
     def write_back(self, staged: Staged) -> None:
         """Nothing to copy: the stage is the pools."""
+
+    def zero(self, slots: Iterable[int]) -> None:
+        wanted = list(slots)
+        for pool, at in self.addresses.items():
+            self.pools[pool].reshape(at.num_slots, at.slot_stride)[wanted] = 0
 
 
 class DevicePools:
@@ -118,6 +133,14 @@ class DevicePools:
             tensor.index_copy_(0, index, rows.to(tensor.device))
         self._settled()
 
+    def zero(self, slots: Iterable[int]) -> None:
+        import torch
+
+        wanted = list(slots)
+        for tensor in self.tensors.values():
+            tensor.index_fill_(0, torch.tensor(wanted, dtype=torch.int64, device=tensor.device), 0)
+        self._settled()
+
     def _settled(self) -> None:
         import torch
 
@@ -133,6 +156,7 @@ class _DeviceSpan:
         self.__cuda_array_interface__: dict[str, Any] = {
             "shape": (size,),
             "typestr": "|u1",
+            "strides": None,  # C-contiguous
             "data": (base, False),
             "version": 3,
         }

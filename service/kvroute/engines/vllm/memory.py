@@ -25,7 +25,7 @@ from typing import Any
 from kvroute.client.kv_digest import Grid, KvDigest, Mismatch, kv_digest
 from kvroute.client.kv_rows import RequestKv, RowKey, window_firsts
 from kvroute.client.nixl_descs import PoolAddress
-from kvroute.client.pool_access import DevicePools, HostPools, PoolAccess
+from kvroute.client.pool_access import PoolAccess, pool_access
 from kvroute.engines.vllm.canary import (
     NULL_BLOCK,
     Canary,
@@ -64,7 +64,7 @@ class RankMemory:
         unchecked and no canary is written or checked)."""
         deployment, instance, rank = where
         try:
-            pools = HostPools(addresses) if mem_type == "DRAM" else DevicePools.at(addresses)
+            pools = pool_access(addresses, mem_type)
         except Exception as error:  # no torch, no CUDA: the connector still moves KV
             log.warning("kvroute: KV digests and the canary cannot read %s rank %d's %s (%s); it "
                         "pulls sampled requests unchecked", instance, rank, mem_type, error)  # fmt: skip

@@ -9,7 +9,6 @@ consumers' "done" notifications for the requests whose blocks it holds; a consum
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvroute.client import KvrouteClient, KvrouteError, SyncLease
 from kvroute.client.nixl_transport import NixlEndpoint
+from kvroute.client.pool_access import PoolAccess
 from kvroute.client.pools import Parallel
 from kvroute.engines.vllm.backends import checked_layouts
 from kvroute.engines.vllm.canary import NULL_BLOCK
@@ -164,6 +164,7 @@ class Worker:
         self.heard_at: dict[str, float] = {}  # request id -> when its first done message came
         self.digest_client: KvrouteClient | None = None  # its own: used off the step's thread
         self.digests: ProducerDigests | None = None
+        self.pools: PoolAccess | None = None  # None: a device it cannot reach (nothing zeroed)
 
     @property
     def rank(self) -> int:
@@ -207,6 +208,7 @@ class Worker:
                  len(document["views"]), len(document["pools"]))  # fmt: skip
         parallel = self.vllm_config.parallel_config
         memory = self._memory(cache, rank)
+        self.pools = None if memory is None else memory.pools
         if settings.producer:
             if memory is not None:  # the canary consumers pull when they first pair
                 memory.write_canary()
@@ -275,7 +277,7 @@ class Worker:
         kernels read a partly written block's stale rows: NaN where another group's state lay),
         but not one allocated for a connector's load, which writes only the moved tokens' rows.
         A block id belongs to one group at a time: the whole slot is this request's."""
-        if self.cache is None or not self._grouped or self.cache.mem_type != "DRAM":
+        if self.cache is None or not self._grouped or self.pools is None:
             return
         first = load.tokens[0] // load.block_size  # before it, a local prefix hit: kept
         fresh = {
@@ -285,9 +287,8 @@ class Worker:
             for block in blocks[first:]
             if block != NULL_BLOCK  # the canary's, and the window's placeholder
         }
-        for at in self.cache.addresses.values():
-            for block in fresh:
-                ctypes.memset(at.base + block * at.slot_stride, 0, at.slot_stride)
+        if fresh:
+            self.pools.zero(sorted(fresh))
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         received = self.pulls.poll() if self.pulls is not None else set()
