@@ -94,8 +94,9 @@ def test_a_pair_generates_the_consumer_s_first_token_and_drifts_only_after(
     check_pair(cluster, "qwen3_next p -> c")
 
 
-def check_pair(cluster: Cluster, label: str) -> None:
-    """Engine ``p`` hands every chosen prompt to ``c``; the checks above."""
+def check_pair(cluster: Cluster, label: str, timeouts: int = 0) -> None:
+    """Engine ``p`` hands every chosen prompt to ``c``; the checks above. Up to ``timeouts`` pulls
+    may fail by running out of time (a starved machine; vLLM recomputes them), none otherwise."""
     producer, consumer = url(cluster, "p"), url(cluster, "c")
     before = metric(consumer, HITS)
     started = time.monotonic()
@@ -118,7 +119,9 @@ def check_pair(cluster: Cluster, label: str) -> None:
           f"through the connector; {len(failed)} failed pulls, {len(expired)} expired "
           f"hand-overs, {mismatches:.0f} digest mismatches")  # fmt: skip
     # A digest mismatch would be a failed pull (recomputed): none, and none counted.
-    assert not failed, failed[:3]
+    late = [line for line in failed if "timeout" in line]
+    assert len(late) <= timeouts, late[:3]
+    assert failed == late, failed[:3]
     assert not expired, expired[:3]
     assert mismatches == 0
     # Every prompt's tokens but its last (the producer's back-off) came through the connector.
