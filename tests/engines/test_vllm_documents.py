@@ -572,3 +572,20 @@ def test_the_connector_tells_vllm_034_it_registers_the_cache() -> None:
     from kvroute.engines.vllm import KvrouteConnector
 
     assert KvrouteConnector.kv_cache_access(None) == KVCacheAccess.REGISTERS
+
+
+@pytest.mark.parametrize("name", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused_not_registered_as_whole(
+    world: ModuleType, llama: Path, name: str
+) -> None:
+    """A CP rank holds a share of each request's tokens (vLLM deals them out by
+    ``cp_kv_cache_interleave_size``); registered as if it held them all, a consumer would read
+    rows its peer never held. Start-up stops with the reason instead."""
+    from kvroute.engines.vllm.worker import rank_cache
+
+    config = world.vllm_config(llama, extra=EXTRA, tp_size=2)
+    setattr(config.parallel_config, name, 2)
+    kv_cache_config = world.cache_config(config, {attn(0): dense(2), attn(1): dense(2)}, 16)
+    caches = world.allocate(config, kv_cache_config)
+    with pytest.raises(ValueError, match=f"context parallelism \\({name}=2\\) is not supported"):
+        rank_cache(config, kv_cache_config, caches)

@@ -53,10 +53,24 @@ class RegistrationRefused(RuntimeError):
 
 
 def engine_place(vllm_config: Any) -> Parallel:
-    """TP/PP sizes and ranks of this worker, and vLLM's PP split of the target layers."""
+    """TP/PP sizes and ranks of this worker, and vLLM's PP split of the target layers. An engine
+    with context parallelism is refused: its ranks hold a share of each request's tokens, which
+    this connector does not describe yet, and a registration claiming every token would plan
+    rows from ranks that never held them."""
     from vllm.distributed.utils import get_pp_indices
 
     parallel = vllm_config.parallel_config
+    cp = {
+        name: size
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size")
+        if (size := getattr(parallel, name, 1)) > 1
+    }
+    if cp:
+        named = ", ".join(f"{name}={size}" for name, size in cp.items())
+        raise ValueError(
+            f"context parallelism ({named}) is not supported by kvroute's vLLM connector yet; "
+            "nothing is guessed"
+        )
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     try:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
