@@ -37,9 +37,6 @@ class Staged:
     pools: Mapping[int, np.ndarray]
     at: Mapping[int, int] | None = None
 
-    def slot(self, slot: int) -> int:
-        return slot if self.at is None else self.at[slot]
-
     def blocks(self, blocks: Sequence[int]) -> list[int]:
         """A block list in the stage's positions."""
         return list(blocks) if self.at is None else [self.at[block] for block in blocks]
