@@ -53,6 +53,8 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.sql import Executable
 
+from kvroute.store import sqlite_cursor
+
 # Enough connections for the concurrent requests of one process without churn: an overflow
 # connection is closed on return, and opening one costs several round trips (and TLS probing).
 POOL_SIZE = 24
@@ -106,6 +108,8 @@ def create_engine(
             engine_kwargs.update(
                 pool_size=1, max_overflow=0, pool_timeout=timeouts.sqlite_busy_seconds
             )
+        if parsed.get_driver_name() == "aiosqlite" and sqlite_cursor.one_hop_supported():
+            engine_kwargs.setdefault("module", sqlite_cursor.dbapi())
         engine = create_async_engine(parsed, **engine_kwargs)
         _configure_sqlite(
             engine,
