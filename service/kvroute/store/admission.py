@@ -293,12 +293,12 @@ async def _open(connection: AsyncConnection, deployment: str, now: datetime) -> 
     """Steps 1 and 2 (see the module); returns ``at``. One statement where the dialect runs
     data-modifying CTEs (PostgreSQL), else one statement per step."""
     dialect = dialect_of(connection)
+    values = {"key_deployment": deployment, "now": now}
     if dialect.arrays:
-        values = {"key_deployment": deployment, "now": now}
         return (await connection.execute(_opening_statement(), values)).scalar_one()
-    at = (await connection.execute(_judging(dialect, deployment, now))).scalar_one()
-    for table, expiry, _ in FENCED:
-        await connection.execute(_fence(table, expiry, deployment, at))
+    at = (await connection.execute(_opening_steps(dialect)[0], values)).scalar_one()
+    for fence in _opening_steps(dialect)[1:]:
+        await connection.execute(fence, {"key_deployment": deployment, "at": at})
     return at
 
 
@@ -309,6 +309,17 @@ def _fence(table: Any, expiry: Any, deployment: Any, at: Any) -> Any:
         .where(table.c.deployment == deployment, expiry <= at, table.c.fenced_at.is_(None))
         .values(fenced_at=at)
     )
+
+
+@functools.cache
+def _opening_steps(dialect: Dialect) -> tuple[Any, ...]:
+    """Elsewhere (SQLite): ``_judging`` (parameters ``key_deployment`` and ``now``), then each
+    fence (``key_deployment`` and ``at``), built once: building them per batch cost more of the
+    event loop than running them."""
+    deployment: BindParameter[str] = bindparam("key_deployment")
+    judging = _judging(dialect, deployment, bindparam("now", type_=UTCDateTime()))
+    at = bindparam("at", type_=UTCDateTime())
+    return judging, *(_fence(table, expiry, deployment, at) for table, expiry, _ in FENCED)
 
 
 @functools.cache

@@ -17,13 +17,14 @@ transaction. Each lease is judged at its own clock reading, exactly as alone.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, delete, select, text, update
+from sqlalchemy import BindParameter, bindparam, delete, select, text, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -43,6 +44,8 @@ from kvroute.store.models import DeploymentRow, EngineLeaseRow, RankRow, UTCDate
 from kvroute.store.records import LeaseRecord
 
 LEASES = EngineLeaseRow.__table__
+# A deployment's ``checked_at`` (parameter ``deployment``), built once.
+CHECKED_AT = select(DeploymentRow.checked_at).where(DeploymentRow.name == bindparam("deployment"))
 RANKS = RankRow.__table__
 
 
@@ -75,9 +78,7 @@ async def grant(
 
     async def attempt() -> datetime:
         async with engine_of(sessionmaker).begin() as connection:
-            checked = await connection.scalar(
-                select(DeploymentRow.checked_at).where(DeploymentRow.name == deployment)
-            )
+            checked = await connection.scalar(CHECKED_AT, {"deployment": deployment})
             expires = max(now, checked or now) + timedelta(seconds=lease_seconds)
             await connection.execute(
                 LEASES.insert().values(
@@ -196,17 +197,10 @@ async def _renew_in_a_transaction(
     reads is what it updates) and a fixed number of statements, each lease as the statement
     above would renew it."""
     ids = [lease_id for lease_id, _ in renewals]
+    reading, writing = _sqlite_renewal()
     async with engine.begin() as connection:
-        checked = await connection.scalar(
-            select(DeploymentRow.checked_at).where(DeploymentRow.name == deployment)
-        )
-        rows = await connection.execute(
-            select(LEASES.c.lease_id, LEASES.c.lease_seconds, LEASES.c.expires_at).where(
-                LEASES.c.deployment == deployment,
-                LEASES.c.lease_id.in_(ids),
-                LEASES.c.fenced_at.is_(None),
-            )
-        )
+        checked = await connection.scalar(CHECKED_AT, {"deployment": deployment})
+        rows = await connection.execute(reading, {"deployment": deployment, "lease_ids": ids})
         current = {lease_id: (seconds, expires) for lease_id, seconds, expires in rows}
         judged = {lease_id: max(now, checked or now) for lease_id, now in renewals}
         terms = {
@@ -217,12 +211,46 @@ async def _renew_in_a_transaction(
         if not terms:
             return []
         await connection.execute(
-            update(LEASES)
-            .where(LEASES.c.deployment == deployment, LEASES.c.lease_id == bindparam("id"))
-            .values(expires_at=bindparam("expires")),
-            [{"id": lease_id, "expires": new} for lease_id, (_, new, _) in terms.items()],
+            writing,
+            [
+                {"key_deployment": deployment, "id": lease_id, "expires": new}
+                for lease_id, (_, new, _) in terms.items()
+            ],
         )
         return await _renew_attached(connection, deployment, terms)
+
+
+@functools.cache
+def _sqlite_renewal() -> tuple[Any, Any]:
+    """SQLite's read of a wave's leases and its write of their expiries, built once (building
+    statements per wave cost the event loop more than running them)."""
+    deployment: BindParameter[str] = bindparam("deployment")
+    reading = select(LEASES.c.lease_id, LEASES.c.lease_seconds, LEASES.c.expires_at).where(
+        LEASES.c.deployment == deployment,
+        LEASES.c.lease_id.in_(bindparam("lease_ids", expanding=True)),
+        LEASES.c.fenced_at.is_(None),
+    )
+    writing = (  # "deployment" would name the column in the SET clause
+        update(LEASES)
+        .where(
+            LEASES.c.deployment == bindparam("key_deployment"),
+            LEASES.c.lease_id == bindparam("id"),
+        )
+        .values(expires_at=bindparam("expires"))
+    )
+    return reading, writing
+
+
+@functools.cache
+def _attached_statement() -> Any:
+    """The unfenced ranks of some leases (parameters ``deployment`` and ``lease_ids``)."""
+    return select(
+        RANKS.c.engine_lease, RANKS.c.instance, RANKS.c.rank, RANKS.c.lease_expires_at
+    ).where(
+        RANKS.c.deployment == bindparam("deployment"),
+        RANKS.c.engine_lease.in_(bindparam("lease_ids", expanding=True)),
+        RANKS.c.fenced_at.is_(None),
+    )
 
 
 async def _renew_attached(
@@ -233,13 +261,7 @@ async def _renew_attached(
     """The ranks of the renewed leases (lease -> judged at, new expiry, seconds) that are live at
     their lease's instant and unfenced, renewed; rows as the PostgreSQL statement returns them."""
     attached = await connection.execute(
-        select(
-            RANKS.c.engine_lease, RANKS.c.instance, RANKS.c.rank, RANKS.c.lease_expires_at
-        ).where(
-            RANKS.c.deployment == deployment,
-            RANKS.c.engine_lease.in_(sorted(terms)),
-            RANKS.c.fenced_at.is_(None),
-        )
+        _attached_statement(), {"deployment": deployment, "lease_ids": sorted(terms)}
     )
     renewed: dict[str, list[tuple[str, int]]] = {lease_id: [] for lease_id in terms}
     for lease_id, instance, rank, expires in attached:
@@ -303,15 +325,20 @@ async def live_terms(
     """The leases among ``lease_ids`` live and unfenced at ``at`` (admission, under the lock)."""
     if not lease_ids:
         return {}
-    rows = await connection.execute(
-        select(LEASES.c.lease_id, LEASES.c.expires_at, LEASES.c.lease_seconds).where(
-            LEASES.c.deployment == deployment,
-            LEASES.c.lease_id.in_(sorted(lease_ids)),
-            LEASES.c.fenced_at.is_(None),
-            LEASES.c.expires_at > at,
-        )
-    )
+    values = {"deployment": deployment, "lease_ids": sorted(lease_ids), "at": at}
+    rows = await connection.execute(_live_terms_statement(), values)
     return {lease: LeaseTerms(expires, seconds, lease) for lease, expires, seconds in rows}
+
+
+@functools.cache
+def _live_terms_statement() -> Any:
+    """``live_terms``'s read, built once (parameters ``deployment``, ``lease_ids``, ``at``)."""
+    return select(LEASES.c.lease_id, LEASES.c.expires_at, LEASES.c.lease_seconds).where(
+        LEASES.c.deployment == bindparam("deployment"),
+        LEASES.c.lease_id.in_(bindparam("lease_ids", expanding=True)),
+        LEASES.c.fenced_at.is_(None),
+        LEASES.c.expires_at > bindparam("at", type_=UTCDateTime()),
+    )
 
 
 async def reap_expired(sessionmaker: SessionMaker, *, cutoff: datetime) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, true, update
+from sqlalchemy import Integer, and_, bindparam, delete, func, insert, or_, select, true, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from kvroute import wire
@@ -79,19 +79,23 @@ async def append(
     if dialect_of(connection).arrays:
         values = _appending_values(deployment, rows)
         return int((await connection.execute(_appending_statement(), values)).scalar_one())
-    revision = (
-        await connection.execute(
-            update(DEPLOYMENTS)
-            .where(DEPLOYMENTS.c.name == deployment)
-            .values(revision=DEPLOYMENTS.c.revision + len(changes))
-            .returning(DEPLOYMENTS.c.revision)
-        )
-    ).scalar_one()
+    counted = {"deployment": deployment, "count": len(changes)}
+    revision = (await connection.execute(REVISION_COUNTER, counted)).scalar_one()
     first = revision - len(changes) + 1
     for index, row in enumerate(rows):
         row["revision"] = first + index
-    await connection.execute(EVENTS.insert(), rows)
+    await connection.execute(EVENT_INSERT, rows)
     return int(revision)
+
+
+# Elsewhere (SQLite): the revision counted up by ``count``, then the rows inserted; built once.
+REVISION_COUNTER = (
+    update(DEPLOYMENTS)
+    .where(DEPLOYMENTS.c.name == bindparam("deployment"))
+    .values(revision=DEPLOYMENTS.c.revision + bindparam("count", type_=Integer()))
+    .returning(DEPLOYMENTS.c.revision)
+)
+EVENT_INSERT = EVENTS.insert()
 
 
 EVENT_COLUMNS = ("deployment", "at", "kind", "instance", "rank", "generation", "data")

@@ -64,6 +64,15 @@ RANK_VALUES = (
 )
 
 
+# A live rank registered again with the same document: its lease renewed, nothing else changes.
+RENEWING = repo.rank_update(
+    lease_expires_at=bindparam("expires"),
+    lease_seconds=bindparam("seconds"),
+    engine_lease=bindparam("lease"),
+    fenced_at=None,
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Existing:
     """A candidate's own row before the batch: its generation and canonical digest."""
@@ -123,14 +132,8 @@ async def _renew(
 ) -> None:
     if not renewals:
         return
-    statement = repo.rank_update(
-        lease_expires_at=bindparam("expires"),
-        lease_seconds=bindparam("seconds"),
-        engine_lease=bindparam("lease"),
-        fenced_at=None,
-    )
     await connection.execute(
-        statement,
+        RENEWING,
         [
             {
                 **_key(reg, "key_"),
@@ -186,17 +189,25 @@ async def _store(
             connection, regs, instances, ranks, (stored, pools, views), changes, at
         )
         return generations, True
-    generations = await _next_generations(connection, dialect, regs)
-    await connection.execute(_restated(dialect.insert(INSTANCES)), instances)
+    counter, restating, inserts = _row_writes(dialect)
+    generations = await _next_generations(connection, counter, regs)
+    await connection.execute(restating, instances)
     for row in ranks:
         row["generation"] = generations[row["instance"], row["rank"]]
-    await connection.execute(insert(RANKS), ranks)
-    await connection.execute(insert(DOCUMENTS), stored)
-    if pools:
-        await connection.execute(insert(POOLS), pools)
-    if views:
-        await connection.execute(insert(VIEWS), views)
+    for statement, rows in zip(inserts, (ranks, stored, pools, views), strict=True):
+        if rows:
+            await connection.execute(statement, rows)
     return generations, False
+
+
+@functools.cache
+def _row_writes(dialect: Dialect) -> tuple[Any, Any, tuple[Any, ...]]:
+    """Where rows go as ``executemany`` (SQLite): the generation counter, the instances' upsert
+    and the inserts of ranks, documents, pools and views, built once (built per batch, they cost
+    the event loop more than running them)."""
+    counter = _counted(dialect.insert(GENERATIONS))
+    inserts = tuple(insert(table) for table in (RANKS, DOCUMENTS, POOLS, VIEWS))
+    return counter, _restated(dialect.insert(INSTANCES)), inserts
 
 
 async def _store_in_one_statement(
@@ -289,14 +300,12 @@ def _restated(instances: Any) -> Any:
 
 
 async def _next_generations(
-    connection: AsyncConnection, dialect: Dialect, regs: Sequence[RankRegistration]
+    connection: AsyncConnection, counter: Any, regs: Sequence[RankRegistration]
 ) -> dict[tuple[str, int], int]:
-    """Each rank's next generation, counted one ``executemany`` (see ``_counted``)."""
+    """Each rank's next generation, counted in one ``executemany`` of ``counter`` (``_counted``)."""
     if not regs:
         return {}
-    rows = await connection.execute(
-        _counted(dialect.insert(GENERATIONS)), [{**_key(reg), "generation": 1} for reg in regs]
-    )
+    rows = await connection.execute(counter, [{**_key(reg), "generation": 1} for reg in regs])
     return {(instance, rank): generation for instance, rank, generation in rows}
 
 
