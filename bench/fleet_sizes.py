@@ -317,6 +317,12 @@ def _measures(runs: list[SizeRun]) -> list[tuple[str, list[float], str, str]]:
             "time",
             ".0f",
         ),
+        (  # the answer has a cell per pair of instances: its time grows with their square
+            "matrix: repeated us per instance pair",
+            [statistics.median(r.matrix_repeated) * 1e6 / _instances(r) ** 2 for r in runs],
+            "time",
+            ".3f",
+        ),
         (
             "fresh replica: first matrix ms (<= 1,000)",
             [r.fresh_matrix * ms for r in runs],
@@ -324,9 +330,26 @@ def _measures(runs: list[SizeRun]) -> list[tuple[str, list[float], str, str]]:
             ".0f",
         ),
         ("server RSS MiB at the end / peak", [r.rss_mib for r in runs], "", ".0f"),
+        (
+            "server RSS KiB at the end per rank over the first size's",
+            [_added_kib(runs[0], r) for r in runs],
+            "",
+            ".1f",
+        ),
         ("load average, start / end", [r.load[0] for r in runs], "", ".1f"),
     ]
     return rows
+
+
+def _instances(run_: SizeRun) -> int:
+    return run_.ranks // RANKS_PER_INSTANCE
+
+
+def _added_kib(first: SizeRun, run_: SizeRun) -> float:
+    """What the server holds per rank beyond the first size's fleet (nan for the first)."""
+    if run_.ranks == first.ranks:
+        return float("nan")
+    return (run_.rss_mib - first.rss_mib) * 1024 / (run_.ranks - first.ranks)
 
 
 def _per(seconds: float | None, count: int) -> float:

@@ -31,7 +31,9 @@ instances, per-rank and engine leases side by side, renewal rounds and SSE watch
 size on a fresh database, per-rank and engine leases, a fresh replica's first matrix and the
 server's memory, as ratios against the first size.
 
-``--profile DIR`` records each server with py-spy (collapsed stacks, one file per server).
+``--profile DIR`` records each server with py-spy (collapsed stacks, one file per server), sampling
+the thread that holds the GIL: whole stacks of the Python CPU on any thread. (Sampled without
+stopping the process, the stacks came torn and aiosqlite's idle thread counted as busy.)
 ``--baseline OLD/service`` first runs the same phases against another checkout's kvroute on
 PostgreSQL (e.g. ``git worktree add /tmp/old <commit>``) and adds a column with the ratio.
 """
@@ -309,7 +311,7 @@ def profiled(server_list: list[LiveServer], directory: Path | None, config: str)
                 "raw",
                 "--rate",
                 "200",
-                "--nonblocking",
+                "--gil",  # whole stacks of the thread holding the GIL: Python CPU only
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
