@@ -331,7 +331,7 @@ def _measures(runs: list[SizeRun]) -> list[tuple[str, list[float], str, str]]:
         ),
         ("server RSS MiB at the end / peak", [r.rss_mib for r in runs], "", ".0f"),
         (
-            "server RSS KiB at the end per rank over the first size's",
+            "server memory: KiB per rank added to the first size (RSS at the end)",
             [_added_kib(runs[0], r) for r in runs],
             "",
             ".1f",
@@ -378,7 +378,7 @@ def report_pair(title: str, old: SizeRun, new: SizeRun) -> None:
     """One size, the baseline tree's figures beside this one's and their ratio."""
     table = figures_table(title, ("measure",), ("baseline", "this tree", "this / baseline"))
     for name, values, kind, spec in _measures([old, new]):
-        if name.startswith(("server RSS", "load average")):
+        if name.startswith(("server RSS", "server memory", "load average")):
             continue
         table.add_row(name, *(format(value, spec) for value in values), _ratio(*values[::-1], kind))
     Console(width=160).print(table)
