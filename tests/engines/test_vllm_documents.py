@@ -11,6 +11,7 @@ every module, while only the worker running these tests needs it.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -588,4 +589,31 @@ def test_context_parallelism_is_refused_not_registered_as_whole(
     kv_cache_config = world.cache_config(config, {attn(0): dense(2), attn(1): dense(2)}, 16)
     caches = world.allocate(config, kv_cache_config)
     with pytest.raises(ValueError, match=f"context parallelism \\({name}=2\\) is not supported"):
+        rank_cache(config, kv_cache_config, caches)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "named"),
+    [
+        ("data_parallel_size", 2, "data_parallel_size=2"),
+        ("data_parallel_rank", 1, "data_parallel_rank=1"),
+        # vLLM resets a dense model's DP engines to size 1; the first keeps rank and index 0
+        ("engine_id", "decode-a_dp0", "engine_id='decode-a_dp0'"),
+    ],
+)
+def test_data_parallelism_is_refused_not_registered_twice(
+    world: ModuleType, llama: Path, setting: str, value: object, named: str
+) -> None:
+    """Data-parallel engines behind one server share the connector's extra config, so each would
+    register the same (instance, rank) from its own cache, and kvroute would take the second as a
+    new generation of the first: a consumer could pull another engine's blocks. Start-up stops
+    with the reason instead."""
+    from kvroute.engines.vllm.worker import rank_cache
+
+    config = world.vllm_config(llama, extra=EXTRA, tp_size=2)
+    target = config.kv_transfer_config if setting == "engine_id" else config.parallel_config
+    setattr(target, setting, value)
+    kv_cache_config = world.cache_config(config, {attn(0): dense(2), attn(1): dense(2)}, 16)
+    caches = world.allocate(config, kv_cache_config)
+    with pytest.raises(ValueError, match=f"data parallelism \\({re.escape(named)}\\)"):
         rank_cache(config, kv_cache_config, caches)

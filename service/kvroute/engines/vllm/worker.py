@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from kvroute.client import KvrouteClient, KvrouteError, SyncLease
 from kvroute.client.nixl_transport import NixlEndpoint
 from kvroute.client.pool_access import PoolAccess
-from kvroute.client.pools import Parallel
 from kvroute.engines.vllm.backends import checked_layouts
 from kvroute.engines.vllm.canary import NULL_BLOCK
 from kvroute.engines.vllm.digests import ConsumerChecks, ProducerDigests
 from kvroute.engines.vllm.layout import Layer, RankCache, describe
 from kvroute.engines.vllm.memory import RankMemory
 from kvroute.engines.vllm.params import Settings, agent_name, parse_done
+from kvroute.engines.vllm.place import engine_place
 from kvroute.engines.vllm.prefetch import Prefetcher
 from kvroute.engines.vllm.probe import Layout
 from kvroute.engines.vllm.pulls import Load, Pulls
@@ -50,37 +50,6 @@ class RegistrationRefused(RuntimeError):
             f"local {error.local!r}, peer {error.peer!r}{peer}: {error.detail}"
         )
         self.error = error
-
-
-def engine_place(vllm_config: Any) -> Parallel:
-    """TP/PP sizes and ranks of this worker, and vLLM's PP split of the target layers. An engine
-    with context parallelism is refused: its ranks hold a share of each request's tokens, which
-    this connector does not describe yet, and a registration claiming every token would plan
-    rows from ranks that never held them."""
-    from vllm.distributed.utils import get_pp_indices
-
-    parallel = vllm_config.parallel_config
-    cp = {
-        name: size
-        for name in ("decode_context_parallel_size", "prefill_context_parallel_size")
-        if (size := getattr(parallel, name, 1)) > 1
-    }
-    if cp:
-        named = ", ".join(f"{name}={size}" for name, size in cp.items())
-        raise ValueError(
-            f"context parallelism ({named}) is not supported by kvroute's vLLM connector yet; "
-            "nothing is guessed"
-        )
-    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
-    except (AssertionError, AttributeError):  # no process groups (a single-process engine)
-        tp_rank, pp_rank = parallel.rank % tp, parallel.rank // tp
-    layers = vllm_config.model_config.get_total_num_hidden_layers()
-    stages = tuple(end - start for start, end in (get_pp_indices(layers, p, pp) for p in range(pp)))
-    return Parallel(tp, tp_rank, pp, pp_rank, stages)
 
 
 def engine_layers(kv_cache_config: Any, kv_caches: dict[str, torch.Tensor]) -> list[Layer]:
