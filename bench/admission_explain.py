@@ -33,10 +33,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 from rich.console import Console
 from sqlalchemy import delete, event
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import scale_bench
@@ -80,7 +78,7 @@ def label(statement: str) -> str:
 async def admitted_fleet(url: str, size: int) -> tuple[AsyncEngine, Registry, list[Any]]:
     """A fresh database holding scale_bench's fleet of ``size`` ranks, admitted in-process."""
     if url.startswith("postgresql"):
-        await _fresh_postgres(url)
+        await scale_bench.fresh_postgres(url)
     migrate.upgrade(url)
     engine = create_engine(url)
     registry = Registry(make_sessionmaker(engine), rejection_log_size=100)
@@ -99,17 +97,6 @@ async def admitted_fleet(url: str, size: int) -> tuple[AsyncEngine, Registry, li
 def _registration(name: str, reg: RankRegistration) -> RankRegistration:
     doc = scale_bench._document(reg, name, "random", 9)
     return RankRegistration.from_json(doc, deployment="fleet", instance=name, rank=reg.rank)
-
-
-async def _fresh_postgres(url: str) -> None:
-    database = make_url(url).database
-    admin_url = make_url(url).set(drivername="postgresql", database="postgres")
-    admin = await asyncpg.connect(admin_url.render_as_string(hide_password=False))
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-        await admin.execute(f'CREATE DATABASE "{database}"')
-    finally:
-        await admin.close()
 
 
 @contextmanager
@@ -219,7 +206,7 @@ async def measure(url: str, size: int, repeat: int) -> dict[str, list[Cost]]:
 
 
 def report(config: str, sizes: list[int], runs: list[dict[str, list[Cost]]]) -> None:
-    console = Console(width=150)
+    console = Console(width=170)
     postgres = config == "postgres"
     for unit in runs[0]:
         per_size = [run[unit] for run in runs]
@@ -228,6 +215,7 @@ def report(config: str, sizes: list[int], runs: list[dict[str, list[Cost]]]) -> 
             raise AssertionError(f"{unit}: the sizes ran different statements")
         figures = [f"{size:,}: exec ms" for size in sizes]
         figures += [f"{size:,}: buffers" for size in sizes] if postgres else ["scans"]
+        figures += [f"{sizes[-1]:,}: planning ms"] if postgres else []
         figures += [f"{sizes[-1]:,} / {sizes[0]:,}"]
         table = figures_table(f"{config}: {unit}, per statement", ["statement"], figures)
         for index, name in enumerate(labels):
@@ -235,13 +223,14 @@ def report(config: str, sizes: list[int], runs: list[dict[str, list[Cost]]]) -> 
             row = [name, *(f"{cost.execution:.3f}" for cost in costs)]
             if postgres:
                 row += [str(cost.buffers) for cost in costs]
+                row.append(f"{statistics.median(costs[-1].plannings):.3f}")
             else:
                 row.append(", ".join(costs[-1].scans) or "-")
             first, last = costs[0].execution, costs[-1].execution
             row.append(_ratio(last, first))
             table.add_row(*row)
         totals = [sum(cost.execution for cost in costs) for costs in per_size]
-        blank = [""] * (len(sizes) if postgres else 1)
+        blank = [""] * (len(sizes) + 1 if postgres else 1)
         table.add_row(
             "all", *(f"{total:.3f}" for total in totals), *blank, _ratio(totals[-1], totals[0])
         )
