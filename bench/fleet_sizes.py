@@ -24,7 +24,6 @@ ms, a fresh replica's first matrix <= 1 s.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import random
@@ -36,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import asyncpg
 from rich.console import Console
 from sqlalchemy.engine import make_url
 
+import server_readings
 from kvroute.live import LiveServer
 from tables import figures_table
 
@@ -65,6 +64,9 @@ class SizeRun:
     rss_mib: float = 0.0
     peak_rss_mib: float = 0.0
     load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average at the start and the end
+    # From the server's /metrics after registration (nan where it has no such metric): admission
+    # batches, registrations they answered, and seconds they took.
+    batches: tuple[float, float, float] = (math.nan, math.nan, math.nan)
 
 
 def add_arguments(parser: Any) -> None:
@@ -120,7 +122,7 @@ def _one_size(bench: Any, args: Any, config: str, mode: str, layouts: str, size:
             result.fresh_matrix = _fresh_replica_matrix(
                 bench, running[0], (Path(workdir), tree), (args.profile, f"{label}-fresh")
             )
-            result.rss_mib, result.peak_rss_mib = _rss_mib(running[0].process.pid)
+            result.rss_mib, result.peak_rss_mib = server_readings.rss_mib(running[0].process.pid)
             result.load = (started_load, os.getloadavg()[0])
     return result
 
@@ -149,9 +151,10 @@ async def _measure(
             for name, reg in ranks
         ]
         database = _database(bench, config)
-        cpu = await _db_cpu(database)
+        cpu = await server_readings.db_cpu(database)
         result.register = await bench.drive(session, [base], "register", register)
-        result.register_db_cpu = await _since(database, cpu)
+        result.register_db_cpu = await server_readings.since(database, cpu)
+        result.batches = await server_readings.admission_batches(session, base)
         if mode == "engine":
             result.ranks_per_renewal = fleet_phases.RANKS_PER_LEASE
             paths = [
@@ -162,9 +165,9 @@ async def _measure(
         renew = [
             bench.expect("POST", rng.choice(paths) + "/heartbeat", 200) for _ in range(RENEWALS)
         ]
-        cpu = await _db_cpu(database)
+        cpu = await server_readings.db_cpu(database)
         result.renewals = await bench.drive(session, [base], "renewals", renew)
-        result.renewals_db_cpu = await _since(database, cpu)
+        result.renewals_db_cpu = await server_readings.since(database, cpu)
         first, repeated = await bench.matrix_phases(session, base)
         result.matrix_first, result.matrix_repeated = first.seconds, repeated.latencies
 
@@ -173,37 +176,6 @@ def _database(bench: Any, config: str) -> str | None:
     """The bench database's name where this run is on PostgreSQL."""
     on_postgres = config in ("postgres", "baseline")
     return make_url(bench.POSTGRES_URL).database if on_postgres else None
-
-
-async def _db_cpu(database: str | None) -> dict[int, float] | None:
-    """CPU seconds each backend connected to ``database`` has used so far (this machine's
-    PostgreSQL: the load generator reads the backends' /proc entries)."""
-    if database is None:
-        return None
-    admin = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/postgres")
-    try:
-        rows = await admin.fetch("SELECT pid FROM pg_stat_activity WHERE datname = $1", database)
-    finally:
-        await admin.close()
-    used = {}
-    for row in rows:
-        with contextlib.suppress(OSError):  # a backend that ended meanwhile
-            used[row["pid"]] = _cpu_seconds(row["pid"])
-    return used
-
-
-async def _since(database: str | None, before: dict[int, float] | None) -> float | None:
-    """CPU seconds the database's backends used since ``before`` (new backends: all of theirs)."""
-    after = await _db_cpu(database)
-    if after is None or before is None:
-        return None
-    return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _fresh_replica_matrix(
@@ -237,17 +209,6 @@ async def _time_matrix(bench: Any, base: str) -> float:
         return time.perf_counter() - started
 
 
-def _rss_mib(pid: int) -> tuple[float, float]:
-    """The process's resident memory and its peak, in MiB."""
-    values = {}
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            name, _, rest = line.partition(":")
-            if name in ("VmRSS", "VmHWM"):
-                values[name] = int(rest.split()[0]) / 1024  # kB
-    return values["VmRSS"], values["VmHWM"]
-
-
 # (measure, value of a run, "time" (lower is better) | "rate" (higher is better) | "" (no ratio))
 def _measures(runs: list[SizeRun]) -> list[tuple[str, list[float], str, str]]:
     ms = 1e3
@@ -276,6 +237,18 @@ def _measures(runs: list[SizeRun]) -> list[tuple[str, list[float], str, str]]:
         (
             "register: server CPU ms per rank",
             [(r.register.server_cpu or 0.0) / r.ranks * ms for r in runs],
+            "time",
+            ".2f",
+        ),
+        (  # group admission: how many registrations each transaction took, and for how long
+            "register: admission batches, mean ranks each",
+            [r.batches[1] / r.batches[0] for r in runs],
+            "",
+            ".1f",
+        ),
+        (
+            "register: admission batch, mean ms",
+            [r.batches[2] / r.batches[0] * ms for r in runs],
             "time",
             ".2f",
         ),

@@ -11,14 +11,17 @@ deployments must end with the same rows.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from sqlalchemy import event, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from kvroute.control.admissions import AdmissionMetrics
 from kvroute.control.registry import Registry
 from kvroute.geometry import GeometryError, RankRegistration
 from kvroute.geometry.checks.classes import VerdictMemo
@@ -239,3 +242,33 @@ async def test_a_batch_logs_what_readers_see_with_the_generations_it_counted(
         (10, "plans_invalidated", "gen0", None, None, invalidated),
     ]
     assert await events.current_revision(sessionmaker, "logged") == 10
+
+
+async def test_the_metrics_count_each_batch_and_every_registration_it_answered(
+    sessionmaker: SessionMaker,
+) -> None:
+    """``kvroute_admission_batch_ranks`` sums to the registrations answered, refusals included,
+    and holds a sample per batch; ``kvroute_admission_batch_seconds`` a duration per batch."""
+    collected = CollectorRegistry()
+    metrics = AdmissionMetrics.create(collected)
+    registry = Registry(
+        sessionmaker, rejection_log_size=DEFAULT_LOG_SIZE, admission_metrics=metrics
+    )
+    ranks = [registration("llama", "ctx0", rank, tp_size=8) for rank in range(8)]
+    refused = registration("llama", "gen0", 0, role="generation", head_dim=64)
+    outcomes = await asyncio.gather(
+        *(registry.register(reg, now=T0) for reg in [*ranks, refused]), return_exceptions=True
+    )
+    assert [type(outcome) for outcome in outcomes[-1:]] == [GeometryError]
+    later = registration("llama", "ctx1", 0)
+    await registry.register(later, now=T0)  # alone: a batch of one
+
+    def sample(name: str) -> float | None:
+        return collected.get_sample_value(name, {"deployment": "llama"})
+
+    batches = sample("kvroute_admission_batch_ranks_count")
+    assert sample("kvroute_admission_batch_ranks_sum") == 10
+    assert batches is not None
+    assert 2 <= batches <= 10
+    assert sample("kvroute_admission_batch_seconds_count") == batches
+    assert (sample("kvroute_admission_batch_seconds_sum") or 0) > 0

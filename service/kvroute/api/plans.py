@@ -25,6 +25,7 @@ from kvroute.api.keys import (
     settings_key,
     validated_key,
 )
+from kvroute.control.admissions import AdmissionMetrics
 from kvroute.control.inventory import Inventory
 from kvroute.control.plan_answers import MEDIA_TYPES, EncodedPlan, PlanAnswers, PlanMetrics
 from kvroute.control.plans import PlanKey, PlanService, PlanUnavailable
@@ -37,7 +38,9 @@ async def plan_context(app: web.Application) -> AsyncIterator[None]:
     """The registry, inventory and plan services of the app, over its sessionmaker (after
     ``database_context``): every handler and the reaper reach the store through these."""
     registry = Registry(
-        app[sessionmaker_key], rejection_log_size=app[settings_key].rejection_log_size
+        app[sessionmaker_key],
+        rejection_log_size=app[settings_key].rejection_log_size,
+        admission_metrics=AdmissionMetrics.create(app[metrics_key].registry),
     )
     app[registry_key] = registry
     app[inventory_key] = Inventory(app[sessionmaker_key])

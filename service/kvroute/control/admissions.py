@@ -10,14 +10,53 @@ arrive meanwhile form the next batch. A quiet deployment sees batches of one, so
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
+
+from prometheus_client import CollectorRegistry, Histogram
 
 from kvroute.geometry import RankRegistration
 from kvroute.store.admission import BatchResult, Outcome
 
 MAX_BATCH = 64  # bounds one transaction's lock hold and its statements' sizes
+BATCH_RANK_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# A batch's transaction: a few round trips, or seconds when it waits for another replica's lock.
+BATCH_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+@dataclass(frozen=True)
+class AdmissionMetrics:
+    """What group admission did: registrations answered per batch, and how long each batch took
+    (its transaction, the wait for the deployment's lock included), by deployment."""
+
+    ranks: Histogram
+    seconds: Histogram
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> AdmissionMetrics:
+        return cls(
+            ranks=Histogram(
+                "kvroute_admission_batch_ranks",
+                "Registrations answered by one admission batch (one transaction)",
+                ["deployment"],
+                buckets=BATCH_RANK_BUCKETS,
+                registry=registry,
+            ),
+            seconds=Histogram(
+                "kvroute_admission_batch_seconds",
+                "Time one admission batch held its deployment's queue, lock wait included",
+                ["deployment"],
+                buckets=BATCH_SECONDS_BUCKETS,
+                registry=registry,
+            ),
+        )
+
+    def observe(self, deployment: str, answered: int, seconds: float) -> None:
+        self.ranks.labels(deployment=deployment).observe(answered)
+        self.seconds.labels(deployment=deployment).observe(seconds)
+
 
 # (candidates, their engine leases or None, now) -> the batch's result
 AdmitBatch = Callable[[list[RankRegistration], list[str | None], datetime], Awaitable[BatchResult]]
@@ -34,8 +73,9 @@ class _Waiting:
 class Admissions:
     """Per-deployment queues of registrations, each drained by one task at a time."""
 
-    def __init__(self, admit_batch: AdmitBatch) -> None:
+    def __init__(self, admit_batch: AdmitBatch, metrics: AdmissionMetrics | None = None) -> None:
         self._admit_batch = admit_batch
+        self._metrics = metrics
         self._queues: dict[str, list[_Waiting]] = {}
         self._drains: dict[str, asyncio.Task[None]] = {}
 
@@ -57,6 +97,7 @@ class Admissions:
         try:
             while queue:
                 batch = _take(queue)
+                started = time.perf_counter()
                 try:
                     result = await self._admit_batch(
                         [waiting.reg for waiting in batch],
@@ -67,6 +108,9 @@ class Admissions:
                     for waiting in batch:
                         _settle(waiting.answer, error=error)
                     continue
+                if self._metrics is not None:
+                    elapsed = time.perf_counter() - started
+                    self._metrics.observe(deployment, len(result.outcomes), elapsed)
                 for waiting, outcome in zip(batch, result.outcomes, strict=False):
                     _settle(waiting.answer, outcome=outcome)
                 queue[:0] = batch[len(result.outcomes) :]  # deferred: first in the next batch

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 
 from cachetools import LRUCache
 
-from kvroute.control.admissions import Admissions
+from kvroute.control.admissions import AdmissionMetrics, Admissions
 from kvroute.control.answers import AnswerCache
 from kvroute.control.renewals import Renewals
 from kvroute.geometry import GeometryError, RankRegistration
@@ -46,7 +46,13 @@ class Registry:
     """The rank registry's writes: admission, refusals, heartbeats, engine leases, deletions and
     the reaper's rounds."""
 
-    def __init__(self, sessionmaker: SessionMaker, *, rejection_log_size: int) -> None:
+    def __init__(
+        self,
+        sessionmaker: SessionMaker,
+        *,
+        rejection_log_size: int,
+        admission_metrics: AdmissionMetrics | None = None,
+    ) -> None:
         self.sessionmaker = sessionmaker
         self.rejection_log_size = rejection_log_size
         self.registrations = RegistrationCache(sessionmaker)
@@ -54,7 +60,7 @@ class Registry:
         self.agreements: InstanceMemo = LRUCache(AGREEMENT_CACHE_SIZE)
         # The matrix and pairs answers as last rendered, with the state they were computed from.
         self.answers = AnswerCache()
-        self._admissions = Admissions(self._admit_batch)
+        self._admissions = Admissions(self._admit_batch, admission_metrics)
         # Called after each change this process commits (the event hub reads the log at once).
         self.changed: Callable[[str], None] = lambda deployment: None
         self._renewals = Renewals(sessionmaker)
