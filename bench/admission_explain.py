@@ -6,7 +6,9 @@ gets scale_bench's fleet (random slot layouts, per-rank leases), admitted in-pro
 Then, with every statement recorded as the driver receives it (text and parameters):
 
 * a batch: 16 ranks of one new context instance, admitted as one ``admission.admit_batch``;
-* a wave: 16 heartbeats of random ranks, renewed as one ``leases.renew_many``.
+* a wave: 16 heartbeats of random ranks, renewed as one ``leases.renew_many`` (with
+  ``--engine-leases``, where every 8 ranks are kept by an engine lease: 16 leases renewed as one
+  ``engine_leases.renew_many``, and the probe batch's ranks name leases of their own).
 
 Each recorded statement is run again inside a transaction that is rolled back (the batch's rows
 deleted first, so its writes write again): on PostgreSQL under ``EXPLAIN (ANALYZE, BUFFERS)``
@@ -15,6 +17,7 @@ PLAN`` (a ``SCAN`` of a table that grows with the fleet is such a term). A state
 execution or buffers grow with the fleet shows as a ratio well over 1.
 
     python bench/admission_explain.py [--sizes 1024,8192] [--configs postgres,sqlite] [--repeat 5]
+        [--engine-leases]
 """
 
 from __future__ import annotations
@@ -40,13 +43,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 import scale_bench
 from kvroute.control.registry import Registry
 from kvroute.geometry import RankRegistration
-from kvroute.store import admission, leases, migrate, sqlite_driver
+from kvroute.store import admission, engine_leases, leases, migrate, sqlite_driver
 from kvroute.store.engine import autocommit_engine, create_engine, dispose, make_sessionmaker
 from kvroute.store.models import Event, InstanceRow, RankRow
 from tables import figures_table
 
 CLIENTS = 16
 PROBE_INSTANCE = "probe-ctx"
+LEASE_RANKS = 8  # ranks per engine lease, as scale_bench grants them
 Recorded = tuple[str, Any, bool]  # statement, parameters, executemany
 
 
@@ -75,23 +79,42 @@ def label(statement: str) -> str:
     return " ".join(text.split()[:5])[:60]
 
 
-async def admitted_fleet(url: str, size: int) -> tuple[AsyncEngine, Registry, list[Any]]:
-    """A fresh database holding scale_bench's fleet of ``size`` ranks, admitted in-process."""
+Fleet = tuple[AsyncEngine, Registry, list[Any], dict[tuple[str, int], str]]
+
+
+async def admitted_fleet(url: str, size: int, engine_leases: bool) -> Fleet:
+    """A fresh database holding scale_bench's fleet of ``size`` ranks, admitted in-process; with
+    ``engine_leases``, each 8 ranks of an instance kept by a lease of theirs ((instance, rank //
+    8) -> lease id)."""
     if url.startswith("postgresql"):
         await scale_bench.fresh_postgres(url)
     migrate.upgrade(url)
     engine = create_engine(url)
     registry = Registry(make_sessionmaker(engine), rejection_log_size=100)
     ranks = scale_bench.fleet(size // 32)
+    kept = await _leases(registry, [(name, reg.rank) for name, reg in ranks], engine_leases)
     queue = [_registration(name, reg) for name, reg in ranks]
 
     async def client() -> None:
         while queue:
-            await registry.register(queue.pop(), now=datetime.now(UTC))
+            reg = queue.pop()
+            lease = kept.get((reg.instance, reg.rank // LEASE_RANKS))
+            await registry.register(reg, now=datetime.now(UTC), engine_lease=lease)
 
     await asyncio.gather(*(client() for _ in range(CLIENTS)))
     await registry.refresh_statistics()  # as the server's reaper round does (store.statistics)
-    return engine, registry, ranks
+    return engine, registry, ranks, kept
+
+
+async def _leases(
+    registry: Registry, ranks: list[tuple[str, int]], wanted: bool
+) -> dict[tuple[str, int], str]:
+    """An engine lease per 8 ranks of each instance, when ``wanted``."""
+    groups = sorted({(name, rank // LEASE_RANKS) for name, rank in ranks}) if wanted else []
+    now = datetime.now(UTC)
+    return {
+        group: (await registry.grant_lease("fleet", 3600, now=now)).lease_id for group in groups
+    }
 
 
 def _registration(name: str, reg: RankRegistration) -> RankRegistration:
@@ -128,24 +151,32 @@ def recording(*engines: AsyncEngine) -> Iterator[list[Recorded]]:
             event.remove(engine.sync_engine, "before_cursor_execute", before)
 
 
-async def probe_statements(
-    engine: AsyncEngine, registry: Registry, ranks: list[Any]
-) -> dict[str, list[Recorded]]:
-    """The statements of one admission batch of 16 new ranks and of one wave of 16 heartbeats."""
+async def probe_statements(fleet: Fleet) -> dict[str, list[Recorded]]:
+    """The statements of one admission batch of 16 new ranks and of one wave of 16 heartbeats
+    (of engine-lease renewals, where the fleet's ranks are kept by engine leases)."""
+    engine, registry, ranks, kept = fleet
     context = [_registration(PROBE_INSTANCE, reg) for name, reg in ranks if name == "ctx0"]
+    probe = await _leases(registry, [(reg.instance, reg.rank) for reg in context], bool(kept))
     for reg in context:
         admission._check_and_digest(reg)
+    named = [probe.get((reg.instance, reg.rank // LEASE_RANKS)) for reg in context]
     with recording(engine) as batch:
         result = await admission.admit_batch(
-            registry.sessionmaker, context, registry, now=datetime.now(UTC)
+            registry.sessionmaker, context, registry, now=datetime.now(UTC), leases=named
         )
     assert len(result.outcomes) == len(context), "the probe batch was not admitted whole"
-    picked = random.Random(7).sample(ranks, CLIENTS)
-    renewals = [(name, reg.rank, datetime.now(UTC)) for name, reg in picked]
     with recording(engine, autocommit_engine(engine)) as wave:
-        renewed = await leases.renew_many(engine, "fleet", renewals)
-    assert len(renewed) == CLIENTS, "the probe wave did not renew every rank"
-    return {"admission batch": batch, "heartbeat wave": wave}
+        if kept:
+            picked = random.Random(7).sample(sorted(kept.values()), CLIENTS)
+            now = datetime.now(UTC)
+            renewed = await engine_leases.renew_many(engine, "fleet", [(p, now) for p in picked])
+        else:
+            chosen = random.Random(7).sample(ranks, CLIENTS)
+            now = datetime.now(UTC)
+            renewals = [(name, reg.rank, now) for name, reg in chosen]
+            renewed = await leases.renew_many(engine, "fleet", renewals)
+    assert len(renewed) == CLIENTS, "the probe wave did not renew every lease"
+    return {"admission batch": batch, "renewal wave": wave}
 
 
 async def replay(engine: AsyncEngine, recorded: list[Recorded], repeat: int) -> list[Cost]:
@@ -196,11 +227,12 @@ async def _timed(connection: Any, cost: Cost, statement: str, parameters: Any, m
     cost.executions.append((time.perf_counter() - started) * 1e3)
 
 
-async def measure(url: str, size: int, repeat: int) -> dict[str, list[Cost]]:
-    engine, registry, ranks = await admitted_fleet(url, size)
+async def measure(url: str, size: int, args: argparse.Namespace) -> dict[str, list[Cost]]:
+    fleet = await admitted_fleet(url, size, args.engine_leases)
+    engine = fleet[0]
     try:
-        recorded = await probe_statements(engine, registry, ranks)
-        return {name: await replay(engine, found, repeat) for name, found in recorded.items()}
+        recorded = await probe_statements(fleet)
+        return {name: await replay(engine, found, args.repeat) for name, found in recorded.items()}
     finally:
         await dispose(engine)
 
@@ -252,7 +284,7 @@ async def main(args: argparse.Namespace) -> None:
                     if config == "postgres"
                     else f"sqlite+aiosqlite:///{Path(directory) / 'explain.db'}"
                 )
-                runs.append(await measure(url, size, args.repeat))
+                runs.append(await measure(url, size, args))
         report(config, sizes, runs)
 
 
@@ -261,4 +293,7 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", default="1024,8192")
     parser.add_argument("--configs", default="postgres,sqlite")
     parser.add_argument("--repeat", type=int, default=5, help="replays per statement (median)")
+    parser.add_argument(
+        "--engine-leases", action="store_true", help="ranks kept by engine leases of 8 ranks"
+    )
     asyncio.run(main(parser.parse_args()))
