@@ -119,3 +119,21 @@ async def test_driver_errors_reach_sqlalchemy_as_before(
             await connection.execute(text("SELECT * FROM no_such_table"))
     async with ours.connect() as connection:  # the connection still serves after both
         assert await connection.scalar(select(DEPLOYMENTS.c.name)) == "dup"
+
+
+async def test_fetchmany_takes_the_arraysize_a_caller_sets(
+    engines: tuple[AsyncEngine, AsyncEngine],
+) -> None:
+    def fetched(connection: Any) -> list[int]:
+        cursor = connection.connection.dbapi_connection.cursor()
+        cursor.arraysize = 2
+        cursor.execute("SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3")
+        sizes = [len(cursor.fetchmany()), len(cursor.fetchmany()), len(cursor.fetchmany())]
+        cursor.close()
+        return sizes
+
+    answers = []
+    for engine in engines:
+        async with engine.connect() as connection:
+            answers.append(await connection.run_sync(fetched))
+    assert answers == [[2, 1, 0], [2, 1, 0]]

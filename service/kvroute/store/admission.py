@@ -296,8 +296,9 @@ async def _open(connection: AsyncConnection, deployment: str, now: datetime) -> 
     values = {"key_deployment": deployment, "now": now}
     if dialect.arrays:
         return (await connection.execute(_opening_statement(), values)).scalar_one()
-    at = (await connection.execute(_opening_steps(dialect)[0], values)).scalar_one()
-    for fence in _opening_steps(dialect)[1:]:
+    judging, *fences = _opening_steps(dialect)
+    at = (await connection.execute(judging, values)).scalar_one()
+    for fence in fences:
         await connection.execute(fence, {"key_deployment": deployment, "at": at})
     return at
 

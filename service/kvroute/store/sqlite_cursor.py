@@ -65,7 +65,7 @@ def _run(connection: sqlite3.Connection, operation: str, parameters: Any, many: 
 class OneHopCursor(AsyncAdapt_aiosqlite_cursor):
     """A buffered cursor whose statements each cost one hop (see the module)."""
 
-    __slots__ = ("_outcome",)
+    __slots__ = ("_arraysize", "_outcome")
 
     def __init__(self, adapt_connection: Any) -> None:
         # No aiosqlite cursor: creating one was a hop of its own.
@@ -75,6 +75,7 @@ class OneHopCursor(AsyncAdapt_aiosqlite_cursor):
         self._soft_closed_memoized = EMPTY_DICT
         self._rows = collections.deque()
         self._outcome: Outcome = (None, [], -1, None)
+        self._arraysize = 1  # sqlite3's default: what ``fetchmany()`` without a size takes
 
     @property
     def description(self) -> Any:
@@ -90,11 +91,11 @@ class OneHopCursor(AsyncAdapt_aiosqlite_cursor):
 
     @property
     def arraysize(self) -> int:
-        return 1  # sqlite3's default, what ``fetchmany()`` without a size takes
+        return self._arraysize
 
     @arraysize.setter
     def arraysize(self, value: int) -> None:
-        raise NotImplementedError("OneHopCursor buffers every row; arraysize is fixed")
+        self._arraysize = value
 
     def execute(self, operation: Any, parameters: Any = None) -> None:
         self._hop(operation, parameters, many=False)
