@@ -52,11 +52,13 @@ def _data_parallel(vllm_config: Any) -> str:
     resets a dense model's DP engines to ``data_parallel_size`` 1 and leaves ``data_parallel_index``
     0 on the first, but gives each an ``engine_id`` ending in ``_dp{rank}``."""
     parallel = vllm_config.parallel_config
-    found = [f"data_parallel_size={parallel.data_parallel_size}"] * (
-        parallel.data_parallel_size > 1
-    )
-    for name in ("data_parallel_rank", "data_parallel_index"):
-        if (value := getattr(parallel, name, 0)) > 0:
+    found = []
+    for name, unset in (
+        ("data_parallel_size", 1),
+        ("data_parallel_rank", 0),
+        ("data_parallel_index", 0),  # not set on every config: vLLM fills it in late
+    ):
+        if (value := getattr(parallel, name, unset)) > unset:
             found.append(f"{name}={value}")
     engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None) or ""
     if re.search(r"_dp\d+$", engine_id):
